@@ -1,0 +1,114 @@
+"""Agreement before every collective: ranks compare a fingerprint so a mismatch is an error, not a hang.
+
+Why: gloo aborts the whole process (SIGABRT) when a receive's size differs from the matching send,
+and a dtype mismatch of equal byte count silently produces garbage. So no collective starts
+before its participants have agreed on what it is.
+
+Fingerprint: (kind, sequence number, element count, dtype, op, algorithm, root), six int64 values
+and the kind, sent as a control message (counted apart from payload by the meter).
+
+Two levels
+    neighbours (default)  each rank exchanges its fingerprint with its left and right ring
+                          neighbours: 2 small messages each way, one round trip. Any disagreement
+                          is seen by the ranks on both sides of it.
+    everyone (debug)      a ring all-gather of all fingerprints (N-1 steps); every rank compares
+                          them all and raises the same error naming both ranks. Enabled by
+                          gs.init(debug=True) or GRADSYNC_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.comm.transport import Transport
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+OPS = ("sum", "avg", "none")
+ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks entered different collectives (or the same one with different tensors)."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a rank is about to do; equal on every rank for a well-formed program."""
+
+    kind: str
+    sequence: int
+    numel: int
+    dtype: torch.dtype
+    op: str
+    algorithm: str
+    root: int = 0
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([KINDS.index(self.kind), self.sequence, self.numel, DTYPES.index(self.dtype),
+                             OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root],
+                            dtype=torch.int64)
+
+    @staticmethod
+    def decode(values: torch.Tensor) -> "Fingerprint":
+        k, seq, numel, dt, op, algo, root = (int(v) for v in values.tolist())
+        return Fingerprint(KINDS[k], seq, numel, DTYPES[dt], OPS[op], ALGORITHMS[algo], root)
+
+    def describe(self) -> str:
+        extra = f", root={self.root}" if self.kind == "broadcast" else ""
+        return (f"{self.kind} #{self.sequence} of {self.numel} {str(self.dtype).replace('torch.', '')} "
+                f"elements (op={self.op}, algorithm={self.algorithm}{extra})")
+
+
+def mismatch_error(rank: int, mine: Fingerprint, other_rank: int, other: Fingerprint) -> CollectiveMismatchError:
+    return CollectiveMismatchError(
+        f"collective mismatch between rank {rank} and rank {other_rank}: rank {rank} called "
+        f"{mine.describe()}, rank {other_rank} called {other.describe()}. Every rank must call the same "
+        f"collectives in the same order with tensors of the same size and dtype.")
+
+
+def check_neighbours(transport: Transport, mine: Fingerprint) -> None:
+    """Compare ``mine`` with the left and right ring neighbours; raise on any difference."""
+    n_ranks, rank = transport.world_size, transport.rank
+    if n_ranks == 1:
+        return
+    right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
+    peers = [right] if right == left else [right, left]
+    encoded = mine.encode()
+    incoming = {peer: torch.empty_like(encoded) for peer in peers}
+    op = f"{mine.kind}/agree"
+    sends = [transport.isend(encoded, peer, op, control=True) for peer in peers]
+    recvs = [transport.irecv(incoming[peer], peer, op, control=True) for peer in peers]
+    for handle in recvs + sends:
+        handle.wait()
+    for peer in peers:
+        theirs = Fingerprint.decode(incoming[peer])
+        if theirs != mine:
+            raise mismatch_error(rank, mine, peer, theirs)
+
+
+def gather_control(transport: Transport, values: torch.Tensor, op: str) -> torch.Tensor:
+    """Ring all-gather of a small int64 vector from every rank: row r of the result is rank r's."""
+    n_ranks, rank = transport.world_size, transport.rank
+    table = torch.empty((n_ranks, values.numel()), dtype=torch.int64)
+    table[rank] = values
+    right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
+    for step in range(n_ranks - 1):
+        send = transport.isend(table[(rank - step) % n_ranks], right, op, control=True)
+        transport.irecv(table[(rank - step - 1) % n_ranks], left, op, control=True).wait()
+        send.wait()
+    return table
+
+
+def check_everyone(transport: Transport, mine: Fingerprint) -> None:
+    """Gather every rank's fingerprint; all ranks raise the same error on the first difference."""
+    if transport.world_size == 1:
+        return
+    table = gather_control(transport, mine.encode(), f"{mine.kind}/agree")
+    reference = Fingerprint.decode(table[0])
+    for other_rank in range(1, transport.world_size):
+        theirs = Fingerprint.decode(table[other_rank])
+        if theirs != reference:
+            raise mismatch_error(0, reference, other_rank, theirs)

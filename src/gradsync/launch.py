@@ -1,0 +1,192 @@
+"""spawn(fn, nprocs, args): run fn on N local ranks and bring every rank's return value back.
+
+Recipe
+    1. host the rendezvous store in the launcher on a port the kernel picks (no fixed ports, no
+       race between choosing a port and binding it);
+    2. start N processes (multiprocessing "spawn"); each sets its rank's environment exactly as
+       torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+       asks the kernel to kill it if the launcher dies (PR_SET_PDEATHSIG: no orphans), runs
+       gradsync.init(), then fn(*args);
+    3. each rank saves its return value with torch.save into a private temporary directory
+       (tensors and state dicts arrive intact after the rank exits) or, if fn raised, its
+       traceback;
+    4. the launcher watches all processes; the first failure (an exception or a death by signal)
+       stops the others (SIGTERM, then SIGKILL after a grace period) and raises SpawnError naming
+       the rank and carrying its traceback.
+
+Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
+OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+GRACE_SECONDS = 5.0
+"""How long a stopped rank gets between SIGTERM and SIGKILL."""
+
+
+class SpawnError(RuntimeError):
+    """A rank raised or died. ``rank`` is the first rank that failed; ``tracebacks`` maps rank -> text."""
+
+    def __init__(self, message: str, rank: int, tracebacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.tracebacks = tracebacks
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the launcher exits (no orphan ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+
+
+def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
+               init_kwargs: dict, parent_pid: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1"})
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    import gradsync
+
+    out = Path(out_dir)
+    try:
+        gradsync.init(**init_kwargs)
+        result = fn(*args)
+        tmp = out / f"{rank}.result.tmp"
+        torch.save(result, tmp)
+        os.replace(tmp, out / f"{rank}.result")
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the launcher
+        (out / f"{rank}.error").write_text(
+            f"{type(exc).__name__}: {exc}\n\n" + "".join(traceback.format_exception(exc)))
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        gradsync.shutdown()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _stop(processes: list) -> None:
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | None = None,
+          timeout: float = 60.0, debug: bool | None = None, join_timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks after gradsync.init(); return values in rank order.
+
+    ``timeout`` is every rank's per-wait timeout (gradsync.init); ``join_timeout`` bounds the whole
+    run (None: unbounded). Raises SpawnError if any rank raises or dies; the other ranks are stopped.
+    """
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(f"fn must be importable by the child processes (a module-level function, "
+                         f"not a lambda or closure): {exc}") from None
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+
+    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)
+    init_kwargs = {"backend": backend, "timeout": timeout, "debug": debug}
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="gradsync-spawn-") as out_dir:
+        processes = [ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
+                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid()))
+                     for rank in range(nprocs)]
+        try:
+            for p in processes:
+                p.start()
+            failed = _watch(processes, join_timeout)
+            if failed is not None:
+                time.sleep(0.2)  # let ranks that fail because of this one report it first
+                exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
+                _stop(processes)
+                raise _spawn_error(exit_codes, failed, Path(out_dir))
+            return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False) for rank in range(nprocs)]
+        finally:
+            _stop(processes)
+            del store
+
+
+def _watch(processes: list, join_timeout: float | None) -> int | None:
+    """Wait until all ranks exit; return the first failed rank (None: all succeeded)."""
+    deadline = None if join_timeout is None else time.monotonic() + join_timeout
+    running = {p.sentinel: rank for rank, p in enumerate(processes)}
+    while running:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return -1
+        ready = mp.connection.wait(list(running), timeout=remaining)
+        for sentinel in ready:
+            rank = running.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                return rank
+    return None
+
+
+def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -> SpawnError:
+    if failed == -1:
+        return SpawnError("spawn: the ranks did not finish within join_timeout; all were stopped", -1, {})
+    tracebacks = {rank: (out_dir / f"{rank}.error").read_text()
+                  for rank in exit_codes if (out_dir / f"{rank}.error").exists()}
+    # Prefer the root cause: a rank that died (no traceback) beats one that raised because its peer died.
+    died = [r for r, code in exit_codes.items() if code not in (None, 0) and r not in tracebacks]
+    primary = failed if failed not in tracebacks or not died else died[0]
+    if primary in tracebacks:
+        what = f"rank {primary} raised {tracebacks[primary].splitlines()[0]}"
+    else:
+        what = f"rank {primary} {_describe_exit(exit_codes[primary])}"
+    others = [f"  rank {r}: {tb.splitlines()[0]}" for r, tb in sorted(tracebacks.items()) if r != primary]
+    message = f"spawn: {what}; the other ranks were stopped."
+    if others:
+        message += "\nother ranks reported:\n" + "\n".join(others)
+    if primary in tracebacks:
+        message += f"\n\nrank {primary} traceback:\n{tracebacks[primary]}"
+    return SpawnError(message, primary, tracebacks)

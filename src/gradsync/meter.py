@@ -1,0 +1,77 @@
+"""TrafficMeter: every byte this rank sends or receives, per peer and per operation.
+
+Two classes of traffic are kept apart:
+    payload   tensor bytes an algorithm moves (what the formulas count: ring all-reduce sends
+              2(N-1)/N*M payload bytes per rank);
+    control   small fixed-layout headers (collective fingerprints, parameter-server message
+              headers), counted separately so the payload counters stay exact.
+
+The meter is updated from the transport when a transfer completes, possibly from a background
+communication thread, so every update takes a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+
+class TrafficMeter:
+    """Counts bytes sent and received, per peer rank and per operation label."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        with self._lock:
+            self._sent = 0
+            self._received = 0
+            self._control_sent = 0
+            self._control_received = 0
+            self._per_peer: dict[int, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
+            self._per_op: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
+
+    def record(self, *, peer: int, nbytes: int, op: str, sent: bool, control: bool = False) -> None:
+        """Count one completed transfer of ``nbytes`` to (sent=True) or from ``peer``."""
+        direction = "sent" if sent else "received"
+        with self._lock:
+            if control:
+                if sent:
+                    self._control_sent += nbytes
+                else:
+                    self._control_received += nbytes
+                return
+            if sent:
+                self._sent += nbytes
+            else:
+                self._received += nbytes
+            self._per_peer[peer][direction] += nbytes
+            self._per_op[op][direction] += nbytes
+
+    def snapshot(self) -> dict:
+        """A copy of the counters: bytes_sent, bytes_received, per_peer, per_op, control_bytes_*."""
+        with self._lock:
+            return {
+                "bytes_sent": self._sent,
+                "bytes_received": self._received,
+                "per_peer": {peer: dict(c) for peer, c in sorted(self._per_peer.items())},
+                "per_op": {op: dict(c) for op, c in sorted(self._per_op.items())},
+                "control_bytes_sent": self._control_sent,
+                "control_bytes_received": self._control_received,
+            }
+
+
+METER = TrafficMeter()
+"""The process-wide meter every transport of this rank reports to."""
+
+
+def traffic() -> dict:
+    """This rank's traffic since the last traffic_reset(); see TrafficMeter.snapshot."""
+    return METER.snapshot()
+
+
+def traffic_reset() -> None:
+    """Zero this rank's traffic counters."""
+    METER.reset()

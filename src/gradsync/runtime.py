@@ -1,0 +1,199 @@
+"""Process-group set-up: who this process is, how many ranks there are, how long anyone may wait.
+
+Vocabulary
+    rank              this process's index in the job, 0..world_size-1
+    world_size        number of ranks (N)
+    local_rank        index among the ranks on this host, 0..local_world_size-1
+    local_world_size  number of ranks on this host
+    timeout           seconds any single wait (a receive, a store lookup) may block before it
+                      becomes an error naming the peer and the operation
+
+Where the values come from, first match wins:
+    1. explicit arguments to ``init()``;
+    2. torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+       MASTER_PORT;
+    3. nothing set at all: a world of one (rank 0 of 1) on a free loopback port.
+
+Backend: gloo when CUDA is absent; with CUDA, "cpu:gloo,cuda:nccl" so CPU tensors travel over gloo
+and CUDA tensors over NCCL. The rendezvous store is a torch TCPStore on MASTER_ADDR:MASTER_PORT,
+hosted by rank 0 unless GRADSYNC_EXTERNAL_STORE=1 says the launcher already hosts it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+
+
+@dataclass(frozen=True)
+class World:
+    """The identity of this rank inside an initialised gradsync job."""
+
+    rank: int
+    """This process's rank, 0..world_size-1."""
+    world_size: int
+    """Number of ranks in the job (N)."""
+    local_rank: int
+    """Index among the ranks on this host."""
+    local_world_size: int
+    """Number of ranks on this host."""
+    backend: str
+    """torch.distributed backend string in use."""
+    timeout: float
+    """Seconds any single wait may block before it becomes an error."""
+    master_addr: str
+    """Host of the rendezvous store."""
+    master_port: int
+    """Port of the rendezvous store."""
+    debug: bool = False
+    """Full collective fingerprint comparison before every collective (GRADSYNC_DEBUG=1)."""
+    store: dist.Store | None = field(default=None, compare=False, repr=False)
+    """The rendezvous key-value store shared by all ranks."""
+
+    def settings(self) -> tuple:
+        """The user-visible settings, for comparing two init() calls."""
+        return (self.rank, self.world_size, self.local_rank, self.local_world_size,
+                self.backend, self.timeout, self.master_addr, self.master_port, self.debug)
+
+
+_WORLD: World | None = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and read what the kernel chose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or None (auto)")
+    if "nccl" in backend and not torch.cuda.is_available():
+        raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False")
+    return backend
+
+
+def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
+             master_addr, master_port, debug) -> World:
+    env_world_size = _env_int("WORLD_SIZE")
+    world_size = world_size if world_size is not None else env_world_size
+    rank = rank if rank is not None else _env_int("RANK")
+    if world_size is None:
+        world_size, rank = 1, (0 if rank is None else rank)
+    if rank is None:
+        raise ValueError(f"world_size={world_size} was given but rank was not (pass rank= or set RANK)")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK")
+    local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE")
+    if local_rank is None:
+        local_rank = rank
+    if local_world_size is None:
+        local_world_size = world_size
+    if not 0 <= local_rank < local_world_size <= world_size:
+        raise ValueError(f"need 0 <= local_rank < local_world_size <= world_size, got "
+                         f"local_rank={local_rank}, local_world_size={local_world_size}, world_size={world_size}")
+
+    master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
+    if master_port is None:
+        if world_size > 1:
+            raise ValueError(f"world_size={world_size} needs MASTER_PORT (or master_port=) so the ranks can meet")
+        master_port = free_port(master_addr)
+    if debug is None:
+        debug = os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False")
+    return World(rank=rank, world_size=world_size, local_rank=local_rank,
+                 local_world_size=local_world_size, backend=_resolve_backend(backend),
+                 timeout=float(timeout), master_addr=master_addr, master_port=int(master_port),
+                 debug=bool(debug))
+
+
+def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None = None,
+         world_size: int | None = None, local_rank: int | None = None,
+         local_world_size: int | None = None, master_addr: str | None = None,
+         master_port: int | None = None, debug: bool | None = None) -> World:
+    """Join the job and return this rank's World; see the module docstring for where values come from.
+
+    Calling init() again with the same settings returns the same World; with different settings it
+    raises, because two process groups with different shapes cannot both be right.
+    """
+    global _WORLD
+    wanted = _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
+                      master_addr, master_port, debug)
+    if _WORLD is not None:
+        explicit_port = master_port is not None or "MASTER_PORT" in os.environ
+        same = wanted.settings() == _WORLD.settings() or (
+            not explicit_port and wanted.settings()[:-2] == _WORLD.settings()[:-2]
+            and wanted.debug == _WORLD.debug)
+        if same:
+            return _WORLD
+        raise RuntimeError(f"gradsync.init() was already called with {_describe(_WORLD)}; "
+                           f"now called with {_describe(wanted)}. Call gradsync.shutdown() first.")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised outside gradsync; "
+                           "call torch.distributed.destroy_process_group() first or let gradsync.init() create it")
+
+    host_store = wanted.rank == 0 and os.environ.get("GRADSYNC_EXTERNAL_STORE") != "1"
+    wait = timedelta(seconds=wanted.timeout)
+    try:
+        store = dist.TCPStore(wanted.master_addr, wanted.master_port, wanted.world_size,
+                              is_master=host_store, timeout=wait, wait_for_workers=False)
+    except Exception as exc:
+        raise RuntimeError(f"rank {wanted.rank}: could not reach the rendezvous store at "
+                           f"{wanted.master_addr}:{wanted.master_port} within {wanted.timeout:.0f} s: {exc}") from exc
+    dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
+                            world_size=wanted.world_size, timeout=wait)
+    _WORLD = World(**{**wanted.__dict__, "store": store})
+    return _WORLD
+
+
+def _describe(w: World) -> str:
+    return (f"rank={w.rank}, world_size={w.world_size}, backend={w.backend!r}, timeout={w.timeout}, "
+            f"master={w.master_addr}:{w.master_port}, debug={w.debug}")
+
+
+def world() -> World:
+    """This rank's World; raises if init() has not been called."""
+    if _WORLD is None:
+        raise RuntimeError("gradsync is not initialised: call gradsync.init() (or run under gradsync.spawn / torchrun) first")
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    """True between init() and shutdown()."""
+    return _WORLD is not None
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group. Safe to call when not initialised."""
+    global _WORLD
+    if _WORLD is None:
+        return
+    _WORLD = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

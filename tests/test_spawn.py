@@ -1,0 +1,69 @@
+"""gs.spawn: results in rank order, tensors intact, failures named, no orphans."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import gradsync as gs
+import spawn_fns
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_spawn_returns_values_in_rank_order_with_tensors_intact():
+    results = gs.spawn(spawn_fns.identity_and_state, nprocs=3, args=(0.5,))
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world_size"] == 3 for r in results)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["state"]["weight"], torch.full((2, 3), rank * 0.5))
+        assert not _alive(r["pid"])
+
+
+@pytest.mark.timeout(120)
+def test_spawn_names_the_rank_that_raised_with_its_traceback():
+    started = time.monotonic()
+    with pytest.raises(gs.SpawnError) as info:
+        gs.spawn(spawn_fns.raise_on_rank, nprocs=3, args=(2,))
+    assert info.value.rank == 2
+    assert "planted failure on rank 2" in str(info.value)
+    assert "Traceback" in str(info.value) and "raise_on_rank" in str(info.value)
+    assert time.monotonic() - started < 25, "the sleeping ranks were not stopped"
+
+
+@pytest.mark.timeout(120)
+def test_spawn_names_a_rank_killed_by_a_signal():
+    with pytest.raises(gs.SpawnError) as info:
+        gs.spawn(spawn_fns.die_on_rank, nprocs=3, args=(1,), timeout=10)
+    assert info.value.rank == 1
+    assert "rank 1 was killed by signal SIGKILL" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_spawn_leaves_no_orphans(tmp_path):
+    with pytest.raises(gs.SpawnError):
+        gs.spawn(spawn_fns.record_pid_then_hang, nprocs=3, args=(str(tmp_path / "pid"),))
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(3)]
+    time.sleep(0.5)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs must be an integer >= 1"):
+        gs.spawn(spawn_fns.identity_and_state, nprocs=0)
+    with pytest.raises(ValueError, match="module-level function"):
+        gs.spawn(lambda: None, nprocs=2)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        gs.spawn(spawn_fns.identity_and_state, nprocs=2, args=[1])
