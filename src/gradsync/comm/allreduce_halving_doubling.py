@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.comm.scratch import scratch
 from gradsync.comm.transport import Transport
 
 
@@ -50,7 +51,7 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
             transport.isend(flat, rank + 1, op).wait()
             transport.irecv(flat, rank + 1, op).wait()  # unfold, seen from the folded rank
             return
-        incoming = torch.empty_like(flat)
+        incoming = scratch(flat.numel(), flat.dtype, flat.device)
         transport.irecv(incoming, rank - 1, op).wait()
         flat.add_(incoming)
         newrank = rank // 2
@@ -61,7 +62,7 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
         return 2 * new + 1 if new < extra else new + extra
 
     # reduce-scatter (recursive halving)
-    scratch = torch.empty((flat.numel() + 1) // 2, dtype=flat.dtype, device=flat.device)
+    half = scratch((flat.numel() + 1) // 2, flat.dtype, flat.device)
     lo, hi = 0, flat.numel()
     levels: list[tuple[int, int, int]] = []  # (mask, lo, hi) of the range before each split
     mask = p >> 1
@@ -69,7 +70,7 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
         mid = lo + (hi - lo) // 2
         keep_low = not (newrank & mask)
         keep, give = ((lo, mid), (mid, hi)) if keep_low else ((mid, hi), (lo, mid))
-        incoming = scratch.narrow(0, 0, keep[1] - keep[0])
+        incoming = half.narrow(0, 0, keep[1] - keep[0])
         _exchange(transport, flat[give[0]:give[1]], incoming, real_rank(newrank ^ mask), op)
         flat[keep[0]:keep[1]].add_(incoming)
         levels.append((mask, lo, hi))

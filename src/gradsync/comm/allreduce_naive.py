@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.comm.scratch import scratch
 from gradsync.comm.transport import Transport, wait_all
 
 
@@ -27,7 +28,7 @@ def allreduce_naive(flat: torch.Tensor, transport: Transport, *, average: bool =
         send.wait()
         return
     # gather: one buffer per contributor, all receives in flight at once
-    incoming = {peer: torch.empty_like(flat) for peer in range(1, n_ranks)}
+    incoming = {peer: scratch(flat.numel(), flat.dtype, flat.device, slot=peer) for peer in range(1, n_ranks)}
     handles = {peer: transport.irecv(buf, peer, op) for peer, buf in incoming.items()}
     # reduce, in rank order
     for peer in range(1, n_ranks):

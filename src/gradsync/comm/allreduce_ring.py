@@ -35,11 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.comm.scratch import scratch
 from gradsync.comm.transport import Transport, wait_all
 
-DEFAULT_SEGMENT_BYTES = 1 << 20
-"""Wire unit of the pipeline. 1 MiB: big enough that per-message overhead (~40 us here) is < 10%
-of the transfer time at ~3 GB/s, small enough to overlap reduction with transfer (docs/benchmarks.md)."""
+DEFAULT_SEGMENT_BYTES = 4 << 20
+"""Wire unit of the pipeline. 4 MiB: on this machine 1-4 MiB segments tie and 256 KiB loses 10-25%
+to per-message cost (~40-60 us each); 4 MiB halves the message count (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,12 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
         return chunks
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
     seg_elems = max(1, segment_bytes // flat.element_size())
-    # Two scratch buffers: step s receives into scratch[s % 2] while step s-1's is still being reduced.
-    scratch = [torch.empty(max(chunks.sizes), dtype=flat.dtype, device=flat.device) for _ in range(2)]
+    # Two receive buffers: step s receives into buffers[s % 2] while step s-1's is still being reduced.
+    buffers = [scratch(max(chunks.sizes), flat.dtype, flat.device, slot) for slot in range(min(2, n_ranks - 1))]
 
     def post_recvs(step: int):
         recv_chunk = (rank - step - 2) % n_ranks
-        buf = scratch[step % 2]
+        buf = buffers[step % 2]
         return recv_chunk, [(start, length, transport.irecv(buf.narrow(0, start, length), left, op))
                             for start, length in _segments(chunks.sizes[recv_chunk], seg_elems)]
 
@@ -110,7 +111,7 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
         posted[1] = post_recvs(1)
     for step in range(n_ranks - 1):
         recv_chunk, recvs = posted.pop(step)
-        target, buf = chunks.view(flat, recv_chunk), scratch[step % 2]
+        target, buf = chunks.view(flat, recv_chunk), buffers[step % 2]
         forward = step < n_ranks - 2
         for start, length, handle in recvs:
             handle.wait()
@@ -132,6 +133,11 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
         return
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
     seg_elems = max(1, segment_bytes // flat.element_size())
+    # all-gather. Sends are posted before receives: on gloo, a receive posted first and matched by a
+    # send posted after it costs a scheduler tick (~4 ms median at 64 KiB on this machine).
+    own = chunks.view(flat, rank)
+    sends = [transport.isend(own.narrow(0, start, length), right, op)
+             for start, length in _segments(own.numel(), seg_elems)]
     # Every receive lands in its final place, so all of them can be posted up front.
     recvs = []
     for step in range(n_ranks - 1):
@@ -139,10 +145,6 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
         recvs += [(step, target.narrow(0, start, length),
                    transport.irecv(target.narrow(0, start, length), left, op))
                   for start, length in _segments(target.numel(), seg_elems)]
-    # all-gather
-    own = chunks.view(flat, rank)
-    sends = [transport.isend(own.narrow(0, start, length), right, op)
-             for start, length in _segments(own.numel(), seg_elems)]
     for step, segment, handle in recvs:
         handle.wait()
         if step < n_ranks - 2:  # forward what arrived; the last step's chunk stops here

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.broadcast import broadcast_binomial
+from gradsync.comm.scratch import scratch
 from gradsync.comm.transport import Transport
 
 
@@ -29,7 +30,7 @@ def allreduce_tree(flat: torch.Tensor, transport: Transport, *, average: bool = 
     n_ranks, rank = transport.world_size, transport.rank
     if n_ranks == 1:
         return
-    incoming = torch.empty_like(flat)
+    incoming = scratch(flat.numel(), flat.dtype, flat.device)
     # reduce
     mask = 1
     while mask < n_ranks:

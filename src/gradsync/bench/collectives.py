@@ -1,0 +1,157 @@
+"""gradsync bench collectives: an nccl-tests style table, ours beside torch.distributed in one run.
+
+For every message size and algorithm, each rank times ``reps`` calls (after a warm-up), each call
+preceded by a barrier; a call's time is the slowest rank's (an all-reduce of the per-rank times
+with MAX), and the table shows the median over calls. Algorithms are interleaved within each
+repetition so machine noise hits them alike.
+
+    algbw = M / t                     (M: message bytes, t: median seconds)
+    busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
+    ratio = busbw(ours) / busbw(native) from the same run
+
+"bytes/rank" is what the TrafficMeter measured on the busiest rank in one call; "formula" is
+sim/cost.py's prediction for that algorithm. torch's own all_reduce is not metered (its bytes
+never pass through our transport), so its measured column is empty.
+
+``fit`` measures the link costs that algorithm="auto" uses: alpha and beta from point-to-point
+ping-pongs between ranks 0 and 1 through our transport (one-way time = alpha + bytes*beta, least
+squares over sizes 8 B .. 4 MiB), gamma from timing an in-place add of 4 MiB.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync.comm.transport import default_transport
+from gradsync.sim.cost import Link, allreduce_bytes_per_rank
+
+OURS = ("ring", "halving_doubling", "tree", "naive")
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4K' -> 4096, '16M' -> 16 MiB, '100' -> 100 bytes."""
+    text = text.strip().upper().removesuffix("B")
+    try:
+        if text and text[-1] in UNITS:
+            return int(float(text[:-1]) * UNITS[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"cannot read size {text!r}: use bytes or a K/M/G suffix, e.g. 4K,64K,1M,16M") from None
+
+
+def human_bytes(nbytes: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}"
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int) -> list[dict]:
+    w = gs.world()
+    rows = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        runners = {"native": lambda: dist.all_reduce(tensor)}
+        runners.update({a: (lambda a=a: gs.all_reduce(tensor, algorithm=a)) for a in algorithms})
+        measured_bytes = {}
+        for name, run in runners.items():
+            for _ in range(warmup):
+                run()
+            if name != "native":
+                gs.traffic_reset()
+                run()
+                sent = torch.tensor([gs.traffic()["bytes_sent"]], dtype=torch.int64)
+                dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+                measured_bytes[name] = int(sent)
+        times = {name: [] for name in runners}
+        for _ in range(reps):
+            for name, run in runners.items():
+                times[name].append(_timed(run))
+        for name in runners:
+            rows.append({"size": tensor.numel() * 4, "workers": w.world_size, "algorithm": name,
+                         "time_s": statistics.median(times[name]), "times_s": times[name],
+                         "bytes_per_rank": measured_bytes.get(name)})
+    return rows
+
+
+def _fit_rank() -> dict | None:
+    """Ping-pong between ranks 0 and 1 through our transport; see module docstring."""
+    w = gs.world()
+    transport = default_transport()
+    samples = []
+    for nbytes in (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22):
+        buf = torch.zeros(max(1, nbytes // 4))
+        rounds = 30 if nbytes <= 1 << 17 else 8
+        one_way = []
+        for _ in range(rounds + 2):
+            dist.barrier()
+            started = time.perf_counter()
+            if w.rank == 0:
+                transport.isend(buf, 1, "fit").wait()
+                transport.irecv(buf, 1, "fit").wait()
+            elif w.rank == 1:
+                transport.irecv(buf, 0, "fit").wait()
+                transport.isend(buf, 0, "fit").wait()
+            one_way.append((time.perf_counter() - started) / 2)
+        samples.append((buf.numel() * 4, statistics.median(one_way[2:])))
+    if w.rank != 0:
+        return None
+    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
+    x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
+    beta = sum((x - x_mean) * (y - y_mean) for x, y in samples) / sum((x - x_mean) ** 2 for x in xs)
+    alpha = max(min(ys), y_mean - beta * x_mean)
+    a, b = torch.ones(1 << 20), torch.ones(1 << 20)
+    add_times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        a.add_(b)
+        add_times.append(time.perf_counter() - started)
+    gamma = statistics.median(add_times) / (4 << 20)
+    return {"alpha": alpha, "beta": beta, "gamma": gamma, "samples": samples}
+
+
+def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, reps: int = 5,
+        warmup: int = 1, fit: bool = False) -> dict:
+    """Run the benchmark on ``workers`` local ranks; returns {"rows": [...], "fit": {...} | None}."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    algorithms = list(algorithms or OURS)
+    unknown = set(algorithms) - set(OURS)
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {sorted(unknown)}; choose from {', '.join(OURS)}")
+    results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
+    rows, fitted = results[0]
+    native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
+    for r in rows:
+        n, m, t = r["workers"], r["size"], r["time_s"]
+        r["algbw_GBps"] = m / t / 1e9 if t > 0 else 0.0
+        r["busbw_GBps"] = r["algbw_GBps"] * (2 * (n - 1) / n if n > 1 else 1.0)
+        r["formula_bytes"] = allreduce_bytes_per_rank(r["algorithm"], m, n) if r["algorithm"] in OURS else None
+        r["ratio_vs_native"] = native[m] / t if t > 0 else None
+    return {"rows": rows, "fit": fitted}
+
+
+def _bench_job(sizes, algorithms, reps, warmup, fit):
+    torch.set_num_threads(1)
+    rows = _bench_rank(sizes, algorithms, reps, warmup)
+    fitted = _fit_rank() if fit and gs.world().world_size >= 2 else None
+    return rows, fitted
+
+
+def fitted_link(fitted: dict) -> Link:
+    return Link(alpha=fitted["alpha"], beta=fitted["beta"], gamma=fitted["gamma"])

@@ -1,0 +1,94 @@
+"""The gradsync command.
+
+    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    from gradsync.bench.collectives import parse_size
+
+    try:
+        return [parse_size(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser("bench", help="benchmarks: ours beside torch.distributed, same run")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    coll = benches.add_parser("collectives", help="all-reduce time, algbw, busbw, bytes per rank")
+    coll.add_argument("--workers", type=_positive_int, default=2, help="local ranks (default 2)")
+    coll.add_argument("--sizes", type=_sizes, default=_sizes("4K,64K,1M,16M,64M"),
+                      help="message sizes, e.g. 4K,64K,1M,16M,64M")
+    coll.add_argument("--algorithms", default="ring,halving_doubling,tree,naive",
+                      help="comma-separated subset of ring,halving_doubling,tree,naive")
+    coll.add_argument("--reps", type=_positive_int, default=10, help="timed calls per size and algorithm (median)")
+    coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    coll.add_argument("--fit", action="store_true",
+                      help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
+    return parser
+
+
+def _bench_collectives(args) -> int:
+    from gradsync.bench import collectives
+    from gradsync.comm import select
+
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    result = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit)
+    table = Table(title=f"all_reduce, {args.workers} ranks, float32, median of {args.reps}")
+    for column in ("size", "algorithm", "time (us)", "algbw GB/s", "busbw GB/s", "bytes/rank", "formula", "ours/native"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        table.add_row(collectives.human_bytes(r["size"]), r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
+                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+                      "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
+                      "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
+                      "1.00 (baseline)" if r["algorithm"] == "native" else f"{r['ratio_vs_native']:.2f}x")
+    console = Console()
+    console.print(table)
+    if result["fit"]:
+        link = collectives.fitted_link(result["fit"])
+        path = select.save_calibration(link, {"measured_with": f"gradsync bench collectives --workers {args.workers} --fit"})
+        console.print(f"fitted link: alpha={link.alpha * 1e6:.1f} us, bandwidth={1 / link.beta / 1e9:.2f} GB/s, "
+                      f"reduce={1 / link.gamma / 1e9:.2f} GB/s -> saved to {path}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench" and args.bench == "collectives":
+            return _bench_collectives(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The meter's counts equal the closed forms (contract item 3)."""
+
+import math
+
+import pytest
+import torch
+
+import cases
+from gradsync.comm.allreduce_ring import ring_bytes_sent, ring_chunks
+
+
+def test_ring_chunks_worked_examples():
+    assert ring_chunks(10, 3).sizes == (4, 3, 3) and ring_chunks(10, 3).offsets == (0, 4, 7)
+    assert ring_chunks(2, 4).sizes == (1, 1, 0, 0)
+    assert ring_chunks(0, 5).sizes == (0,) * 5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
+    pool = world_of(world_size)
+    numel = 1024 * world_size * 3  # divisible by N; 3 ring segments at the default segment size... and more
+    for dtype in (torch.float32, torch.float16):
+        m_bytes = numel * torch.tensor([], dtype=dtype).element_size()
+        for rank, t in enumerate(pool.run(cases.traffic_case, numel, dtype, "ring")):
+            assert t["bytes_sent"] == 2 * (world_size - 1) * m_bytes // world_size
+            assert t["bytes_received"] == t["bytes_sent"]
+            assert set(t["per_peer"]) == {(rank + 1) % world_size, (rank - 1) % world_size}
+            assert t["per_peer"][(rank + 1) % world_size]["sent"] == t["bytes_sent"]
+            assert t["per_op"]["all_reduce/ring"]["sent"] == t["bytes_sent"]
+            assert t["control_bytes_sent"] > 0  # the agreement fingerprint, kept apart from payload
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [3, 4, 7])
+def test_ring_uneven_chunking_formula(world_of, world_size):
+    pool = world_of(world_size)
+    for numel in (1, world_size - 1, 10 * world_size + 3):
+        results = pool.run(cases.traffic_case, numel, torch.float64, "ring")
+        sizes = ring_chunks(numel, world_size).sizes
+        for rank, t in enumerate(results):
+            by_hand = (2 * numel - sizes[rank] - sizes[(rank + 1) % world_size]) * 8
+            assert t["bytes_sent"] == by_hand == ring_bytes_sent(numel, world_size, rank, 8)
+            assert t["bytes_received"] == (2 * numel - sizes[(rank - 1) % world_size] - sizes[rank]) * 8
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4, 5])
+def test_naive_is_the_parameter_server_pattern(world_of, world_size):
+    pool = world_of(world_size)
+    numel = 777
+    m_bytes = numel * 4
+    results = pool.run(cases.traffic_case, numel, torch.float32, "naive")
+    assert results[0]["bytes_received"] == (world_size - 1) * m_bytes
+    assert results[0]["bytes_sent"] == (world_size - 1) * m_bytes
+    for t in results[1:]:
+        assert t["bytes_sent"] == t["bytes_received"] == m_bytes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_halving_doubling_and_tree_traffic(world_of, world_size):
+    pool = world_of(world_size)
+    numel = 64 * world_size
+    m_bytes = numel * 4
+    for t in pool.run(cases.traffic_case, numel, torch.float32, "halving_doubling"):
+        assert t["bytes_sent"] == 2 * (world_size - 1) * m_bytes // world_size
+    tree = pool.run(cases.traffic_case, numel, torch.float32, "tree")
+    levels = int(math.log2(world_size))
+    assert tree[0]["bytes_sent"] == levels * m_bytes  # the root feeds one child per level
+    assert sum(t["bytes_sent"] for t in tree) == 2 * (world_size - 1) * m_bytes  # each tree edge twice
