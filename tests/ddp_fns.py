@@ -1,0 +1,227 @@
+"""Models, data and rank functions for the DDP tests (module level so ranks can import them)."""
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync import trace
+
+
+class MLP(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNNWithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)  # a bias before BatchNorm has zero gradient
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x.view(-1, 1, 4, 2).repeat(1, 1, 1, 2))))
+        return self.head(x.flatten(1))
+
+
+class Tied(nn.Module):
+    """One Parameter registered under two modules (as tied input/output embeddings are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.inp(x))))[:, :4]
+
+
+class TiedSimple(nn.Module):
+    """One weight used twice: reduced once, its gradient the sum of both uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.frozen(x)))
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 4)
+        self.unused_branch = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+MODELS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "tied": Tied, "reused": TiedSimple, "frozen": Frozen, "unused": WithUnused,
+          "big_mlp": lambda: MLP(width=256)}
+
+
+def make_model(name, dtype, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name]().to(dtype)
+
+
+def global_data(steps, world_size, local_batch, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(steps, world_size * local_batch, 8, generator=g, dtype=torch.float64).to(dtype)
+    ys = torch.randint(0, 4, (steps, world_size * local_batch), generator=g)
+    return xs, ys
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def single_process(model_name, opt_kind, steps, world_size, local_batch, dtype, per_shard_loss):
+    """The oracle: one process, global batch N*b. ``per_shard_loss``: the loss is the mean of the N
+    shard losses (needed when BatchNorm statistics are per shard, as they are per rank in DDP)."""
+    model = make_model(model_name, dtype)
+    opt = make_optimizer(opt_kind, [p for p in model.parameters() if p.requires_grad])
+    xs, ys = global_data(steps, world_size, local_batch, dtype)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        if per_shard_loss:
+            loss = sum(loss_fn(model(x), y) for x, y in zip(xs[step].chunk(world_size), ys[step].chunk(world_size))) / world_size
+        else:
+            loss = loss_fn(model(xs[step]), ys[step])
+        loss.backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def ddp_train(model_name, opt_kind, steps, local_batch, dtype, bucket_cap_mb=25, algorithm="auto",
+              find_unused=False, comm_hook=None, perturb_seed=True):
+    """gradsync DDP on this rank's shard of the same global data; returns final parameters."""
+    w = gs.world()
+    # Different seeds per rank: the construction-time broadcast must make them equal.
+    model = make_model(model_name, dtype, seed=w.rank if perturb_seed else 0)
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm,
+                                     find_unused_parameters=find_unused, comm_hook=comm_hook)
+    opt = make_optimizer(opt_kind, [p for p in model.parameters() if p.requires_grad])
+    xs, ys = global_data(steps, w.world_size, local_batch, dtype)
+    loss_fn = nn.CrossEntropyLoss()
+    grads_none = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+        loss_fn(ddp(x), y).backward()
+        grads_none = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        opt.step()
+    ddp.check_replicas()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, grads_none, len(ddp.buckets)
+
+
+def torch_ddp_vs_ours(steps, local_batch, bucket_cap_mb):
+    """Same seed, data and optimizer under torch DDP (gloo) and gradsync DDP, float32."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    w = gs.world()
+    results = {}
+    for which in ("torch", "ours"):
+        model = make_model("mlp", torch.float32)
+        wrapped = (TorchDDP(model, bucket_cap_mb=bucket_cap_mb) if which == "torch"
+                   else gs.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
+        opt = make_optimizer("sgd", model.parameters())
+        xs, ys = global_data(steps, w.world_size, local_batch, torch.float32)
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            opt.step()
+        results[which] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if which == "ours":
+            results["buckets"] = len(wrapped.buckets)
+    return results
+
+
+def no_sync_train(micro_steps, local_batch):
+    w = gs.world()
+    model = make_model("mlp", torch.float64)
+    ddp = gs.DistributedDataParallel(model)
+    opt = make_optimizer("sgd", model.parameters())
+    xs, ys = global_data(micro_steps, w.world_size, local_batch, torch.float64)
+    opt.zero_grad()
+    for k in range(micro_steps):
+        x, y = xs[k].chunk(w.world_size)[w.rank], ys[k].chunk(w.world_size)[w.rank]
+        if k < micro_steps - 1:
+            with ddp.no_sync():
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        else:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def unused_without_flag():
+    model = make_model("unused", torch.float32)
+    ddp = gs.DistributedDataParallel(model)
+    nn.functional.cross_entropy(ddp(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+
+
+def mismatched_models():
+    width = 16 if gs.world().rank != 1 else 17
+    gs.DistributedDataParallel(MLP(width=width))
+
+
+def diverged_replicas():
+    model = make_model("mlp", torch.float32)
+    ddp = gs.DistributedDataParallel(model)
+    if gs.world().rank == 1:
+        with torch.no_grad():
+            model.net[2].bias[0] += 1e-6
+    ddp.check_replicas()
+
+
+def compressed_grads(hook, numel):
+    """One bucket's average through a compression hook, next to the exact float64 average."""
+    from gradsync.ddp.hooks import BUILTIN
+    w = gs.world()
+    g = torch.Generator().manual_seed(100 + w.rank)
+    local = torch.randn(numel, generator=g, dtype=torch.float64) * 10
+    exact = gs.all_reduce(local.clone(), op="avg")
+    flat = local.to(torch.float32)
+    BUILTIN[hook](flat, "ring")
+    return flat.double(), exact
+
+
+def traced_overlap(steps):
+    w = gs.world()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracer = trace.enable(w.rank)
+    x = torch.randn(256, 512)
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        with trace.span("optimizer", "compute"):
+            opt.step()
+    events = trace.disable()
+    return events, ddp.last_overlap, len(ddp.buckets), tracer.rank

@@ -1,0 +1,128 @@
+"""gradsync DDP against independent oracles: one process with the global batch, and torch DDP."""
+
+import pytest
+import torch
+
+import ddp_fns
+from world_pool import RankFailure
+
+
+def assert_close(ours: dict, oracle: dict, rel: float, what: str):
+    assert ours.keys() == oracle.keys()
+    for name in oracle:
+        scale = oracle[name].abs().max().clamp_min(1e-30)
+        err = (ours[name] - oracle[name]).abs().max() / scale
+        assert err <= rel, f"{what}: {name} differs by {err:.3g} relative (allowed {rel})"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model", ["mlp", "cnn_bn", "tied", "reused", "frozen"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_n_ranks_equal_one_process_with_global_batch(world_of, world_size, model, optimizer):
+    steps, local_batch = 3, 4
+    results = world_of(world_size).run(ddp_fns.ddp_train, model, optimizer, steps, local_batch, torch.float64, 0.0002)
+    # BatchNorm normalises per rank, so its oracle averages the per-shard losses (see single_process)
+    oracle = ddp_fns.single_process(model, optimizer, steps, world_size, local_batch, torch.float64,
+                                    per_shard_loss=(model == "cnn_bn"))
+    for params, _, n_buckets in results:
+        assert_close(params, oracle, 1e-12, f"{model}/{optimizer}/N={world_size}")
+        assert n_buckets > 1, "a tiny cap must give several buckets"
+    for params, _, _ in results[1:]:
+        assert all(torch.equal(params[n], results[0][0][n]) for n in params), "replicas not bit-identical"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bucket_cap_mb", [100, 0.0006, 0.00001])  # one bucket, many, smaller than one parameter
+def test_matches_torch_ddp(world_of, bucket_cap_mb):
+    results = world_of(2).run(ddp_fns.torch_ddp_vs_ours, 4, 8, bucket_cap_mb)
+    for r in results:
+        assert_close(r["ours"], r["torch"], 1e-6, f"vs torch DDP, cap {bucket_cap_mb} MiB")
+    n_params = len(results[0]["ours"])
+    assert (results[0]["buckets"] == 1) if bucket_cap_mb == 100 else (results[0]["buckets"] > 1)
+    if bucket_cap_mb == 0.0001:
+        assert results[0]["buckets"] == n_params
+
+
+@pytest.mark.timeout(300)
+def test_no_sync_accumulates_like_one_large_batch(world_of):
+    micro_steps, local_batch, world_size = 3, 4, 2
+    results = world_of(world_size).run(ddp_fns.no_sync_train, micro_steps, local_batch)
+    model = ddp_fns.make_model("mlp", torch.float64)
+    opt = ddp_fns.make_optimizer("sgd", model.parameters())
+    xs, ys = ddp_fns.global_data(micro_steps, world_size, local_batch, torch.float64)
+    opt.zero_grad()
+    for k in range(micro_steps):
+        torch.nn.functional.cross_entropy(model(xs[k]), ys[k]).backward()
+    opt.step()
+    for params in results:
+        assert_close(params, {n: p.detach() for n, p in model.named_parameters()}, 1e-12, "no_sync")
+
+
+@pytest.mark.timeout(300)
+def test_unused_parameters_error_names_them(world_of):
+    with pytest.raises(RankFailure) as info:
+        world_of(2).run(ddp_fns.unused_without_flag, case_timeout=60)
+    for name, message in info.value.errors.values():
+        assert "unused_branch.weight" in message and "unused_branch.bias" in message
+        assert "find_unused_parameters=True" in message
+
+
+@pytest.mark.timeout(300)
+def test_unused_parameters_with_flag_train_like_one_process(world_of):
+    results = world_of(2).run(ddp_fns.ddp_train, "unused", "sgd", 3, 4, torch.float64, 25, "auto", True)
+    oracle = ddp_fns.single_process("unused", "sgd", 3, 2, 4, torch.float64, per_shard_loss=False)
+    for params, grads_none, _ in results:
+        assert_close(params, oracle, 1e-12, "find_unused_parameters")
+        assert sorted(grads_none) == ["unused_branch.bias", "unused_branch.weight"], "no gradient, as in one process"
+
+
+@pytest.mark.timeout(300)
+def test_different_models_are_refused_naming_rank_and_parameter(world_of):
+    with pytest.raises(RankFailure) as info:
+        world_of(3).run(ddp_fns.mismatched_models, case_timeout=60)
+    for name, message in info.value.errors.values():
+        assert name == "ReplicaMismatchError"
+        assert "rank 1" in message and "net.0.weight" in message and "(17, 8)" in message
+
+
+@pytest.mark.timeout(300)
+def test_check_replicas_catches_one_ulp_of_divergence(world_of):
+    with pytest.raises(RankFailure) as info:
+        world_of(2).run(ddp_fns.diverged_replicas, case_timeout=60)
+    for name, message in info.value.errors.values():
+        assert name == "ReplicaMismatchError" and "net.2.bias" in message and "rank 1" in message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook, unit_roundoff", [("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8)])
+def test_compression_hooks_within_stated_error(world_of, hook, unit_roundoff):
+    world_size = 3
+    results = world_of(world_size).run(ddp_fns.compressed_grads, hook, 5000)
+    for compressed, exact in results:
+        bound = (world_size + 1) * unit_roundoff * exact.abs().max()  # documented in ddp/hooks.py
+        assert (compressed - exact).abs().max() <= bound
+        assert not torch.equal(compressed, exact), "a compression hook that changes nothing is not compressing"
+    assert all(torch.equal(r[0], results[0][0]) for r in results), "compressed results must agree across ranks"
+
+
+@pytest.mark.timeout(300)
+def test_timeline_shows_communication_during_backward(world_of, tmp_path):
+    from gradsync import trace
+    results = world_of(2).run(ddp_fns.traced_overlap, 3)
+    events = [e for r in results for e in r[0]]
+    path = trace.write(tmp_path / "trace.json", events)
+    import json
+    loaded = json.loads(path.read_text())["traceEvents"]
+    assert {e["pid"] for e in loaded} == {0, 1}
+    for rank_events, overlap, n_buckets, rank in results:
+        assert n_buckets >= 4
+        names = [e["name"] for e in rank_events]
+        assert "forward" in names and "optimizer" in names and "backward start" in names
+        ends = [e["ts"] for e in rank_events if e["name"] == "backward end"]
+        comm = [e for e in rank_events if e["name"].startswith("all_reduce bucket")]
+        assert len(comm) == 3 * n_buckets
+        # in the last iteration, the first bucket's reduction started before backward ended
+        first_bucket = [e for e in comm if e["args"]["bucket"] == 0][-1]
+        assert first_bucket["ts"] < ends[-1]
+        assert overlap is not None and 0.0 < overlap <= 1.0
