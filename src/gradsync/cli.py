@@ -1,5 +1,6 @@
 """The gradsync command.
 
+    gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
 """
 
@@ -48,7 +49,50 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
+    _add_train(commands)
     return parser
+
+
+def _add_train(commands) -> None:
+    from gradsync.train.config import COMPRESSION, LR_SCALING, STRATEGIES, TrainConfig
+    from gradsync.comm.collectives import ALGORITHMS
+    from gradsync.train.datasets import DATASETS
+    from gradsync.train.models import MODELS
+
+    defaults = TrainConfig.__dataclass_fields__
+    train = commands.add_parser("train", help="N local workers train a real model on real data")
+    train.add_argument("--workers", type=_positive_int, default=defaults["workers"].default, help="local worker processes")
+    train.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    train.add_argument("--algorithm", choices=ALGORITHMS, default="auto")
+    train.add_argument("--servers", type=_positive_int, default=1, help="parameter servers (ps strategies)")
+    train.add_argument("--staleness", type=int, default=2, help="SSP bound in versions")
+    train.add_argument("--model", choices=MODELS, default=None, help="default: the dataset's natural model")
+    train.add_argument("--dataset", choices=DATASETS, default=None, help="default: digits (or stdlib-text for charlm)")
+    train.add_argument("--epochs", type=_positive_int, default=defaults["epochs"].default)
+    train.add_argument("--steps", type=_positive_int, default=None, help="total optimizer steps (overrides --epochs)")
+    train.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per micro-batch")
+    train.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    train.add_argument("--lr", type=float, default=None, help="base learning rate for one worker's batch")
+    train.add_argument("--lr-scaling", choices=LR_SCALING, default="linear")
+    train.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
+    train.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB")
+    train.add_argument("--compress", choices=COMPRESSION, default="none", help="gradient compression on the wire")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl, trace.json, checkpoints")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    train.add_argument("--trace", action="store_true", help="write a Chrome trace timeline (trace.json)")
+    train.add_argument("--timeout", type=float, default=60.0, help="seconds any wait between ranks may take")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _train(args) -> int:
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    fields = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    run(cfg)
+    return 0
 
 
 def _bench_collectives(args) -> int:
@@ -84,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench" and args.bench == "collectives":
             return _bench_collectives(args)
-    except (ValueError, RuntimeError) as exc:
+        if args.command == "train":
+            return _train(args)
+    except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -39,6 +39,7 @@ class Reducer:
         self.sync_this_backward = True
         self.last_overlap: float | None = None
         self.last_comm_seconds = 0.0
+        self.last_wait_seconds = 0.0
         self._slot = {id(p): (b.index, slot) for b in buckets for slot, p in enumerate(b.params)}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in buckets for p in b.params]
@@ -113,7 +114,9 @@ class Reducer:
                 self._mark_unused(b, slot)
             self._launch_ready()
             globally_unused = self._globally_unused(unready) if self.find_unused_parameters else []
-            self._wait_all()
+            with trace.span("wait for buckets", "wait"):
+                self._wait_all()
+            self.last_wait_seconds = time.perf_counter() - backward_end
             for b, slot in globally_unused:  # as in one process: no gradient, not a zero gradient
                 b.params[slot].grad = None
             self.last_overlap = trace.overlap_share(self._comm_spans, backward_end)

@@ -1,0 +1,62 @@
+"""Checkpoints that are either whole or refused.
+
+File layout: the 8-byte magic b"GSYNCKP1", the 32-byte SHA-256 of the payload, the payload's
+length as 8 little-endian bytes, then the payload (torch.save of a dict of tensors, numbers,
+strings). Writing goes to a temporary file in the same directory, is fsynced, then renamed over
+the target and the directory fsynced: a crash at any moment leaves the previous checkpoint intact.
+Loading checks magic, length and checksum before unpickling anything, with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import torch
+
+MAGIC = b"GSYNCKP1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt or from an incompatible run."""
+
+
+def save(path: str | Path, state: dict) -> Path:
+    """Write ``state`` to ``path`` atomically (see module docstring)."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little") + payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load(path: str | Path) -> dict:
+    """Read a checkpoint written by save(); raise CheckpointError if it is not intact."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    header = len(MAGIC) + 32 + 8
+    if len(data) < header or data[:len(MAGIC)] != MAGIC:
+        raise CheckpointError(f"{path} is not a gradsync checkpoint (bad header)")
+    digest, length = data[len(MAGIC):len(MAGIC) + 32], int.from_bytes(data[len(MAGIC) + 32:header], "little")
+    payload = data[header:]
+    if len(payload) != length:
+        raise CheckpointError(f"{path} is truncated: {len(payload)} of {length} payload bytes present")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"{path} is corrupt: its SHA-256 checksum does not match the contents")
+    return torch.load(io.BytesIO(payload), weights_only=True)

@@ -1,0 +1,74 @@
+"""DistributedSampler: each rank's share of the dataset indices, the same rules as torch's.
+
+Vocabulary
+    n            dataset length
+    R            number of replicas (ranks)
+    num_samples  indices per rank per epoch: ceil(n/R), or floor(n/R) with drop_last
+    total_size   R * num_samples
+
+Per epoch: a permutation of 0..n-1 from a generator seeded with seed + epoch (the same on every
+rank, so the shards are disjoint), padded by wrapping around (drop_last=False) or truncated
+(drop_last=True) to total_size, then rank r takes positions r, r+R, r+2R, ...  Every rank gets
+exactly num_samples indices, so every rank runs the same number of steps and no collective is left
+waiting. Example: n=10, R=4, no shuffle: total 12, rank 0 gets [0, 4, 8], rank 3 gets [3, 7, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+from gradsync import runtime
+
+
+class DistributedSampler(torch.utils.data.Sampler[int]):
+    """Disjoint, epoch-reshuffled shards of a dataset's indices (see module docstring)."""
+
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if num_replicas is None or rank is None:
+            w = runtime.world()
+            num_replicas = w.world_size if num_replicas is None else num_replicas
+            rank = w.rank if rank is None else rank
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must satisfy 0 <= rank < num_replicas={num_replicas}, got {rank!r}")
+        n = len(dataset)
+        if n < num_replicas:
+            raise ValueError(f"the dataset has {n} samples, fewer than the {num_replicas} replicas; "
+                             f"every replica needs at least one sample")
+        self.dataset_len = n
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch's permutation; call before each epoch so shards reshuffle."""
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        if self.drop_last:
+            order = order[:self.total_size]
+        else:
+            while len(order) < self.total_size:
+                order += order[:self.total_size - len(order)]
+        return order[self.rank:self.total_size:self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return self.num_samples

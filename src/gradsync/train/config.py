@@ -1,0 +1,122 @@
+"""TrainConfig: every knob of `gradsync train`, with its unit and meaning, validated up front."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from gradsync.comm.collectives import ALGORITHMS
+from gradsync.train.datasets import DATASETS
+from gradsync.train.models import MODELS
+
+STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
+AVAILABLE_STRATEGIES = ("ddp", "local")
+COMPRESSION = ("none", "fp16", "bf16")
+LR_SCALING = ("none", "linear")
+DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp"}
+DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text"}
+
+
+@dataclass
+class TrainConfig:
+    workers: int = 2
+    """Local worker processes (ignored under torchrun, which sets the world)."""
+    strategy: Literal["ddp", "ps-sync", "ps-async", "ssp", "zero1", "local"] = "ddp"
+    """How gradients become one update; 'local' is one process, no communication."""
+    algorithm: Literal["auto", "ring", "halving_doubling", "tree", "naive", "native"] = "auto"
+    """All-reduce algorithm for ddp."""
+    servers: int = 1
+    """Parameter servers (ps-* and ssp strategies)."""
+    staleness: int = 2
+    """SSP bound: how many versions a worker may run ahead of the slowest."""
+    model: str | None = None
+    """cnn | mlp | charlm; None: the dataset's natural model."""
+    dataset: str | None = None
+    """digits | stdlib-text | synthetic; None: the model's natural dataset."""
+    epochs: int = 8
+    """Passes over the training set (ignored when steps is set)."""
+    steps: int | None = None
+    """Optimizer steps in total; None: run ``epochs`` epochs."""
+    batch_size: int = 32
+    """Samples per worker per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (accumulated locally under no_sync)."""
+    lr: float | None = None
+    """Base learning rate for the per-worker batch; None: the model's default."""
+    lr_scaling: Literal["none", "linear"] = "linear"
+    """'linear': lr x (global batch / per-worker batch), Goyal et al. 2017."""
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up from 0 (0: none)."""
+    bucket_mb: float = 25.0
+    """DDP bucket cap in MiB."""
+    compress: Literal["none", "fp16", "bf16"] = "none"
+    """Gradient compression on the wire (ddp)."""
+    seed: int = 0
+    """Seed for model initialisation, data split and shuffling."""
+    out: str = "runs/latest"
+    """Directory for metrics.jsonl, trace.json and checkpoints."""
+    resume: bool = False
+    """Continue from the checkpoint in ``out``."""
+    trace: bool = False
+    """Record a timeline and write trace.json."""
+    timeout: float = 60.0
+    """Seconds any wait between ranks may take before it is an error."""
+    quiet: bool = False
+    """No progress bar (for tests and logs)."""
+
+    def __post_init__(self) -> None:
+        def choose(field: str, value, choices) -> None:
+            if value not in choices:
+                raise ValueError(f"--{field.replace('_', '-')} {value!r} is not one of: {', '.join(map(str, choices))}")
+
+        choose("strategy", self.strategy, STRATEGIES)
+        choose("algorithm", self.algorithm, ALGORITHMS)
+        choose("compress", self.compress, COMPRESSION)
+        choose("lr_scaling", self.lr_scaling, LR_SCALING)
+        if self.model is None and self.dataset is None:
+            self.model, self.dataset = "cnn", "digits"
+        if self.model is None:
+            self.model = DEFAULT_MODEL_FOR.get(self.dataset, "cnn")
+        if self.dataset is None:
+            self.dataset = DEFAULT_DATASET_FOR.get(self.model, "digits")
+        choose("model", self.model, MODELS)
+        choose("dataset", self.dataset, DATASETS)
+        if (self.model == "charlm") != (self.dataset == "stdlib-text"):
+            raise ValueError(f"--model {self.model} cannot train on --dataset {self.dataset}: charlm reads text "
+                             f"(stdlib-text); cnn and mlp read images (digits, synthetic)")
+        for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.staleness < 0 or self.warmup_steps < 0:
+            raise ValueError(f"--staleness and --warmup-steps must be >= 0, got {self.staleness} and {self.warmup_steps}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.bucket_mb <= 0 or self.timeout <= 0:
+            raise ValueError(f"--bucket-mb and --timeout must be > 0, got {self.bucket_mb} and {self.timeout}")
+        if self.strategy.startswith("ps") or self.strategy == "ssp":
+            if self.servers >= self.workers:
+                raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
+                                 f"at least one worker besides the servers (servers < workers)")
+        if self.strategy not in AVAILABLE_STRATEGIES:
+            raise RuntimeError(f"--strategy {self.strategy} is not available in this version of gradsync; "
+                               f"available now: {', '.join(AVAILABLE_STRATEGIES)}")
+        if self.strategy == "local" and self.workers != 1:
+            raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
+        self._check_out_dir()
+
+    def _check_out_dir(self) -> None:
+        out = Path(self.out)
+        existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {self.out}: {existing} is not a writable directory")
+
+    def default_lr(self) -> float:
+        return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3}[self.model]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,73 @@
+"""Datasets that ship offline.
+
+    digits       scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes), scaled
+                 to [0, 1]; a fixed 80/20 train/test split
+    stdlib-text  the running interpreter's own standard-library sources (found with sysconfig),
+                 read as bytes and cut into windows of context+1 bytes (input and next-byte target);
+                 the last 10% of windows are the test set
+    synthetic    random images and labels with a planted linear rule, for benchmarks
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+DATASETS = ("digits", "stdlib-text", "synthetic")
+TEXT_BYTES = 2_000_000
+"""How much standard-library source the text corpus reads (enough for several epochs of charlm)."""
+
+
+def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(y))
+    train, test = order[:cut], order[cut:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def stdlib_text(context: int = 64, max_bytes: int = TEXT_BYTES) -> tuple[TensorDataset, TensorDataset]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < 10 * (context + 1):
+        raise RuntimeError(f"found only {total} bytes of Python source under {root}; the stdlib-text dataset needs more")
+    corpus = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).to(torch.int64)
+    windows = corpus[:(len(corpus) - 1) // context * context + 1]
+    n = (len(windows) - 1) // context
+    starts = torch.arange(n) * context
+    index = starts.unsqueeze(1) + torch.arange(context + 1)
+    samples = windows[index]
+    cut = int(0.9 * n)
+    return (TensorDataset(samples[:cut, :-1], samples[:cut, 1:]), TensorDataset(samples[cut:, :-1], samples[cut:, 1:]))
+
+
+def synthetic(n: int = 4096, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 1, 8, 8, generator=g)
+    w = torch.randn(64, 10, generator=g)
+    y = (x.flatten(1) @ w).argmax(1)
+    cut = int(0.8 * n)
+    return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
+
+
+def build_dataset(name: str, context: int = 64, seed: int = 0):
+    if name == "digits":
+        return digits(seed)
+    if name == "stdlib-text":
+        return stdlib_text(context)
+    if name == "synthetic":
+        return synthetic(seed=seed)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

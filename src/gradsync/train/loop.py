@@ -1,0 +1,218 @@
+"""gradsync train: N workers train a real model on real data; one summary of what the ranks did.
+
+Runbook
+    one process:          gradsync train --strategy local --workers 1
+    N local workers:      gradsync train --workers 4
+    2 hosts x 2 ranks:    torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} \\
+                              --master-addr HOST0 --master-port 29500 -m gradsync.train --dataset digits
+
+Per rank, as a recipe: build_data -> build_model -> wrap_model -> build_optimizer -> maybe_resume ->
+train epochs (sampler.set_epoch, micro-batches with no_sync, warm-up lr, step) -> evaluate ->
+checkpoint -> summarise.
+
+Batch math (printed at start):
+    global batch = per-worker batch x workers x accumulation steps
+    lr = base lr x (global batch / per-worker batch)      with --lr-scaling linear
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync import checkpoint, trace
+from gradsync.data import DistributedSampler
+from gradsync.train.config import TrainConfig
+from gradsync.train.datasets import build_dataset
+from gradsync.train.models import build_model
+from gradsync.train.report import Reporter
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def _loss(model_name: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if model_name == "charlm":
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return nn.functional.cross_entropy(logits, target)
+
+
+def build_optimizer(cfg: TrainConfig, params, lr: float) -> torch.optim.Optimizer:
+    if cfg.model == "charlm":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def lr_at(step: int, peak: float, warmup_steps: int) -> float:
+    """Linear warm-up from peak/warmup to peak over the first ``warmup_steps`` steps, then flat."""
+    return peak if step >= warmup_steps else peak * (step + 1) / warmup_steps
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, model: nn.Module, test_set) -> dict:
+    """Every rank scores a disjoint slice of the test set; the counts are summed exactly."""
+    w = gs.world()
+    model.eval()
+    indices = list(range(w.rank, len(test_set), w.world_size))
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for start in range(0, len(indices), 256):
+        x, y = test_set[indices[start:start + 256]]
+        logits = model(x)
+        totals[0] += float(_loss(cfg.model, logits, y)) * y.numel()
+        totals[1] += float((logits.argmax(-1) == y).sum())
+        totals[2] += y.numel()
+    gs.all_reduce(totals, op="sum")
+    model.train()
+    return {"test_loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2])}
+
+
+def _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch, "world_size": gs.world().world_size,
+            "identity": {k: getattr(cfg, k) for k in ("model", "dataset", "batch_size", "grad_accum", "strategy", "seed")},
+            "rng_torch": torch.get_rng_state()}
+
+
+def _resume(cfg: TrainConfig, model, optimizer) -> tuple[int, int, int]:
+    state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
+    w = gs.world()
+    if state["world_size"] != w.world_size:
+        raise checkpoint.CheckpointError(f"the checkpoint was written by {state['world_size']} workers and this run has "
+                                         f"{w.world_size}; resume with --workers {state['world_size']}")
+    identity = {k: getattr(cfg, k) for k in state["identity"]}
+    if identity != state["identity"]:
+        differing = {k: (state["identity"][k], identity[k]) for k in identity if identity[k] != state["identity"][k]}
+        raise checkpoint.CheckpointError(f"the checkpoint belongs to a different run: (checkpoint, now) = {differing}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_torch"])
+    return state["step"], state["epoch"], state["batch_in_epoch"]
+
+
+def _param_digest(model: nn.Module) -> int:
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def train_worker(cfg: TrainConfig) -> dict:
+    """One rank's whole job; returns its statistics (and timeline events when tracing)."""
+    w = gs.world()
+    torch.manual_seed(cfg.seed)
+    if cfg.trace:
+        trace.enable(w.rank)
+    # build_data
+    train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed)
+    micro_per_epoch = len(sampler) // cfg.batch_size
+    steps_per_epoch = micro_per_epoch // cfg.grad_accum
+    if steps_per_epoch < 1:
+        raise ValueError(f"each worker sees {len(sampler)} training samples per epoch, fewer than one step of "
+                         f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use fewer workers or a smaller batch")
+    total_steps = cfg.steps or cfg.epochs * steps_per_epoch
+    # build_model, wrap_model, build_optimizer
+    model = build_model(cfg.model, cfg.dataset)
+    wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
+                                         comm_hook=None if cfg.compress == "none" else cfg.compress)
+    global_batch = cfg.batch_size * w.world_size * cfg.grad_accum
+    base_lr = cfg.lr or cfg.default_lr()
+    peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
+    optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
+    step, epoch, skip = _resume(cfg, model, optimizer) if cfg.resume else (0, 0, 0)
+
+    report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
+    report.start(global_batch, base_lr, peak_lr, steps_per_epoch, resumed_at=step if cfg.resume else None)
+    gs.traffic_reset()
+    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": []}
+    evaluation = {}
+    started = time.perf_counter()
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        order = sampler.indices()
+        batch_in_epoch = skip
+        for batch_in_epoch in range(skip, steps_per_epoch):
+            if step >= total_steps:
+                break
+            step_started = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, peak_lr, cfg.warmup_steps)
+            optimizer.zero_grad(set_to_none=False)
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):
+                first = (batch_in_epoch * cfg.grad_accum + micro) * cfg.batch_size
+                x, y = train_set[order[first:first + cfg.batch_size]]
+                if micro < cfg.grad_accum - 1:
+                    with wrapped.no_sync():
+                        loss = _loss(cfg.model, wrapped(x), y) / cfg.grad_accum
+                        loss.backward()
+                else:
+                    loss = _loss(cfg.model, wrapped(x), y) / cfg.grad_accum
+                    loss.backward()
+                loss_sum += float(loss.detach())
+            with trace.span("optimizer step", "compute"):
+                optimizer.step()
+            step += 1
+            elapsed = time.perf_counter() - step_started
+            stats["comm_s"] += wrapped.reducer.last_comm_seconds
+            stats["wait_s"] += wrapped.reducer.last_wait_seconds
+            stats["compute_s"] += elapsed - wrapped.reducer.last_wait_seconds
+            if wrapped.last_overlap is not None:
+                stats["overlaps"].append(wrapped.last_overlap)
+            report.step(step, epoch, loss_sum, global_batch / elapsed, wrapped.last_overlap)
+        else:
+            batch_in_epoch = steps_per_epoch
+        skip = 0
+        evaluation = evaluate(cfg, model, test_set)
+        report.epoch(epoch, step, evaluation)
+        finished_epoch = batch_in_epoch >= steps_per_epoch
+        if w.rank == 0:
+            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, _checkpoint_state(
+                cfg, model, optimizer, step, epoch + 1 if finished_epoch else epoch,
+                0 if finished_epoch else batch_in_epoch))
+        if finished_epoch:
+            epoch += 1
+    wall = time.perf_counter() - started
+    wrapped.check_replicas()
+    mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
+                         statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
+    per_rank = gs.all_gather(mine).view(w.world_size, -1)
+    summary = report.finish(wall, step, evaluation, per_rank)
+    wrapped.reducer.close()
+    return {"summary": summary, "digest": _param_digest(model),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
+            "events": trace.disable() if cfg.trace else []}
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    if _under_torchrun() or cfg.strategy == "local":
+        gs.init(timeout=cfg.timeout)
+        try:
+            results = [train_worker(cfg)]
+        finally:
+            gs.shutdown()
+        if cfg.trace:
+            trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
+        return results
+    results = gs.spawn(train_worker, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
+    if cfg.trace:
+        trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
+    return results
+
+
+def write_json_line(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

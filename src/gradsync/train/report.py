@@ -1,0 +1,114 @@
+"""What rank 0 shows and records: batch math, a progress bar, metrics.jsonl, the final summary.
+
+The summary's per-rank columns come from every rank (all-gathered): compute seconds (step time
+minus time spent waiting for buckets), communication seconds (time the communication thread spent
+reducing, overlapped or not), exposed wait (time backward's end waited for reductions), bytes sent.
+A rank whose compute time is more than 20% above the median is named as a straggler.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gradsync.train.config import TrainConfig
+
+STRAGGLER_FACTOR = 1.2
+
+
+def _human(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+class Reporter:
+    """Rank 0's console output and metrics file; every method is a no-op on other ranks."""
+
+    def __init__(self, cfg: TrainConfig, total_steps: int, enabled: bool) -> None:
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.console = Console()
+        self.metrics_path = Path(cfg.out) / "metrics.jsonl"
+        self.progress = None
+        self.task = None
+
+    def _record(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def start(self, global_batch: int, base_lr: float, peak_lr: float, steps_per_epoch: int, resumed_at) -> None:
+        if not self.enabled:
+            return
+        c, workers = self.cfg, global_batch // (self.cfg.batch_size * self.cfg.grad_accum)
+        self.console.print(f"[bold]gradsync train[/]: {c.model} on {c.dataset}, strategy {c.strategy}, "
+                           f"algorithm {c.algorithm}, {workers} worker(s)")
+        self.console.print(f"batch: {c.batch_size} per worker x {workers} workers x {c.grad_accum} accumulation "
+                           f"= {global_batch} global; lr {base_lr:g} x {global_batch // c.batch_size if c.lr_scaling == 'linear' else 1} "
+                           f"({c.lr_scaling} scaling) = {peak_lr:g}, warm-up {c.warmup_steps} steps; "
+                           f"{steps_per_epoch} steps/epoch, {self.total_steps} steps in all")
+        if resumed_at is not None:
+            self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
+        self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr})
+        if not c.quiet:
+            self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task("training", total=self.total_steps, completed=resumed_at or 0)
+
+    def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap) -> None:
+        if not self.enabled:
+            return
+        self._record({"event": "step", "step": step, "epoch": epoch, "loss": loss,
+                      "samples_per_s": samples_per_s, "overlap": overlap})
+        if self.progress:
+            self.progress.update(self.task, completed=step,
+                                 description=f"epoch {epoch} loss {loss:.4f} {samples_per_s:,.0f} samples/s")
+
+    def epoch(self, epoch: int, step: int, evaluation: dict) -> None:
+        if not self.enabled:
+            return
+        self._record({"event": "epoch", "epoch": epoch, "step": step, **evaluation})
+        line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}, accuracy {evaluation['accuracy']:.2%}"
+        (self.progress.console if self.progress else self.console).print(line)
+
+    def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor) -> dict | None:
+        if self.progress:
+            self.progress.stop()
+        if not self.enabled:
+            return None
+        c = self.cfg
+        samples = steps * c.batch_size * c.grad_accum * per_rank.shape[0]
+        compute = per_rank[:, 0].tolist()
+        median_compute = statistics.median(compute)
+        stragglers = [r for r, t in enumerate(compute) if median_compute > 0 and t > STRAGGLER_FACTOR * median_compute]
+        overlaps = [o for o in per_rank[:, 4].tolist() if o >= 0]
+        summary = {"wall_s": wall, "steps": steps, "samples_per_s": samples / wall if wall > 0 else 0.0,
+                   "accuracy": evaluation.get("accuracy"), "test_loss": evaluation.get("test_loss"),
+                   "bytes_sent_per_rank": per_rank[:, 3].tolist(), "compute_s": compute,
+                   "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
+                   "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers}
+        self._record({"event": "summary", **summary})
+        table = Table(title="gradsync train: summary")
+        table.add_column("")
+        table.add_column("value", justify="right")
+        table.add_row("time", f"{wall:.1f} s for {steps} steps")
+        table.add_row("throughput", f"{summary['samples_per_s']:,.0f} samples/s")
+        table.add_row("test accuracy" if c.model != "charlm" else "next-byte accuracy", f"{summary['accuracy']:.2%}")
+        table.add_row("test loss", f"{summary['test_loss']:.4f}")
+        table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
+        table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
+        table.add_row("compute / comm / exposed wait",
+                      f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
+        table.add_row("stragglers", ", ".join(f"rank {r} ({compute[r] / median_compute:.2f}x median compute)"
+                                              for r in stragglers) or "none")
+        self.console.print(table)
+        return summary
