@@ -1,6 +1,7 @@
 """gradsync: data-parallel training for PyTorch, from parameter server to ring all-reduce."""
 
 from gradsync.comm.collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from gradsync.data import DistributedSampler
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.launch import SpawnError, spawn
 from gradsync.meter import traffic, traffic_reset
@@ -10,6 +11,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "world", "World", "spawn", "SpawnError",
-    "DistributedDataParallel", "ReplicaMismatchError",
+    "DistributedDataParallel", "ReplicaMismatchError", "DistributedSampler",
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "traffic", "traffic_reset",
 ]

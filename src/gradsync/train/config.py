@@ -110,10 +110,15 @@ class TrainConfig:
         self._check_out_dir()
 
     def _check_out_dir(self) -> None:
+        """Create ``out`` and write a probe file: permission bits alone mislead (root, /proc, read-only mounts)."""
         out = Path(self.out)
-        existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {self.out}: {existing} is not a writable directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"--out {self.out} is not a writable directory: {exc.strerror or exc}") from None
 
     def default_lr(self) -> float:
         return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3}[self.model]

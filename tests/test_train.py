@@ -1,0 +1,93 @@
+"""gradsync train end to end: accuracy, exact resume, clear errors for bad input, the example script."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.cli import main
+from gradsync.train.config import TrainConfig
+from gradsync.train.loop import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_default_job_reaches_95_percent_on_digits(tmp_path):
+    results = run(TrainConfig(out=str(tmp_path), quiet=True))
+    summary = results[0]["summary"]
+    assert summary["accuracy"] >= 0.95
+    assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.pt").exists()
+    assert summary["bytes_sent_per_rank"][0] > 0
+
+
+@pytest.mark.timeout(300)
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    common = dict(workers=2, steps=30, batch_size=64, quiet=True, trace=False)
+    straight = run(TrainConfig(out=str(tmp_path / "a"), **common))
+    run(TrainConfig(out=str(tmp_path / "b"), **{**common, "steps": 13}))  # stops mid-epoch
+    resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=True, **common))
+    for name, value in straight[0]["params"].items():
+        assert torch.equal(value, resumed[0]["params"][name]), name
+
+
+@pytest.mark.timeout(300)
+def test_charlm_loss_falls(tmp_path):
+    results = run(TrainConfig(model="charlm", workers=2, steps=40, batch_size=16, out=str(tmp_path), quiet=True))
+    import json
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [s["loss"] for s in steps if s["event"] == "step"]
+    assert losses[-1] < 0.75 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    assert results[0]["summary"]["test_loss"] < losses[0]
+
+
+@pytest.mark.timeout(120)
+def test_trace_file_is_written(tmp_path):
+    run(TrainConfig(workers=2, steps=5, out=str(tmp_path), quiet=True, trace=True))
+    import json
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert any(e["name"].startswith("all_reduce bucket") for e in events)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "0"], "must be >= 1"),
+    (["--batch-size", "0"], "must be >= 1"),
+    (["--model", "resnet"], "invalid choice: 'resnet'"),
+    (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    (["--strategy", "ps-sync", "--workers", "2", "--servers", "2"], "servers < workers"),
+    (["--model", "charlm", "--dataset", "digits"], "cannot train on"),
+    (["--out", "/proc/forbidden/run"], "not a writable directory"),
+])
+def test_bad_flags_give_clear_errors(argv, message, capsys):
+    try:
+        code = main(["train", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
+    code = main(["train", "--workers", "2", "--batch-size", "1000", "--out", str(tmp_path), "--quiet"])
+    assert code == 2 and "fewer than one step" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_a_different_world_size_is_refused(tmp_path, capsys):
+    assert main(["train", "--workers", "2", "--steps", "3", "--out", str(tmp_path), "--quiet"]) == 0
+    code = main(["train", "--workers", "3", "--steps", "6", "--out", str(tmp_path), "--resume", "--quiet"])
+    assert code == 2 and "resume with --workers 2" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_example_script_runs_under_gradsync():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_digits.py"), "--workers", "2", "--epochs", "5"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    accuracy = float(out.stdout.split("test accuracy ")[1].rstrip("%\n")) / 100
+    assert accuracy > 0.9
