@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
+    ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
+    ddp.add_argument("--workers", type=_positive_int, default=2)
+    ddp.add_argument("--model", choices=("mlp", "cnn", "charlm"), default="mlp")
+    ddp.add_argument("--batch-size", type=_positive_int, default=64, help="samples per rank")
+    ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
+    ddp.add_argument("--steps", type=_positive_int, default=15, help="timed steps per implementation (median)")
+    ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     _add_train(commands)
     return parser
 
@@ -123,11 +130,37 @@ def _bench_collectives(args) -> int:
     return 0
 
 
+def _bench_ddp(args) -> int:
+    from gradsync.bench import ddp
+
+    try:
+        caps = [float(c) for c in args.bucket_mb.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
+    rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps)
+    table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
+                        f"batch {args.batch_size}/rank, median of {args.steps}")
+    for column in ("implementation", "buckets", "step (ms)", "ours/torch", "overlap", "bytes/rank/step"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["impl"], "-" if r["buckets"] is None else str(r["buckets"]), f"{r['step_s'] * 1e3:.1f}",
+                      "1.00 (baseline)" if r["impl"] == "torch DDP" else f"{r['ratio_vs_torch']:.2f}x",
+                      "-" if r["overlap"] is None else f"{r['overlap']:.0%}",
+                      "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:,}")
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench" and args.bench == "collectives":
             return _bench_collectives(args)
+        if args.command == "bench" and args.bench == "ddp":
+            return _bench_ddp(args)
         if args.command == "train":
             return _train(args)
     except (ValueError, RuntimeError, TypeError) as exc:

@@ -1,0 +1,103 @@
+"""gradsync bench ddp: training step time, gradsync DDP beside torch DDP (gloo), in one run.
+
+Each rank builds the same model twice (same seed), one wrapped by torch's DistributedDataParallel
+and one by ours per bucket size, and times full steps (forward, backward with the bucket
+reductions, optimizer step), each step preceded by a barrier; a step's time is the slowest rank's.
+The implementations are interleaved step by step so machine noise hits them alike; the table
+shows medians. One intra-op thread per rank.
+
+    ratio       = ours / torch DDP step time (below 1.0: ours is faster)
+    overlap     = share of our bucket communication that ran before backward ended (trace.py)
+    bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
+
+The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync as gs
+from gradsync.train.models import MLP, CharLM, DigitsCNN
+
+BENCH_MODELS = ("mlp", "cnn", "charlm")
+
+
+def _model_and_batch(name: str, batch: int):
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return MLP(in_features=1024, hidden=2048, layers=3), torch.randn(batch, 1024, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    if name == "cnn":
+        return DigitsCNN(), torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    if name == "charlm":
+        tokens = torch.randint(0, 256, (batch, 65), generator=g)
+        return CharLM(), tokens[:, :-1], tokens[:, 1:]
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
+
+
+def _loss(logits, y):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int) -> list[dict]:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.set_num_threads(1)
+    w = gs.world()
+    runners = {}
+    for label, cap in [("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]:
+        torch.manual_seed(0)
+        model, x, y = _model_and_batch(model_name, batch)
+        wrapped = TorchDDP(model, bucket_cap_mb=cap) if label == "torch DDP" else gs.DistributedDataParallel(model, bucket_cap_mb=cap)
+        runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
+
+    def step(label: str) -> float:
+        wrapped, opt, x, y = runners[label]
+        dist.barrier()
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        _loss(wrapped(x), y).backward()
+        opt.step()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for label in runners:
+        for _ in range(warmup):
+            step(label)
+    times = {label: [] for label in runners}
+    overlaps = {label: [] for label in runners}
+    bytes_per_step = {}
+    for _ in range(steps):
+        for label in runners:
+            gs.traffic_reset()
+            times[label].append(step(label))
+            if label != "torch DDP":
+                bytes_per_step[label] = gs.traffic()["bytes_sent"]
+                overlaps[label].append(runners[label][0].last_overlap or 0.0)
+    n_params = sum(p.numel() for p in runners["torch DDP"][0].module.parameters())
+    rows = []
+    for label in runners:
+        wrapped = runners[label][0]
+        rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
+                     "step_s": statistics.median(times[label]), "times_s": times[label],
+                     "buckets": len(wrapped.buckets) if label != "torch DDP" else None,
+                     "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
+                     "bytes_per_step": bytes_per_step.get(label)})
+    return rows
+
+
+def run(workers: int, model: str, batch: int = 64, bucket_mbs: list[float] | None = None,
+        steps: int = 15, warmup: int = 3) -> list[dict]:
+    if model not in BENCH_MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}")
+    rows = gs.spawn(_bench_rank, nprocs=workers, args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup))[0]
+    baseline = next(r["step_s"] for r in rows if r["impl"] == "torch DDP")
+    for r in rows:
+        r["ratio_vs_torch"] = r["step_s"] / baseline
+    return rows
