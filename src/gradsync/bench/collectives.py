@@ -10,7 +10,7 @@ repetition so machine noise hits them alike.
     ratio = busbw(ours) / busbw(native) from the same run
 
 "bytes/rank" is what the TrafficMeter measured on the busiest rank in one call; "formula" is
-sim/cost.py's prediction for that algorithm. torch's own all_reduce is not metered (its bytes
+the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
 never pass through our transport), so its measured column is empty.
 
 ``fit`` measures the link costs that algorithm="auto" uses: alpha and beta from point-to-point
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
+from gradsync.comm.allreduce_ring import ring_bytes_sent
 from gradsync.comm.transport import default_transport
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
@@ -141,9 +142,16 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
         n, m, t = r["workers"], r["size"], r["time_s"]
         r["algbw_GBps"] = m / t / 1e9 if t > 0 else 0.0
         r["busbw_GBps"] = r["algbw_GBps"] * (2 * (n - 1) / n if n > 1 else 1.0)
-        r["formula_bytes"] = allreduce_bytes_per_rank(r["algorithm"], m, n) if r["algorithm"] in OURS else None
+        r["formula_bytes"] = _formula_bytes(r["algorithm"], m, n)
         r["ratio_vs_native"] = native[m] / t if t > 0 else None
     return {"rows": rows, "fit": fitted}
+
+
+def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
+    """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
+    if algorithm == "ring":
+        return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
+    return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
 
 def _bench_job(sizes, algorithms, reps, warmup, fit):
