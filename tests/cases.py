@@ -73,3 +73,18 @@ def mismatched_all_reduce(kind: str, algorithm: str):
     if w.rank == 1:
         numel, dtype = (13, dtype) if kind == "size" else (numel, torch.int32)
     gs.all_reduce(torch.ones(numel, dtype=dtype), algorithm=algorithm)
+
+
+def any_source_case():
+    """Rank 0 receives one message from every other rank without naming the sender."""
+    from gradsync.comm.transport import default_transport
+    w, transport = gs.world(), default_transport()
+    if w.rank != 0:
+        transport.isend(torch.full((3,), float(w.rank)), 0, "test/any").wait()
+        return None
+    seen = {}
+    for _ in range(w.world_size - 1):
+        buf = torch.empty(3)
+        source = transport.irecv(buf, None, "test/any").wait()
+        seen[source] = buf
+    return seen, gs.traffic()["per_peer"]

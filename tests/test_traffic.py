@@ -69,3 +69,14 @@ def test_halving_doubling_and_tree_traffic(world_of, world_size):
     levels = int(math.log2(world_size))
     assert tree[0]["bytes_sent"] == levels * m_bytes  # the root feeds one child per level
     assert sum(t["bytes_sent"] for t in tree) == 2 * (world_size - 1) * m_bytes  # each tree edge twice
+
+
+@pytest.mark.timeout(120)
+def test_receive_from_any_source_names_the_sender(world_of):
+    world_size = 4
+    results = world_of(world_size).run(cases.any_source_case)
+    seen, per_peer = results[0]
+    assert sorted(seen) == [1, 2, 3]
+    for source, values in seen.items():
+        assert torch.equal(values, torch.full((3,), float(source))), "the payload came from the rank reported"
+        assert per_peer[source]["received"] >= 12
