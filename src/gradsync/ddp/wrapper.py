@@ -43,15 +43,8 @@ def _crc(data: bytes) -> int:
 
 def _gather_strings(lines: list[str]) -> list[list[str]]:
     """Every rank's list of strings (used only to explain a mismatch, so simplicity beats speed)."""
-    codes = torch.tensor([ord(c) for c in "\n".join(lines)] or [], dtype=torch.int32)
-    lengths = all_gather(torch.tensor([codes.numel()], dtype=torch.int64)).tolist()
-    everything = all_gather(codes).tolist()
-    out, start = [], 0
-    for length in lengths:
-        text = "".join(chr(c) for c in everything[start:start + length])
-        out.append(text.split("\n") if text else [])
-        start += length
-    return out
+    texts = _gather_hashes([ord(c) for c in "\n".join(lines)])  # any int64 list travels the same way
+    return ["".join(map(chr, codes)).split("\n") if codes else [] for codes in texts]
 
 
 def _first_difference(per_rank_hashes: list[list[int]]) -> tuple[int, int] | None:
@@ -66,6 +59,7 @@ def _first_difference(per_rank_hashes: list[list[int]]) -> tuple[int, int] | Non
 
 
 def _gather_hashes(hashes: list[int]) -> list[list[int]]:
+    """Every rank's list of integers, in rank order (lists may differ in length)."""
     mine = torch.tensor(hashes, dtype=torch.int64)
     counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
     flat = all_gather(mine).tolist()

@@ -17,7 +17,6 @@ Batch math (printed at start):
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -211,8 +210,3 @@ def run(cfg: TrainConfig) -> list[dict]:
     if cfg.trace:
         trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
     return results
-
-
-def write_json_line(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
