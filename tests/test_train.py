@@ -91,3 +91,14 @@ def test_example_script_runs_under_gradsync():
     assert out.returncode == 0, out.stderr
     accuracy = float(out.stdout.split("test accuracy ")[1].rstrip("%\n")) / 100
     assert accuracy > 0.9
+
+
+@pytest.mark.timeout(120)
+def test_runs_unchanged_under_torchrun(tmp_path):
+    from gradsync.runtime import free_port
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "gradsync.train", "--steps", "5", "--quiet",
+                          "--timeout", "30", "--out", str(tmp_path)], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "gradsync train: summary" in out.stdout
+    assert (tmp_path / "checkpoint.pt").exists()

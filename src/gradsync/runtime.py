@@ -16,7 +16,8 @@ Where the values come from, first match wins:
 
 Backend: gloo when CUDA is absent; with CUDA, "cpu:gloo,cuda:nccl" so CPU tensors travel over gloo
 and CUDA tensors over NCCL. The rendezvous store is a torch TCPStore on MASTER_ADDR:MASTER_PORT,
-hosted by rank 0 unless GRADSYNC_EXTERNAL_STORE=1 says the launcher already hosts it.
+hosted by rank 0 unless the launcher already hosts it (gs.spawn sets GRADSYNC_EXTERNAL_STORE=1;
+torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE=True).
 """
 
 from __future__ import annotations
@@ -158,11 +159,16 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
         raise RuntimeError("torch.distributed is already initialised outside gradsync; "
                            "call torch.distributed.destroy_process_group() first or let gradsync.init() create it")
 
-    host_store = wanted.rank == 0 and os.environ.get("GRADSYNC_EXTERNAL_STORE") != "1"
+    # torchrun's agent already hosts the store on MASTER_PORT; its workers join it as clients under
+    # a per-restart prefix, exactly as torch's own env:// rendezvous does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host_store = wanted.rank == 0 and os.environ.get("GRADSYNC_EXTERNAL_STORE") != "1" and not agent_store
     wait = timedelta(seconds=wanted.timeout)
     try:
         store = dist.TCPStore(wanted.master_addr, wanted.master_port, wanted.world_size,
                               is_master=host_store, timeout=wait, wait_for_workers=False)
+        if agent_store:
+            store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     except Exception as exc:
         raise RuntimeError(f"rank {wanted.rank}: could not reach the rendezvous store at "
                            f"{wanted.master_addr}:{wanted.master_port} within {wanted.timeout:.0f} s: {exc}") from exc
