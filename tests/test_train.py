@@ -25,6 +25,26 @@ def test_default_job_reaches_95_percent_on_digits(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_parameter_server_strategies_train_digits(tmp_path):
+    """1 server + 2 workers; async and SSP see the same samples as sync and land within a few points."""
+    accuracy = {}
+    for strategy in ("ps-sync", "ps-async", "ssp"):
+        results = run(TrainConfig(workers=3, strategy=strategy, out=str(tmp_path / strategy), quiet=True))
+        summary = results[1]["summary"]            # the first worker reports
+        accuracy[strategy] = summary["accuracy"]
+        server = results[0]["ps"]
+        assert server["role"] == "server" and server["pushes"] == 2 * summary["steps"]
+        if strategy == "ps-sync":
+            assert results[1]["digest"] == results[2]["digest"], "sync workers end on the same version"
+            assert set(server["staleness_histogram"]) == {0}
+        if strategy == "ssp":
+            assert server["max_clock_gap"] <= 2
+    assert accuracy["ps-sync"] >= 0.95, accuracy
+    assert abs(accuracy["ps-async"] - accuracy["ps-sync"]) <= 0.03, accuracy
+    assert abs(accuracy["ssp"] - accuracy["ps-sync"]) <= 0.03, accuracy
+
+
+@pytest.mark.timeout(300)
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     common = dict(workers=2, steps=30, batch_size=64, quiet=True, trace=False)
     straight = run(TrainConfig(out=str(tmp_path / "a"), **common))
@@ -60,6 +80,7 @@ def test_trace_file_is_written(tmp_path):
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--strategy", "ps-sync", "--workers", "2", "--servers", "2"], "servers < workers"),
     (["--model", "charlm", "--dataset", "digits"], "cannot train on"),
+    (["--strategy", "ps-async", "--workers", "3", "--resume"], "optimizer state lives on the parameter servers"),
     (["--out", "/proc/forbidden/run"], "not a writable directory"),
 ])
 def test_bad_flags_give_clear_errors(argv, message, capsys):

@@ -80,7 +80,11 @@ class WorldPool:
             if not conn.poll(case_timeout):
                 self.close()
                 raise TimeoutError(f"rank {rank} gave no answer within {case_timeout} s")
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:  # the rank's process is gone (killed, or it crashed)
+                self._procs[rank].join(5)
+                status, value = "error", ("died", f"the process exited with code {self._procs[rank].exitcode}")
             replies.append(value)
             if status == "error":
                 errors[rank] = value

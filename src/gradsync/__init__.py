@@ -5,12 +5,13 @@ from gradsync.data import DistributedSampler
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.launch import SpawnError, spawn
 from gradsync.meter import traffic, traffic_reset
+from gradsync.ps import ParameterServer
 from gradsync.runtime import World, init, shutdown, world
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "world", "World", "spawn", "SpawnError",
-    "DistributedDataParallel", "ReplicaMismatchError", "DistributedSampler",
+    "DistributedDataParallel", "ReplicaMismatchError", "DistributedSampler", "ParameterServer",
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "traffic", "traffic_reset",
 ]

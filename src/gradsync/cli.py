@@ -71,7 +71,7 @@ def _add_train(commands) -> None:
     train.add_argument("--workers", type=_positive_int, default=defaults["workers"].default, help="local worker processes")
     train.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     train.add_argument("--algorithm", choices=ALGORITHMS, default="auto")
-    train.add_argument("--servers", type=_positive_int, default=1, help="parameter servers (ps strategies)")
+    train.add_argument("--servers", type=_positive_int, default=1, help="how many of the --workers processes serve parameters (ps-sync, ps-async, ssp)")
     train.add_argument("--staleness", type=int, default=2, help="SSP bound in versions")
     train.add_argument("--model", choices=MODELS, default=None, help="default: the dataset's natural model")
     train.add_argument("--dataset", choices=DATASETS, default=None, help="default: digits (or stdlib-text for charlm)")

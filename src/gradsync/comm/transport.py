@@ -7,8 +7,11 @@ Every collective in gradsync is written against this small interface:
     peer = handle.wait()                             # blocks at most world.timeout seconds
 
 Messages between one pair of ranks are matched in the order they were posted, so two ranks that
-post the same sequence of sends and receives never need tags. A failed or timed-out wait raises
-PeerError naming this rank, the peer, the operation and the byte count; nothing waits forever.
+post the same sequence of sends and receives never need tags. A ``tag`` keeps two streams apart
+(the parameter server receives headers from any rank on one tag and payloads on another).
+
+A failed or timed-out wait raises PeerError naming this rank, the peer, the operation and the byte
+count; nothing waits forever.
 
 TorchTransport carries the bytes with torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
 Completed transfers are reported to the process-wide TrafficMeter; ``control=True`` marks small
@@ -40,7 +43,12 @@ class PeerError(RuntimeError):
 class Handle:
     """A posted transfer; ``wait()`` completes it and returns the peer rank."""
 
-    def wait(self) -> int:  # pragma: no cover - interface
+    def wait(self, timeout: float | None = None) -> int:  # pragma: no cover - interface
+        """Complete the transfer within ``timeout`` seconds (default: the world's timeout)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:  # pragma: no cover - interface
+        """True when ``wait()`` would return at once."""
         raise NotImplementedError
 
 
@@ -50,10 +58,11 @@ class Transport:
     rank: int
     world_size: int
 
-    def isend(self, tensor: torch.Tensor, dst: int, op: str, *, control: bool = False) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, op: str, *, control: bool = False, tag: int = 0) -> Handle:
         raise NotImplementedError
 
-    def irecv(self, tensor: torch.Tensor, src: int | None, op: str, *, control: bool = False) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int | None, op: str, *, control: bool = False,
+              tag: int = 0) -> Handle:
         raise NotImplementedError
 
 
@@ -70,13 +79,16 @@ class _TorchHandle(Handle):
         self._control = control
         self._done = False
 
-    def wait(self) -> int:
+    def done(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self, timeout: float | None = None) -> int:
         if self._done:
             return self._peer
         t = self._transport
         started = time.monotonic()
         try:
-            self._work.wait(t.wait_timeout)
+            self._work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
             if self._peer is None:
                 self._peer = self._work._source_rank()
         except Exception as exc:
@@ -112,14 +124,14 @@ class TorchTransport(Transport):
             raise ValueError(f"{op}: peer rank {peer} is not another rank of 0..{self.world_size - 1} "
                              f"(this is rank {self.rank})")
 
-    def isend(self, tensor, dst, op, *, control=False):
+    def isend(self, tensor, dst, op, *, control=False, tag=0):
         self._check(tensor, dst, op)
-        work = dist.isend(tensor, dst)
+        work = dist.isend(tensor, dst, tag=tag)
         return _TorchHandle(work, self, dst, op, tensor.numel() * tensor.element_size(), True, control)
 
-    def irecv(self, tensor, src, op, *, control=False):
+    def irecv(self, tensor, src, op, *, control=False, tag=0):
         self._check(tensor, src, op)
-        work = dist.irecv(tensor, src)
+        work = dist.irecv(tensor, src, tag=tag)
         return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
 
 

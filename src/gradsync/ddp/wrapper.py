@@ -19,71 +19,19 @@ with the signature documented in ddp/hooks.py.
 
 from __future__ import annotations
 
-import zlib
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from gradsync import runtime, trace
-from gradsync.comm.agree import DTYPES
-from gradsync.comm.collectives import ALGORITHMS, all_gather, broadcast
+from gradsync.comm.collectives import ALGORITHMS
 from gradsync.ddp.buckets import build_buckets
 from gradsync.ddp.hooks import BUILTIN
 from gradsync.ddp.reducer import Reducer
+from gradsync.replicas import ReplicaMismatchError, broadcast_coalesced, first_mismatch, verify_same_model
 
-
-class ReplicaMismatchError(RuntimeError):
-    """Ranks hold different models or different parameter values."""
-
-
-def _crc(data: bytes) -> int:
-    return zlib.crc32(data) & 0x7FFFFFFF
-
-
-def _gather_strings(lines: list[str]) -> list[list[str]]:
-    """Every rank's list of strings (used only to explain a mismatch, so simplicity beats speed)."""
-    texts = _gather_hashes([ord(c) for c in "\n".join(lines)])  # any int64 list travels the same way
-    return ["".join(map(chr, codes)).split("\n") if codes else [] for codes in texts]
-
-
-def _first_difference(per_rank_hashes: list[list[int]]) -> tuple[int, int] | None:
-    """(rank, index) of the first entry where some rank differs from rank 0."""
-    reference = per_rank_hashes[0]
-    for rank, hashes in enumerate(per_rank_hashes[1:], start=1):
-        for index in range(max(len(reference), len(hashes))):
-            mine = hashes[index] if index < len(hashes) else None
-            if mine != (reference[index] if index < len(reference) else None):
-                return rank, index
-    return None
-
-
-def _gather_hashes(hashes: list[int]) -> list[list[int]]:
-    """Every rank's list of integers, in rank order (lists may differ in length)."""
-    mine = torch.tensor(hashes, dtype=torch.int64)
-    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
-    flat = all_gather(mine).tolist()
-    out, start = [], 0
-    for count in counts:
-        out.append(flat[start:start + count])
-        start += count
-    return out
-
-
-@torch.no_grad()
-def _broadcast_coalesced(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values of ``tensors`` onto every rank: one broadcast per dtype, not one per tensor."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel() and t.dtype in DTYPES:
-            by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        broadcast(flat, src=0)
-        offset = 0
-        for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+__all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
 
 
 class DistributedDataParallel(nn.Module):
@@ -120,37 +68,17 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(self.buckets, algorithm, comm_hook, find_unused_parameters)
 
     # -- construction ------------------------------------------------------------------------------
-    def _signature(self) -> list[str]:
-        params = [f"param {n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} requires_grad={p.requires_grad}"
-                  for n, p in self.module.named_parameters()]
-        buffers = [f"buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
-                   for n, b in self.module.named_buffers()]
-        return params + buffers
-
     def _verify_same_model(self) -> None:
-        if self.world.world_size == 1:
-            return
-        lines = self._signature()
-        per_rank = _gather_hashes([_crc(line.encode()) for line in lines])
-        difference = _first_difference(per_rank)
-        if difference is None:
-            return
-        rank, index = difference
-        texts = _gather_strings(lines)
-        ours = texts[0][index] if index < len(texts[0]) else "(nothing)"
-        theirs = texts[rank][index] if index < len(texts[rank]) else "(nothing)"
-        raise ReplicaMismatchError(
-            f"rank {rank} wraps a different model than rank 0: entry #{index} is '{theirs}' on rank {rank} "
-            f"but '{ours}' on rank 0. Every rank must build the same model (same parameters, shapes, "
-            f"dtypes, order) before wrapping it.")
+        if self.world.world_size > 1:
+            verify_same_model(self.module, "DistributedDataParallel")
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
-        _broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()))
+        broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()))
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
-        _broadcast_coalesced(list(self.module.buffers()))
+        broadcast_coalesced(list(self.module.buffers()))
 
     # -- use --------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -186,11 +114,8 @@ class DistributedDataParallel(nn.Module):
         """Raise ReplicaMismatchError if any parameter differs (bitwise) between ranks."""
         if self.world.world_size == 1:
             return
-        names, hashes = [], []
-        for name, p in self.module.named_parameters():
-            names.append(name)
-            hashes.append(_crc(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()))
-        difference = _first_difference(_gather_hashes(hashes))
+        names = [name for name, _ in self.module.named_parameters()]
+        difference = first_mismatch(list(self.module.parameters()))
         if difference is not None:
             rank, index = difference
             raise ReplicaMismatchError(

@@ -12,7 +12,7 @@ from gradsync.train.datasets import DATASETS
 from gradsync.train.models import MODELS
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
-AVAILABLE_STRATEGIES = ("ddp", "local")
+AVAILABLE_STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "local")
 COMPRESSION = ("none", "fp16", "bf16")
 LR_SCALING = ("none", "linear")
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp"}
@@ -28,7 +28,7 @@ class TrainConfig:
     algorithm: Literal["auto", "ring", "halving_doubling", "tree", "naive", "native"] = "auto"
     """All-reduce algorithm for ddp."""
     servers: int = 1
-    """Parameter servers (ps-* and ssp strategies)."""
+    """How many of the ``workers`` processes serve parameters (ps-* and ssp); the rest train."""
     staleness: int = 2
     """SSP bound: how many versions a worker may run ahead of the slowest."""
     model: str | None = None
@@ -105,6 +105,9 @@ class TrainConfig:
         if self.strategy not in AVAILABLE_STRATEGIES:
             raise RuntimeError(f"--strategy {self.strategy} is not available in this version of gradsync; "
                                f"available now: {', '.join(AVAILABLE_STRATEGIES)}")
+        if self.resume and self.strategy in ("ps-sync", "ps-async", "ssp"):
+            raise RuntimeError(f"--resume is not supported with --strategy {self.strategy}: the optimizer state "
+                               f"lives on the parameter servers; use ddp, zero1 or local to resume")
         if self.strategy == "local" and self.workers != 1:
             raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()

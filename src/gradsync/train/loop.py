@@ -31,6 +31,7 @@ from gradsync import checkpoint, trace
 from gradsync.data import DistributedSampler
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
+from gradsync.train.loop_ps import MODE_OF, train_ps_rank
 from gradsync.train.models import build_model
 from gradsync.train.report import Reporter
 
@@ -55,11 +56,13 @@ def lr_at(step: int, peak: float, warmup_steps: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, model: nn.Module, test_set) -> dict:
-    """Every rank scores a disjoint slice of the test set; the counts are summed exactly."""
+def evaluate(cfg: TrainConfig, model: nn.Module, test_set, ranks: list[int] | None = None) -> dict:
+    """The ``ranks`` (default: all) score disjoint slices of the test set; the counts are summed exactly
+    over every rank (a rank outside ``ranks`` adds zeros)."""
     w = gs.world()
+    ranks = list(range(w.world_size)) if ranks is None else ranks
     model.eval()
-    indices = list(range(w.rank, len(test_set), w.world_size))
+    indices = list(range(ranks.index(w.rank), len(test_set), len(ranks))) if w.rank in ranks else []
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for start in range(0, len(indices), 256):
         x, y = test_set[indices[start:start + 256]]
@@ -194,19 +197,26 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ
 
 
+def train_rank(cfg: TrainConfig) -> dict:
+    """One rank's job for any strategy."""
+    if cfg.strategy in MODE_OF:
+        return train_ps_rank(cfg)
+    return train_worker(cfg)
+
+
 def run(cfg: TrainConfig) -> list[dict]:
     """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     if _under_torchrun() or cfg.strategy == "local":
         gs.init(timeout=cfg.timeout)
         try:
-            results = [train_worker(cfg)]
+            results = [train_rank(cfg)]
         finally:
             gs.shutdown()
         if cfg.trace:
             trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
         return results
-    results = gs.spawn(train_worker, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
+    results = gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
     if cfg.trace:
         trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
     return results

@@ -80,15 +80,18 @@ class Reporter:
         line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}, accuracy {evaluation['accuracy']:.2%}"
         (self.progress.console if self.progress else self.console).print(line)
 
-    def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor) -> dict | None:
+    def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
+               workers: int | None = None) -> dict | None:
+        """``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
+        ``workers``: ranks that train (default: all; parameter servers do not)."""
         if self.progress:
             self.progress.stop()
         if not self.enabled:
             return None
         c = self.cfg
-        samples = steps * c.batch_size * c.grad_accum * per_rank.shape[0]
+        samples = steps * c.batch_size * c.grad_accum * (workers or per_rank.shape[0])
         compute = per_rank[:, 0].tolist()
-        median_compute = statistics.median(compute)
+        median_compute = statistics.median([t for t in compute if t > 0] or [0.0])
         stragglers = [r for r, t in enumerate(compute) if median_compute > 0 and t > STRAGGLER_FACTOR * median_compute]
         overlaps = [o for o in per_rank[:, 4].tolist() if o >= 0]
         summary = {"wall_s": wall, "steps": steps, "samples_per_s": samples / wall if wall > 0 else 0.0,

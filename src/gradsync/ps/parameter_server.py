@@ -1,0 +1,130 @@
+"""ParameterServer: ranks 0..S-1 hold the parameters and the optimizer, the other ranks compute gradients.
+
+    ps = gs.ParameterServer(model, optimizer_fn, num_servers=1, mode="sync", staleness=0)
+    if ps.is_server:
+        ps.serve()                        # returns when every worker has closed
+    else:
+        for x, y in batches:
+            ps.pull()                     # newest parameters into the model
+            loss_fn(model(x), y).backward()
+            ps.push()                     # gradients to the servers (then cleared)
+        ps.close()
+    ps.stats()                            # this rank's counters (see Server.stats / Client.stats)
+
+Construction, as a recipe (collective: every rank calls it with the same arguments)
+    verify_same_model   every rank built the same model (replicas.py)
+    broadcast_state     rank 0's parameters become everyone's, so the servers' shards start equal
+    plan_shards         the parameter space split over S servers (sharding.py)
+    start_role          a Server (server.py) on ranks < S, a Client (client.py) on the others
+
+``optimizer_fn(params)`` builds any torch.optim optimizer; each server runs it over its flat shard,
+so element-wise optimizers (SGD, momentum, Adam, AdamW) behave exactly as on the whole model.
+Modes: see server.py. W = world_size - S workers; per-worker batch b gives an effective batch W*b.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsync import runtime
+from gradsync.comm.transport import default_transport
+from gradsync.ps.client import Client
+from gradsync.ps.protocol import Channel
+from gradsync.ps.server import MODES, Server
+from gradsync.ps.sharding import plan_shards
+from gradsync.replicas import broadcast_coalesced, verify_same_model
+
+_INSTANCES = [0]
+
+
+def _next_instance() -> int:
+    """Instances are numbered in construction order, the same on every rank (construction is collective)."""
+    _INSTANCES[0] += 1
+    return _INSTANCES[0]
+
+
+class ParameterServer:
+    """See the module docstring."""
+
+    def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
+                 staleness: int = 0) -> None:
+        world = runtime.world()
+        params = self._check(model, optimizer_fn, num_servers, mode, staleness, world)
+        self.world = world
+        self.model = model
+        self.mode = mode
+        self.num_servers = num_servers
+        self.staleness = staleness
+        verify_same_model(model, "ParameterServer")
+        broadcast_coalesced(list(model.parameters()) + list(model.buffers()))
+        self.plan = plan_shards([p.numel() for p in params], num_servers)
+        self.workers = list(range(num_servers, world.world_size))
+        self.is_server = world.rank < num_servers
+        transport = default_transport()
+        channel = Channel(world.store, _next_instance())
+        if self.is_server:
+            self._server = Server(transport, self.workers, self.plan.pieces[world.rank], params, optimizer_fn,
+                                  mode, staleness, world.timeout, channel)
+            self._client = None
+        else:
+            self._server = None
+            self._client = Client(transport, self.plan, params, mode, channel)
+
+    @staticmethod
+    def _check(model, optimizer_fn, num_servers, mode, staleness, world) -> list[torch.Tensor]:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ParameterServer needs an nn.Module, got {type(model).__name__}")
+        if not callable(optimizer_fn):
+            raise TypeError("optimizer_fn must be callable: optimizer_fn(params) -> torch.optim.Optimizer, "
+                            "e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise ValueError(f"staleness must be an integer >= 0 (versions a worker may run ahead), got {staleness!r}")
+        if not isinstance(num_servers, int) or not 1 <= num_servers < world.world_size:
+            raise ValueError(f"num_servers must be an integer in 1..world_size-1 = 1..{world.world_size - 1} so "
+                             f"at least one rank is a worker; got {num_servers!r} (world of {world.world_size})")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("ParameterServer needs a model with at least one parameter that requires grad")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or not params[0].is_floating_point():
+            raise TypeError(f"ParameterServer needs parameters of one floating dtype, got "
+                            f"{sorted(str(d).replace('torch.', '') for d in dtypes)}")
+        if any(not p.is_contiguous() for p in params):
+            raise ValueError("ParameterServer needs contiguous parameters")
+        return params
+
+    # -- server ------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serve this rank's shard until every worker has closed (servers only)."""
+        if not self.is_server:
+            raise RuntimeError(f"rank {self.world.rank} is a worker (servers are ranks 0..{self.num_servers - 1}); "
+                               f"workers call pull(), push() and close()")
+        self._server.serve()
+
+    # -- worker ------------------------------------------------------------------------------------
+    def pull(self) -> None:
+        """Copy the newest parameters the consistency model allows into the model (workers only)."""
+        self._worker("pull").pull()
+
+    def push(self) -> None:
+        """Send this rank's gradients to the servers and clear them (workers only)."""
+        self._worker("push").push()
+
+    def close(self) -> None:
+        """Leave the parameter server; the servers' serve() returns once every worker has closed."""
+        self._worker("close").close()
+
+    def _worker(self, what: str) -> Client:
+        if self.is_server:
+            raise RuntimeError(f"rank {self.world.rank} is a server: call serve(); {what}() is for workers "
+                               f"(ranks {self.num_servers}..{self.world.world_size - 1})")
+        return self._client
+
+    def stats(self) -> dict:
+        """This rank's counters: bytes in/out per step, staleness histogram (servers), wait times (workers)."""
+        return self._server.stats() if self.is_server else self._client.stats()

@@ -1,0 +1,166 @@
+"""Parameter-server wire protocol: a fixed integer header, then raw tensor bytes. Nothing is unpickled.
+
+Every message starts with a header of HEADER_WORDS int64 words, sent on the channel's header tag:
+
+    word  name      meaning
+    0     magic     MAGIC (0x6773_7073, "gsps"): anything else is not ours
+    1     kind      PUSH, PULL, PARAMS, CLOSE, BYE or ABORT
+    2     sender    rank of the sender (checked against the rank the transport saw)
+    3     version   PUSH: server version the gradient was computed on; PULL: the worker's clock
+                    (pushes done so far); PARAMS: the server's version; ABORT: the rank at fault or -1
+    4     shard     shard id (= server rank) the message is about
+    5     numel     elements of payload that follow (0 for PULL, CLOSE, BYE, ABORT)
+    6     nbytes    payload length in bytes (numel * element size: the length check)
+    7     checksum  sum of the payload's 32-bit words (bytes when the length is not a multiple of 4)
+
+A PUSH and a PARAMS header are followed by one payload message of exactly ``numel`` elements of the
+model's dtype on the channel's payload tag; the receiver validates the header before it posts the payload
+receive, so a message whose length disagrees with the shard is refused, never read into a buffer of
+the wrong size. Conversation:
+
+    worker -> server   PULL                  answered by PARAMS + payload (when the consistency
+                                             model allows: sync/SSP may hold the answer back)
+    worker -> server   PUSH + payload        gradient of this server's shard; no answer
+    worker -> server   CLOSE                 answered by BYE
+    server -> worker   ABORT                 the server stopped on an error (``reason`` in numel)
+
+Headers travel as control traffic in the TrafficMeter; payloads as "ps/push" and "ps/pull".
+
+Each ParameterServer instance talks on its own Channel: its own pair of tags (so messages left
+over from a failed instance never reach the next one) and its own abort key in the rendezvous
+store. ABORT travels out of band there too: gloo closes a rank's connections after a receive times
+out (which is how a killed worker shows up), so a server that has just detected a dead worker can
+no longer reach the others by message. A worker whose transfer fails reads the key before it
+reports its own timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = 0x67737073
+HEADER_WORDS = 8
+TAG_BASE = 7100
+
+PUSH, PULL, PARAMS, CLOSE, BYE, ABORT = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE: "BYE", ABORT: "ABORT"}
+
+# ABORT reasons (carried in the numel word)
+REASON_DEAD_WORKER, REASON_PROTOCOL, REASON_SERVER_ERROR = 1, 2, 3
+REASON_NAMES = {REASON_DEAD_WORKER: "a worker stopped answering",
+                REASON_PROTOCOL: "a worker sent a malformed or unexpected message",
+                REASON_SERVER_ERROR: "the server failed"}
+
+
+class ProtocolError(RuntimeError):
+    """A malformed or unexpected parameter-server message; ``sender`` is the rank that sent it."""
+
+    def __init__(self, message: str, sender: int | None) -> None:
+        super().__init__(message)
+        self.sender = sender
+
+
+class ServerAbortedError(RuntimeError):
+    """A server stopped on an error and told this worker so; ``culprit`` is the rank at fault, if known."""
+
+    def __init__(self, message: str, culprit: int | None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    sender: int
+    version: int = 0
+    shard: int = 0
+    numel: int = 0
+    nbytes: int = 0
+    checksum: int = 0
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([MAGIC, self.kind, self.sender, self.version, self.shard, self.numel,
+                             self.nbytes, self.checksum], dtype=torch.int64)
+
+    def describe(self) -> str:
+        return (f"{KIND_NAMES.get(self.kind, f'kind {self.kind}')} from rank {self.sender} "
+                f"(version {self.version}, shard {self.shard}, {self.numel} elements, {self.nbytes} bytes)")
+
+
+def empty_header() -> torch.Tensor:
+    """A receive buffer for one header."""
+    return torch.zeros(HEADER_WORDS, dtype=torch.int64)
+
+
+def checksum(payload: torch.Tensor) -> int:
+    """Sum of the payload's 32-bit words (its bytes when the length is not a multiple of 4)."""
+    raw = payload.detach().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return int(words.sum(dtype=torch.int64))
+
+
+def decode(buffer: torch.Tensor, seen_from: int) -> Header:
+    """Parse a received header; ``seen_from`` is the rank the transport received it from.
+
+    Raises ProtocolError naming ``seen_from`` when the magic, kind or sender word is wrong.
+    """
+    words = buffer.tolist()
+    if words[0] != MAGIC:
+        raise ProtocolError(f"rank {seen_from} sent a message that is not a gradsync parameter-server header "
+                            f"(magic {words[0]:#x}, expected {MAGIC:#x}); refused", seen_from)
+    if words[1] not in KIND_NAMES:
+        raise ProtocolError(f"rank {seen_from} sent an unknown message kind {words[1]} "
+                            f"(known: {', '.join(f'{k}={n}' for k, n in KIND_NAMES.items())}); refused", seen_from)
+    header = Header(*words[1:])
+    if header.sender != seen_from:
+        raise ProtocolError(f"rank {seen_from} sent a header that claims to come from rank {header.sender}; refused",
+                            seen_from)
+    if header.numel < 0 or header.nbytes < 0:
+        raise ProtocolError(f"rank {seen_from} sent a negative length: {header.describe()}; refused", seen_from)
+    return header
+
+
+def check_payload_header(header: Header, expected_numel: int, element_size: int, seen_from: int) -> None:
+    """Refuse a payload header whose length disagrees with the shard it claims to be about."""
+    if header.numel != expected_numel or header.nbytes != expected_numel * element_size:
+        raise ProtocolError(
+            f"{header.describe()}: shard {header.shard} has {expected_numel} elements "
+            f"({expected_numel * element_size} bytes); the message was refused and not applied", seen_from)
+
+
+def check_payload(header: Header, payload: torch.Tensor, seen_from: int) -> None:
+    """Refuse a payload whose checksum disagrees with its header."""
+    actual = checksum(payload)
+    if actual != header.checksum:
+        raise ProtocolError(f"{header.describe()}: payload checksum {actual} does not match the header's "
+                            f"{header.checksum}; the message was refused and not applied", seen_from)
+
+
+class Channel:
+    """One parameter-server instance's tags and out-of-band abort key (instances numbered 1, 2, ...)."""
+
+    def __init__(self, store, instance: int) -> None:
+        self.store = store
+        self.header_tag = TAG_BASE + 2 * instance
+        self.payload_tag = TAG_BASE + 2 * instance + 1
+        self.key = f"gradsync/ps/{instance}/abort"
+
+    def post_abort(self, culprit: int | None, message: str) -> None:
+        if self.store is not None:
+            self.store.set(self.key, f"{-1 if culprit is None else culprit}|{message}")
+
+    def read_abort(self, wait_seconds: float) -> tuple[int | None, str] | None:
+        """(culprit, server's message) once posted, polling up to ``wait_seconds``; None if never posted."""
+        if self.store is None:
+            return None
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            if self.store.check([self.key]):
+                culprit, message = self.store.get(self.key).decode().split("|", 1)
+                return (None if int(culprit) < 0 else int(culprit)), message
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)

@@ -1,0 +1,268 @@
+"""Parameter-server side: one shard of the parameters, its optimizer, and the consistency model.
+
+Vocabulary
+    W        workers;  M_s  bytes of this server's shard
+    version  optimizer steps applied to this shard so far (the parameters a PULL returns)
+    clock    pushes received from one worker so far (its iteration count)
+    gap      clock of the pulling worker minus the clock of the slowest open worker
+
+Consistency models (what a PUSH does, and when a PULL is answered):
+    sync   PUSHes for version v are summed; when every open worker has pushed, the mean gradient
+           is applied in one optimizer step (version v+1). A PULL from a worker at clock c is
+           answered once version == c, so every worker computes step c on the same parameters.
+    async  every PUSH is applied on arrival as one optimizer step on gradient / W (the 1/W keeps
+           W pushes worth one synchronous step); a PULL is answered at once with the newest version.
+           staleness = version at apply - version the gradient was computed on, recorded per update.
+    ssp    applied as async, but a PULL from a worker at clock c waits while c - min(open clocks)
+           > staleness_bound (Ho et al., NIPS 2013). Bound 0 gives sync's schedule; a huge bound, async's.
+
+Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W*M_s; with one
+server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
+all-reduce.
+
+Failures: a worker that is not waiting on the server and sends nothing for ``timeout`` seconds is
+declared dead; so is one whose transfer fails. A malformed or unexpected message is refused (never
+applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsync.comm.transport import Handle, PeerError, Transport
+from gradsync.ps import protocol as wire
+from gradsync.ps.protocol import Header, ProtocolError
+from gradsync.ps.sharding import Piece, gather_shard
+
+MODES = ("sync", "async", "ssp")
+
+
+class WorkerLostError(RuntimeError):
+    """A worker died or stopped answering; ``worker`` is its rank."""
+
+    def __init__(self, message: str, worker: int | None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class Server:
+    """Serves shard ``rank`` of the parameters to ``workers`` until all of them have closed."""
+
+    def __init__(self, transport: Transport, workers: list[int], pieces: list[Piece], params: list[torch.Tensor],
+                 optimizer_fn: Callable, mode: str, staleness_bound: int, timeout: float,
+                 channel: wire.Channel) -> None:
+        self.transport = transport
+        self.channel = channel
+        self.rank = transport.rank
+        self.workers = list(workers)
+        self.mode = mode
+        self.staleness_bound = staleness_bound
+        self.timeout = timeout
+        dtype = params[0].dtype
+        numel = sum(p.length for p in pieces)
+        self.shard = nn.Parameter(gather_shard(params, pieces, torch.empty(numel, dtype=dtype)))
+        self.optimizer = optimizer_fn([self.shard])
+        self.published = self.shard.detach().clone()    # what PULLs return; replaced, never mutated
+        self.incoming = torch.empty_like(self.published)
+        self.grad_sum = torch.zeros_like(self.published) if mode == "sync" else None
+        self.version = 0
+        self.clock = {w: 0 for w in self.workers}
+        self.open = set(self.workers)
+        self.pushed_this_version: set[int] = set()
+        self.pending_pulls: set[int] = set()
+        self.last_seen = {w: time.monotonic() for w in self.workers}
+        self.sends: list[Handle] = []
+        self.counts = Counter()
+        self.staleness = Counter()
+        self.gaps = Counter()
+        self.idle_seconds = 0.0
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def serve(self) -> None:
+        try:
+            while self.open:
+                header = self._next_header()
+                self.last_seen[header.sender] = time.monotonic()
+                self._handle(header)
+                self._answer_pulls()
+                self._reap_sends(block=False)
+                self._check_liveness()
+            self._reap_sends(block=True)
+        except ProtocolError as exc:
+            self._abort(wire.REASON_PROTOCOL, exc.sender, str(exc))
+            raise
+        except WorkerLostError as exc:
+            self._abort(wire.REASON_DEAD_WORKER, exc.worker, str(exc))
+            raise
+
+    def _next_header(self) -> Header:
+        buffer = wire.empty_header()
+        handle = self.transport.irecv(buffer, None, "ps/header", control=True, tag=self.channel.header_tag)
+        started = time.monotonic()
+        try:
+            sender = handle.wait()
+        except PeerError as exc:
+            raise self._lost(self._quietest(), "no message from any worker arrived") from exc
+        finally:
+            self.idle_seconds += time.monotonic() - started
+        if sender not in self.clock:
+            raise ProtocolError(f"server rank {self.rank}: rank {sender} is not a worker of this parameter "
+                                f"server (workers: {self.workers}); its message was refused", sender)
+        return wire.decode(buffer, sender)
+
+    def _handle(self, header: Header) -> None:
+        sender = header.sender
+        if sender not in self.open:
+            raise ProtocolError(f"server rank {self.rank}: unexpected {header.describe()}: that worker already "
+                                f"closed; the message was refused", sender)
+        if header.kind != wire.CLOSE and header.shard != self.rank:
+            raise ProtocolError(f"server rank {self.rank}: {header.describe()} is about shard {header.shard}, "
+                                f"but this server owns shard {self.rank}; refused", sender)
+        if header.kind == wire.PUSH:
+            self._on_push(header)
+        elif header.kind == wire.PULL:
+            if header.version != self.clock[sender]:
+                raise ProtocolError(f"server rank {self.rank}: {header.describe()} says the worker has pushed "
+                                    f"{header.version} times, the server counted {self.clock[sender]}; refused", sender)
+            self.pending_pulls.add(sender)
+        elif header.kind == wire.CLOSE:
+            self.open.discard(sender)
+            self.pending_pulls.discard(sender)
+            self._send_header(sender, wire.Header(wire.BYE, self.rank, self.version, self.rank))
+            self._maybe_step_sync()
+        else:
+            raise ProtocolError(f"server rank {self.rank}: a worker may not send {header.describe()}; refused",
+                                sender)
+
+    def _on_push(self, header: Header) -> None:
+        sender = header.sender
+        wire.check_payload_header(header, self.shard.numel(), self.shard.element_size(), sender)
+        if header.version > self.version:
+            raise ProtocolError(f"server rank {self.rank}: {header.describe()} claims a version from the future "
+                                f"(server is at {self.version}); refused", sender)
+        if self.mode == "sync" and (header.version != self.version or sender in self.pushed_this_version):
+            raise ProtocolError(
+                f"server rank {self.rank}: unexpected {header.describe()}: in sync mode each worker pushes once per "
+                f"version, on the version it pulled (server is at {self.version}); call pull() before every "
+                f"push(); refused", sender)
+        try:
+            self.transport.irecv(self.incoming, sender, "ps/push", tag=self.channel.payload_tag).wait()
+        except PeerError as exc:
+            raise self._lost(sender, "its gradient payload never arrived") from exc
+        wire.check_payload(header, self.incoming, sender)
+        self.counts["pushes"] += 1
+        self.counts["bytes_in"] += self.incoming.numel() * self.incoming.element_size()
+        self.clock[sender] += 1
+        if self.mode == "sync":
+            self.grad_sum.add_(self.incoming)
+            self.pushed_this_version.add(sender)
+            self._maybe_step_sync()
+        else:
+            self.staleness[self.version - header.version] += 1
+            self._step(self.incoming / len(self.workers))
+
+    def _maybe_step_sync(self) -> None:
+        if self.mode != "sync" or not self.pushed_this_version or not self.open <= self.pushed_this_version:
+            return
+        self.staleness[0] += len(self.pushed_this_version)
+        self._step(self.grad_sum / len(self.pushed_this_version))
+        self.grad_sum.zero_()
+        self.pushed_this_version.clear()
+
+    def _step(self, gradient: torch.Tensor) -> None:
+        self.shard.grad = gradient
+        self.optimizer.step()
+        self.shard.grad = None
+        self.version += 1
+        self.published = self.shard.detach().clone()
+
+    # -- answering pulls ---------------------------------------------------------------------------
+    def _may_answer(self, worker: int) -> bool:
+        if self.mode == "sync":
+            return self.version == self.clock[worker]
+        if self.mode == "ssp":
+            return self.clock[worker] - min(self.clock[w] for w in self.open) <= self.staleness_bound
+        return True
+
+    def _answer_pulls(self) -> None:
+        for worker in sorted(self.pending_pulls):
+            if not self._may_answer(worker):
+                continue
+            self.pending_pulls.discard(worker)
+            self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
+            payload = self.published
+            header = Header(wire.PARAMS, self.rank, self.version, self.rank, payload.numel(),
+                            payload.numel() * payload.element_size(), wire.checksum(payload))
+            self._send_header(worker, header)
+            self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
+            self.counts["pulls"] += 1
+            self.counts["bytes_out"] += header.nbytes
+
+    def _send_header(self, worker: int, header: Header) -> None:
+        self.sends.append(self.transport.isend(header.encode(), worker, "ps/header", control=True,
+                                               tag=self.channel.header_tag))
+
+    def _reap_sends(self, block: bool) -> None:
+        still = []
+        for handle in self.sends:
+            if block or handle.done():
+                try:
+                    handle.wait()
+                except PeerError as exc:
+                    raise self._lost(exc.peer, "it stopped receiving") from exc
+            else:
+                still.append(handle)
+        self.sends = still
+
+    # -- failures ----------------------------------------------------------------------------------
+    def _quietest(self) -> int | None:
+        """The open worker that is not waiting on us and has been silent longest (the likely dead one)."""
+        candidates = [w for w in self.open if w not in self.pending_pulls] or list(self.open)
+        return min(candidates, key=lambda w: self.last_seen[w]) if candidates else None
+
+    def _check_liveness(self) -> None:
+        worker = self._quietest()
+        if worker is not None and worker not in self.pending_pulls:
+            silent = time.monotonic() - self.last_seen[worker]
+            if silent > self.timeout:
+                raise self._lost(worker, f"it sent nothing for {silent:.1f} s")
+
+    def _lost(self, worker: int | None, why: str) -> WorkerLostError:
+        who = f"worker rank {worker}" if worker is not None else "a worker"
+        return WorkerLostError(
+            f"parameter server rank {self.rank}: {who} is lost: {why} (timeout {self.timeout:.0f} s); it may have "
+            f"died or stalled. Open workers: {sorted(self.open)}; server version {self.version}.", worker)
+
+    def _abort(self, reason: int, culprit: int | None, message: str) -> None:
+        """Tell every other open worker that this server stopped: the notice, then an ABORT header each."""
+        self.channel.post_abort(culprit, message)
+        header = Header(wire.ABORT, self.rank, -1 if culprit is None else culprit, self.rank, reason)
+        dead = {culprit} if reason == wire.REASON_DEAD_WORKER else set()
+        for worker in sorted(self.open - dead):
+            try:
+                self.transport.isend(header.encode(), worker, "ps/header", control=True,
+                                     tag=self.channel.header_tag).wait(timeout=2.0)
+            except (PeerError, RuntimeError):  # gloo refuses to send on a connection it closed
+                pass
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        steps = self.counts["pushes"] / len(self.workers)
+        shard_bytes = self.shard.numel() * self.shard.element_size()
+        return {
+            "role": "server", "rank": self.rank, "mode": self.mode, "staleness_bound": self.staleness_bound,
+            "workers": list(self.workers), "shard_elements": self.shard.numel(), "shard_bytes": shard_bytes,
+            "version": self.version, "pushes": self.counts["pushes"], "pulls": self.counts["pulls"],
+            "steps": steps, "bytes_in": self.counts["bytes_in"], "bytes_out": self.counts["bytes_out"],
+            "bytes_in_per_step": self.counts["bytes_in"] / steps if steps else 0.0,
+            "bytes_out_per_step": self.counts["bytes_out"] / steps if steps else 0.0,
+            "staleness_histogram": dict(sorted(self.staleness.items())),
+            "clock_gap_histogram": dict(sorted(self.gaps.items())),
+            "max_clock_gap": max(self.gaps) if self.gaps else 0,
+            "idle_seconds": self.idle_seconds,
+        }

@@ -1,0 +1,106 @@
+"""Replica agreement: every rank holds the same model, and rank 0's values are everyone's.
+
+    verify_same_model(module, who)   every rank lists the same parameters and buffers (name, shape,
+                                     dtype, requires_grad) in the same order; otherwise
+                                     ReplicaMismatchError naming the rank and the first difference
+    broadcast_coalesced(tensors)     rank 0's values onto every rank, one broadcast per dtype
+    first_mismatch(tensors)          (rank, index) of the first tensor whose bytes differ from rank 0
+
+Used by every strategy that starts from one model: DistributedDataParallel, ParameterServer,
+ShardedOptimizer. Hashes are CRC-32 of a text or of raw bytes; the texts themselves travel only to
+explain a mismatch.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from gradsync.comm.agree import DTYPES
+from gradsync.comm.collectives import all_gather, broadcast
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Ranks hold different models or different parameter values."""
+
+
+def crc(data: bytes) -> int:
+    return zlib.crc32(data) & 0x7FFFFFFF
+
+
+def gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's list of integers, in rank order (lists may differ in length)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
+    flat = all_gather(mine).tolist()
+    out, start = [], 0
+    for count in counts:
+        out.append(flat[start:start + count])
+        start += count
+    return out
+
+
+def gather_strings(lines: list[str]) -> list[list[str]]:
+    """Every rank's list of strings (used only to explain a mismatch, so simplicity beats speed)."""
+    texts = gather_ints([ord(c) for c in "\n".join(lines)])  # any int64 list travels the same way
+    return ["".join(map(chr, codes)).split("\n") if codes else [] for codes in texts]
+
+
+def first_difference(per_rank: list[list[int]]) -> tuple[int, int] | None:
+    """(rank, index) of the first entry where some rank differs from rank 0."""
+    reference = per_rank[0]
+    for rank, values in enumerate(per_rank[1:], start=1):
+        for index in range(max(len(reference), len(values))):
+            mine = values[index] if index < len(values) else None
+            if mine != (reference[index] if index < len(reference) else None):
+                return rank, index
+    return None
+
+
+def model_signature(module: nn.Module) -> list[str]:
+    params = [f"param {n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} requires_grad={p.requires_grad}"
+              for n, p in module.named_parameters()]
+    buffers = [f"buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
+               for n, b in module.named_buffers()]
+    return params + buffers
+
+
+def verify_same_model(module: nn.Module, who: str) -> None:
+    """Raise ReplicaMismatchError unless every rank built the same model (``who`` names the caller)."""
+    lines = model_signature(module)
+    difference = first_difference(gather_ints([crc(line.encode()) for line in lines]))
+    if difference is None:
+        return
+    rank, index = difference
+    texts = gather_strings(lines)
+    ours = texts[0][index] if index < len(texts[0]) else "(nothing)"
+    theirs = texts[rank][index] if index < len(texts[rank]) else "(nothing)"
+    raise ReplicaMismatchError(
+        f"rank {rank} gives {who} a different model than rank 0: entry #{index} is '{theirs}' on rank {rank} "
+        f"but '{ours}' on rank 0. Every rank must build the same model (same parameters, shapes, "
+        f"dtypes, order) before wrapping it.")
+
+
+@torch.no_grad()
+def broadcast_coalesced(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` onto every rank: one broadcast per dtype, not one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() and t.dtype in DTYPES:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+@torch.no_grad()
+def first_mismatch(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(rank, index) of the first tensor whose bytes differ between rank 0 and some rank, or None."""
+    hashes = [crc(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
+    return first_difference(gather_ints(hashes))

@@ -1,0 +1,132 @@
+"""Rank functions for the parameter-server tests (module level so ranks can import them)."""
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync.ps import protocol as wire
+from gradsync.comm.transport import default_transport
+from gradsync.ps.sharding import gather_shard
+
+import ddp_fns
+
+
+class Uneven(nn.Module):
+    """Layers of very different sizes: 64x200, 200, 200x30, 30, 30x3, 3 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 200)
+        self.b = nn.Linear(200, 30)
+        self.c = nn.Linear(30, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def optimizer_fn(kind):
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1)
+    if kind == "momentum":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return lambda params: torch.optim.Adam(params, lr=0.01)
+
+
+def train(mode, opt_kind, steps, local_batch, num_servers, staleness=0, straggler=None, sleep_s=0.0,
+          model_name="mlp", dtype=torch.float64):
+    """Servers serve; workers pull/backward/push on their slice of the global data, then one final pull.
+
+    Returns ("server", stats, traffic) or ("worker", params, stats, traffic)."""
+    w = gs.world()
+    model = ddp_fns.make_model(model_name, dtype, seed=w.rank) if model_name in ddp_fns.MODELS else Uneven().to(dtype)
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode, staleness=staleness)
+    gs.traffic_reset()
+    if ps.is_server:
+        ps.serve()
+        return "server", ps.stats(), gs.traffic()
+    workers = w.world_size - num_servers
+    index = w.rank - num_servers
+    xs, ys = ddp_fns.global_data(steps, workers, local_batch, dtype)
+    if model_name not in ddp_fns.MODELS:
+        xs = torch.randn(steps, workers * local_batch, 64, dtype=dtype, generator=torch.Generator().manual_seed(3))
+        ys = ys % 3
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        ps.pull()
+        loss_fn(model(xs[step].chunk(workers)[index]), ys[step].chunk(workers)[index]).backward()
+        if w.rank == straggler:
+            time.sleep(sleep_s)
+        ps.push()
+    ps.pull()
+    traffic = gs.traffic()
+    ps.close()
+    return "worker", {n: p.detach().clone() for n, p in model.named_parameters()}, ps.stats(), traffic
+
+
+def dead_worker(victim, steps_before_death):
+    """The victim SIGKILLs itself after some steps; the others report what they saw."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    if ps.is_server:
+        ps.serve()
+        return "served without noticing"
+    x = torch.randn(4, 8, dtype=torch.float64)
+    y = torch.zeros(4, dtype=torch.long)
+    for step in range(100):
+        ps.pull()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if w.rank == victim and step == steps_before_death:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ps.push()
+    ps.close()
+    return "worker finished"
+
+
+def malformed(kind):
+    """Rank 2 sends one bad message to the server; the server must refuse it and name rank 2."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    before = [p.detach().clone() for p in model.parameters()]
+    if ps.is_server:
+        try:
+            ps.serve()
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            server = ps._server
+            initial = gather_shard(before, ps.plan.pieces[0], torch.empty_like(server.published))
+            unchanged = torch.equal(server.shard.detach(), initial)
+            return type(exc).__name__, str(exc), getattr(exc, "sender", None), ps._server.version, unchanged
+        return "no error", "", None, ps._server.version, None
+    try:
+        if w.rank == 2:
+            transport = default_transport()
+            numel = sum(p.numel() for p in model.parameters())
+            payload = torch.ones(numel, dtype=torch.float64)
+            if kind == "bad_magic":
+                header = wire.Header(wire.PUSH, 2, 0, 0, numel, numel * 8, 0).encode()
+                header[0] = 12345
+                transport.isend(header, 0, "test", control=True, tag=ps._client.channel.header_tag).wait()
+            elif kind == "bad_checksum":
+                header = wire.Header(wire.PUSH, 2, 0, 0, numel, numel * 8, wire.checksum(payload) + 1).encode()
+                transport.isend(header, 0, "test", control=True, tag=ps._client.channel.header_tag).wait()
+                transport.isend(payload, 0, "test", tag=ps._client.channel.payload_tag).wait()
+            elif kind == "wrong_length":
+                header = wire.Header(wire.PUSH, 2, 0, 0, numel - 1, (numel - 1) * 8, 0).encode()
+                transport.isend(header, 0, "test", control=True, tag=ps._client.channel.header_tag).wait()
+            elif kind == "push_twice":
+                nn.functional.cross_entropy(model(torch.randn(4, 8, dtype=torch.float64)),
+                                            torch.zeros(4, dtype=torch.long)).backward()
+                ps._client.push()
+                ps._client.pulled_since_push = True   # bypass the client-side check to reach the server's
+                model.zero_grad()
+                ps._client.push()
+        ps.pull()
+        ps.close()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return type(exc).__name__, str(exc), getattr(exc, "culprit", None), None, None
+    return "no error", "", None, None, None
