@@ -39,3 +39,19 @@ def test_bench_ddp_rows(tmp_path):
     params_bytes = rows[0]["params"] * 4
     for r in rows[1:]:
         assert r["bytes_per_step"] == params_bytes  # ring, N=2: 2(N-1)/N * M = M (when every bucket splits evenly)
+
+
+@pytest.mark.timeout(180)
+def test_bench_ps_rows_and_exact_link_bytes(tmp_path):
+    out = tmp_path / "ps.json"
+    assert main(["bench", "ps", "--workers", "2", "--steps", "2", "--batch-size", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["impl"], r["straggler"]) for r in rows] == [
+        (impl, straggler) for straggler in (False, True) for impl in ("ps-sync", "ssp s=2", "ps-async", "ring DDP")]
+    for r in rows:
+        # measured by the meter on the server (PS: pushes in + pulls out) or the rank (ring: sent)
+        assert r["link_bytes_per_step"] == pytest.approx(r["formula_bytes"], rel=1e-12), r
+        assert r["samples_per_s"] > 0
+    server_link = rows[0]["link_bytes_per_step"]
+    ring_rank = rows[3]["link_bytes_per_step"]
+    assert server_link == 4 * ring_rank   # W=2: 2*W*M = 4M against 2(W-1)/W*M = M

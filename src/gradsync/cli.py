@@ -2,6 +2,8 @@
 
     gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
+    gradsync bench ps --workers 2,3,4 [--steps 20]
+    gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _count(text: str) -> float:
+    """A parameter count: 70e9, 7000000, or with a K/M/B/T suffix (70B)."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    raw = text.strip().upper()
+    try:
+        value = float(raw[:-1]) * scale[raw[-1]] if raw and raw[-1] in scale else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count; use e.g. 70e9 or 70B") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the count must be > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
     ddp.add_argument("--steps", type=_positive_int, default=15, help="timed steps per implementation (median)")
     ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
+    ps.add_argument("--workers", default="2,3,4", help="comma-separated worker counts W (the server is extra)")
+    ps.add_argument("--batch-size", type=_positive_int, default=64, help="samples per worker")
+    ps.add_argument("--steps", type=_positive_int, default=20, help="steps per worker and configuration")
+    ps.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
+    memory.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
+    memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
+    memory.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    memory.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
     _add_train(commands)
     return parser
 
@@ -154,6 +179,55 @@ def _bench_ddp(args) -> int:
     return 0
 
 
+def _bench_ps(args) -> int:
+    from gradsync.bench import ps
+
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 2,3,4") from None
+    rows = ps.run(workers, args.batch_size, args.steps)
+    table = Table(title=f"parameter server (1 server) vs ring DDP: MLP {rows[0]['model_bytes'] / 4e6:.2f}M params, "
+                        f"batch {args.batch_size}/worker, {args.steps} steps; bytes: server link (in+out) for PS, "
+                        f"sent per rank for ring")
+    for column in ("W", "straggler", "strategy", "samples/s", "vs ring", "step ms", "MiB/step", "formula",
+                   "max stale"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        ring = next(q for q in rows if q["impl"] == "ring DDP" and q["workers"] == r["workers"]
+                    and q["straggler"] == r["straggler"])
+        table.add_row(str(r["workers"]), "yes" if r["straggler"] else "no", r["impl"], f"{r['samples_per_s']:,.0f}",
+                      f"{r['samples_per_s'] / ring['samples_per_s']:.2f}x", f"{r['step_ms']:.1f}",
+                      f"{r['link_bytes_per_step'] / 2**20:.2f}", f"{r['formula_bytes'] / 2**20:.2f}",
+                      str(r["staleness_max"]))
+    Console(width=max(100, Console().width)).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _memory(args) -> int:
+    from gradsync.sim import memory
+
+    p, g, k = memory.bytes_per_parameter(args.optimizer, args.precision)
+    count = next((f"{args.params / scale:g}{unit}" for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6))
+                  if args.params >= scale), f"{args.params:g}")
+    table = Table(title=f"model state per rank: {count} parameters, {args.workers} ranks, "
+                        f"{args.optimizer} {args.precision} (P={p}, G={g}, K={k} bytes per parameter)")
+    for column in ("stage", "formula", "params", "grads", "optimizer", "total per rank", "vs plain DP"):
+        table.add_column(column, justify="right")
+    formulas = {"plain DP": "Psi*(P+G+K)", "ZeRO-1": "Psi*(P+G+K/N)", "ZeRO-2": "Psi*(P+(G+K)/N)",
+                "ZeRO-3": "Psi*(P+G+K)/N"}
+    plain = memory.model_state_bytes(args.params, args.workers, "plain DP", args.optimizer, args.precision).total
+    for stage in memory.STAGES:
+        b = memory.model_state_bytes(args.params, args.workers, stage, args.optimizer, args.precision)
+        table.add_row(stage, formulas[stage], memory.human(b.param), memory.human(b.grad), memory.human(b.optimizer),
+                      memory.human(b.total), f"{b.total / plain:.3f}x")
+    Console(width=max(100, Console().width)).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -161,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_collectives(args)
         if args.command == "bench" and args.bench == "ddp":
             return _bench_ddp(args)
+        if args.command == "bench" and args.bench == "ps":
+            return _bench_ps(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "memory":
+            return _memory(args)
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

@@ -127,6 +127,20 @@ class DistributedDataParallel(nn.Module):
         """Share of the last backward's communication time that ran before backward ended."""
         return self.reducer.last_overlap
 
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds the last backward's bucket reductions took (on the communication thread)."""
+        return self.reducer.last_comm_seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the last backward waited for reductions after its own work ended (exposed communication)."""
+        return self.reducer.last_wait_seconds
+
+    def close(self) -> None:
+        """Stop the communication thread (the wrapper is unusable afterwards)."""
+        self.reducer.close()
+
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order."""
         return [b.nbytes for b in self.buckets]

@@ -12,7 +12,6 @@ from gradsync.train.datasets import DATASETS
 from gradsync.train.models import MODELS
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
-AVAILABLE_STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "local")
 COMPRESSION = ("none", "fp16", "bf16")
 LR_SCALING = ("none", "linear")
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp"}
@@ -102,9 +101,6 @@ class TrainConfig:
             if self.servers >= self.workers:
                 raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
                                  f"at least one worker besides the servers (servers < workers)")
-        if self.strategy not in AVAILABLE_STRATEGIES:
-            raise RuntimeError(f"--strategy {self.strategy} is not available in this version of gradsync; "
-                               f"available now: {', '.join(AVAILABLE_STRATEGIES)}")
         if self.resume and self.strategy in ("ps-sync", "ps-async", "ssp"):
             raise RuntimeError(f"--resume is not supported with --strategy {self.strategy}: the optimizer state "
                                f"lives on the parameter servers; use ddp, zero1 or local to resume")

@@ -17,6 +17,7 @@ Batch math (printed at start):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -29,6 +30,7 @@ from torch import nn
 import gradsync as gs
 from gradsync import checkpoint, trace
 from gradsync.data import DistributedSampler
+from gradsync.replicas import first_mismatch
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
@@ -44,10 +46,47 @@ def _loss(model_name: str, logits: torch.Tensor, target: torch.Tensor) -> torch.
     return nn.functional.cross_entropy(logits, target)
 
 
-def build_optimizer(cfg: TrainConfig, params, lr: float) -> torch.optim.Optimizer:
+def optimizer_spec(cfg: TrainConfig, lr: float) -> tuple[type, dict]:
+    """(optimizer class, keyword arguments) for the model."""
     if cfg.model == "charlm":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.01}
+    return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+
+
+def build_optimizer(cfg: TrainConfig, params, lr: float):
+    """The full optimizer, or for --strategy zero1 the ShardedOptimizer around it."""
+    cls, kwargs = optimizer_spec(cfg, lr)
+    if cfg.strategy == "zero1":
+        return gs.ShardedOptimizer(params, cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+class _Unwrapped:
+    """What the loop needs from a DDP wrapper, for zero1 (which reduces in optimizer.step)."""
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.module, self.optimizer = model, optimizer
+        self.last_overlap = None
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def no_sync(self):
+        return contextlib.nullcontext()   # gradients only meet in optimizer.step()
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.optimizer.last_comm_seconds
+
+    wait_seconds = comm_seconds           # step() blocks on its collectives: all of it is exposed
+
+    def check_replicas(self) -> None:
+        mismatch = first_mismatch(list(self.module.parameters()))
+        if mismatch is not None:
+            raise gs.ReplicaMismatchError(f"replicas diverged at parameter #{mismatch[1]} (rank {mismatch[0]})")
+
+    def close(self) -> None:
+        pass
 
 
 def lr_at(step: int, peak: float, warmup_steps: int) -> float:
@@ -122,12 +161,16 @@ def train_worker(cfg: TrainConfig) -> dict:
     total_steps = cfg.steps or cfg.epochs * steps_per_epoch
     # build_model, wrap_model, build_optimizer
     model = build_model(cfg.model, cfg.dataset)
-    wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
-                                         comm_hook=None if cfg.compress == "none" else cfg.compress)
     global_batch = cfg.batch_size * w.world_size * cfg.grad_accum
     base_lr = cfg.lr or cfg.default_lr()
     peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
-    optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
+    if cfg.strategy == "zero1":
+        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
+        wrapped = _Unwrapped(model, optimizer)
+    else:
+        wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
+                                             comm_hook=None if cfg.compress == "none" else cfg.compress)
+        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
     step, epoch, skip = _resume(cfg, model, optimizer) if cfg.resume else (0, 0, 0)
 
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
@@ -163,9 +206,9 @@ def train_worker(cfg: TrainConfig) -> dict:
                 optimizer.step()
             step += 1
             elapsed = time.perf_counter() - step_started
-            stats["comm_s"] += wrapped.reducer.last_comm_seconds
-            stats["wait_s"] += wrapped.reducer.last_wait_seconds
-            stats["compute_s"] += elapsed - wrapped.reducer.last_wait_seconds
+            stats["comm_s"] += wrapped.comm_seconds
+            stats["wait_s"] += wrapped.wait_seconds
+            stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
                 stats["overlaps"].append(wrapped.last_overlap)
             report.step(step, epoch, loss_sum, global_batch / elapsed, wrapped.last_overlap)
@@ -175,10 +218,10 @@ def train_worker(cfg: TrainConfig) -> dict:
         evaluation = evaluate(cfg, model, test_set)
         report.epoch(epoch, step, evaluation)
         finished_epoch = batch_in_epoch >= steps_per_epoch
+        state = _checkpoint_state(cfg, model, optimizer, step, epoch + 1 if finished_epoch else epoch,
+                                  0 if finished_epoch else batch_in_epoch)   # collective for zero1
         if w.rank == 0:
-            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, _checkpoint_state(
-                cfg, model, optimizer, step, epoch + 1 if finished_epoch else epoch,
-                0 if finished_epoch else batch_in_epoch))
+            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
         if finished_epoch:
             epoch += 1
     wall = time.perf_counter() - started
@@ -187,7 +230,7 @@ def train_worker(cfg: TrainConfig) -> dict:
                          statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank)
-    wrapped.reducer.close()
+    wrapped.close()
     return {"summary": summary, "digest": _param_digest(model),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": trace.disable() if cfg.trace else []}

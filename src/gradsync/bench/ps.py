@@ -1,0 +1,116 @@
+"""gradsync bench ps: parameter server (sync, SSP, async) beside ring all-reduce DDP, same model, same run.
+
+For each W (workers that train) and with or without one straggler:
+    ps-sync, ssp (bound 2), ps-async   W workers + 1 server (W + 1 processes), pull -> compute -> push
+    ring DDP                           W processes, gradsync DDP with algorithm="ring"
+A straggler is the last worker: after its backward it sleeps as long as that backward took, so it
+computes at half speed. Throughput = W x batch x steps / wall, wall = the slowest worker's time from
+a common barrier to its last step (the async/SSP workers that finish early do not hide a late one).
+
+Traffic per step, measured by the TrafficMeter beside the closed forms (M = model bytes):
+    server link (in + out)    2 * W * M              every worker pushes M and pulls M
+    ring rank (sent)          2 * (W-1)/W * M        reduce-scatter + all-gather
+The model is an MLP 256 -> 1024 -> 1024 -> 10 (1.33M float32 parameters), batch 64 per worker.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync.train.models import MLP
+
+PS_MODES = (("ps-sync", "sync", 0), ("ssp s=2", "ssp", 2), ("ps-async", "async", 0))
+
+
+def _model_and_batch(batch: int):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = MLP(in_features=256, hidden=1024, layers=2)
+    return model, torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _compute(model, x, y, straggling: bool) -> None:
+    started = time.perf_counter()
+    nn.functional.cross_entropy(model(x), y).backward()
+    if straggling:
+        time.sleep(time.perf_counter() - started)
+
+
+def _slowest(seconds: float) -> float:
+    return float(gs.all_gather(torch.tensor([seconds], dtype=torch.float64)).max())
+
+
+def _ps_rank(batch: int, steps: int, straggler: bool) -> list[dict]:
+    torch.set_num_threads(1)
+    w = gs.world()
+    workers = w.world_size - 1
+    rows = []
+    for label, mode, bound in PS_MODES:
+        model, x, y = _model_and_batch(batch)
+        ps = gs.ParameterServer(model, lambda p: torch.optim.SGD(p, lr=1e-3), num_servers=1, mode=mode,
+                                staleness=bound)
+        gs.traffic_reset()
+        gs.all_reduce(torch.zeros(1), algorithm="native")   # common start
+        started = time.perf_counter()
+        if ps.is_server:
+            ps.serve()
+            wall = 0.0
+        else:
+            for _ in range(steps):
+                ps.pull()
+                _compute(model, x, y, straggler and w.rank == w.world_size - 1)
+                ps.push()
+            wall = time.perf_counter() - started
+            ps.close()
+        wall = _slowest(wall)
+        stats = ps.stats()
+        if ps.is_server:
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            rows.append({"impl": label, "workers": workers, "straggler": straggler, "wall_s": wall,
+                         "samples_per_s": workers * batch * steps / wall, "step_ms": wall / steps * 1e3,
+                         "link_bytes_per_step": (stats["bytes_in"] + stats["bytes_out"]) / steps,
+                         "formula_bytes": 2 * workers * model_bytes, "model_bytes": model_bytes,
+                         "staleness_max": max(stats["staleness_histogram"], default=0)})
+    return rows
+
+
+def _ring_rank(batch: int, steps: int, straggler: bool) -> dict:
+    torch.set_num_threads(1)
+    w = gs.world()
+    model, x, y = _model_and_batch(batch)
+    ddp = gs.DistributedDataParallel(model, algorithm="ring")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gs.all_reduce(torch.zeros(1), algorithm="native")
+    gs.traffic_reset()
+    started = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        started_compute = time.perf_counter()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if straggler and w.rank == w.world_size - 1:
+            time.sleep(time.perf_counter() - started_compute)
+        optimizer.step()
+    sent = gs.traffic()["bytes_sent"]
+    wall = _slowest(time.perf_counter() - started)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"impl": "ring DDP", "workers": w.world_size, "straggler": straggler, "wall_s": wall,
+            "samples_per_s": w.world_size * batch * steps / wall, "step_ms": wall / steps * 1e3,
+            "link_bytes_per_step": sent / steps,
+            "formula_bytes": 2 * (w.world_size - 1) / w.world_size * model_bytes, "model_bytes": model_bytes,
+            "staleness_max": 0}
+
+
+def run(workers: list[int], batch: int = 64, steps: int = 20) -> list[dict]:
+    """Rows for every W in ``workers``, without and with a straggler (see module docstring)."""
+    if any(w < 2 for w in workers):
+        raise ValueError(f"--workers: each W must be >= 2 (a straggler needs a peer), got {workers}")
+    rows = []
+    for w in workers:
+        for straggler in (False, True):
+            rows += gs.spawn(_ps_rank, nprocs=w + 1, args=(batch, steps, straggler))[0]
+            rows.append(gs.spawn(_ring_rank, nprocs=w, args=(batch, steps, straggler))[0])
+    return rows

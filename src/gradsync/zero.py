@@ -1,0 +1,214 @@
+"""ShardedOptimizer: ZeRO stage 1. Each rank keeps optimizer state for only 1/N of the parameters.
+
+    opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    loss.backward()          # plain local backward: no DDP wrapper, ShardedOptimizer reduces
+    opt.step()               # reduce-scatter grads -> update own shard -> all-gather params
+    opt.zero_grad()
+
+Vocabulary
+    N       ranks;  bucket  a flat buffer of consecutive parameters (in parameter order, up to
+            ``bucket_cap_mb``);  n  elements of one bucket
+    shard   rank r's slice of a bucket: ring_chunks(n, N) (allreduce_ring.py): the first n mod N
+            ranks own ceil(n/N) elements, the others floor(n/N). An exact element partition, so
+            shards of one bucket differ by at most one element.
+
+One step, per bucket (Rajbhandari et al., "ZeRO", SC 2020):
+    1. reduce-scatter  the bucket's gradients, averaged: rank r receives the mean gradient of its shard
+    2. update          the wrapped optimizer steps over this rank's shards only
+    3. all-gather      the updated shards, so every rank again holds every parameter
+Traffic: reduce-scatter (N-1)/N*M + all-gather (N-1)/N*M = 2(N-1)/N*M bytes per rank, exactly what
+one ring all-reduce sends. Memory: optimizer state (Adam: m and v, 8 bytes per fp32 parameter)
+is 1/N of the unsharded state on every rank; ``state_bytes()`` measures it.
+
+Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped
+optimizer's own state_dict (per parameter, parameter order), so a plain torch optimizer can load it;
+other ranks get None. ``load_state_dict(full)`` takes that full dict on every rank and keeps this
+rank's slices, whatever the number of ranks that saved it.
+
+Element-wise optimizers (SGD with momentum, Adam, AdamW) give exactly the unsharded result; an
+optimizer that looks across a whole tensor (a per-tensor norm, as LAMB does) would not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradsync import runtime
+from gradsync.comm.allreduce_ring import Chunks, ring_chunks
+from gradsync.comm.collectives import all_gather, reduce_scatter
+from gradsync.replicas import broadcast_coalesced
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    chunks: Chunks                 # the N-way partition of the bucket's n elements
+    shard: nn.Parameter            # this rank's slice, what the wrapped optimizer updates
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one dtype, up to ``cap_bytes`` per bucket (a larger one alone)."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= cap_bytes:
+            buckets[-1].append(p)
+            size += nbytes
+        else:
+            buckets.append([p])
+            size = nbytes
+    return buckets
+
+
+class ShardedOptimizer:
+    """See the module docstring. ``defaults`` go to ``optimizer_class``; ``bucket_cap_mb`` sets the bucket size."""
+
+    def __init__(self, params, optimizer_class: type, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **defaults):
+        params = list(params)
+        if any(isinstance(p, dict) for p in params):
+            raise TypeError("ShardedOptimizer takes an iterable of parameters, not parameter groups; "
+                            "set per-group options on .param_groups after construction")
+        if not params or not all(isinstance(p, torch.Tensor) for p in params):
+            raise ValueError("ShardedOptimizer needs a non-empty iterable of tensors (e.g. model.parameters())")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.Adam, "
+                            f"got {optimizer_class!r}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if any(not p.is_floating_point() for p in params):
+            raise TypeError("ShardedOptimizer needs floating-point parameters")
+        self.world = runtime.world()
+        self.params = [p for p in params if p.requires_grad]
+        broadcast_coalesced(self.params)   # replicas must start equal; rank 0's values win
+        rank, n_ranks = self.world.rank, self.world.world_size
+        self.buckets: list[_Bucket] = []
+        for group in _build_buckets(self.params, int(bucket_cap_mb * (1 << 20))):
+            numel = sum(p.numel() for p in group)
+            chunks = ring_chunks(numel, n_ranks)
+            flat = torch.cat([p.detach().reshape(-1) for p in group])
+            shard = nn.Parameter(chunks.view(flat, rank).clone())
+            self.buckets.append(_Bucket(group, chunks, shard))
+        self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
+        self.last_comm_seconds = 0.0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's groups (set ``lr`` here for schedules)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _refresh_shard(self, bucket: _Bucket) -> None:
+        """Copy this rank's slice of the parameters into the shard: the parameters are the truth, as for a
+        torch optimizer, so a model.load_state_dict() between steps is honoured."""
+        start = bucket.chunks.offsets[self.world.rank]
+        end = start + bucket.shard.numel()
+        offset = 0
+        for p in bucket.params:
+            lo, hi = max(start, offset), min(end, offset + p.numel())
+            if lo < hi:
+                bucket.shard.data[lo - start:hi - start].copy_(p.detach().reshape(-1)[lo - offset:hi - offset])
+            offset += p.numel()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce-scatter gradients, update this rank's shards, all-gather the parameters."""
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            self._refresh_shard(bucket)
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                               for p in bucket.params])
+            bucket.shard.grad = reduce_scatter(grads, op="avg")
+        comm = time.perf_counter() - started
+        self.optimizer.step()
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            bucket.shard.grad = None
+            full = all_gather(bucket.shard.detach())
+            offset = 0
+            for p in bucket.params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.last_comm_seconds = comm + time.perf_counter() - started
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held by this rank (the quantity ZeRO-1 divides by N)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _sharded_keys(self, bucket: _Bucket) -> list[str]:
+        state = self.optimizer.state.get(bucket.shard, {})
+        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def state_dict(self) -> dict | None:
+        """The full, unsharded state on rank 0 (torch optimizer layout, one entry per parameter); None elsewhere."""
+        full_state: dict[int, dict] = {}
+        index = 0
+        for bucket in self.buckets:
+            own = self.optimizer.state.get(bucket.shard, {})
+            gathered = {key: all_gather(own[key].detach()) for key in self._sharded_keys(bucket)}
+            scalars = {k: v for k, v in own.items() if k not in gathered}
+            offset = 0
+            for p in bucket.params:
+                if own:
+                    full_state[index] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                            for k, v in scalars.items()},
+                                         **{k: g[offset:offset + p.numel()].view_as(p).clone()
+                                            for k, g in gathered.items()}}
+                offset += p.numel()
+                index += 1
+        if self.world.rank != 0:
+            return None
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(self.params)))}
+                  for g in self.optimizer.param_groups]
+        return {"state": full_state, "param_groups": groups}
+
+    def load_state_dict(self, full: dict) -> None:
+        """Keep this rank's slices of a full state (as state_dict() returns; any world size saved it)."""
+        if not isinstance(full, dict) or "state" not in full or "param_groups" not in full:
+            raise ValueError("load_state_dict needs the full dict that state_dict() returned on rank 0 "
+                             "(keys 'state' and 'param_groups'), on every rank")
+        if len(full["param_groups"]) != 1:
+            raise ValueError(f"expected one parameter group, the checkpoint has {len(full['param_groups'])}")
+        saved_params = len(full["param_groups"][0]["params"])
+        if saved_params != len(self.params):
+            raise ValueError(f"the checkpoint holds optimizer state for {saved_params} parameters, this model "
+                             f"has {len(self.params)}")
+        rank = self.world.rank
+        state: dict[int, dict] = {}
+        index = 0
+        for position, bucket in enumerate(self.buckets):
+            entries = [full["state"].get(index + i, full["state"].get(str(index + i))) for i in range(len(bucket.params))]
+            index += len(bucket.params)
+            if all(e is None for e in entries):
+                continue
+            if any(e is None for e in entries):
+                raise ValueError("the checkpoint has optimizer state for only some parameters of a bucket")
+            keys = [k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            # clone: Adam increments its "step" tensor in place, and shards must not share one
+            shard_state = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in entries[0].items() if k not in keys}
+            for key in keys:
+                flat = torch.cat([e[key].reshape(-1) for e in entries])
+                shard_state[key] = bucket.chunks.view(flat, rank).clone()
+            state[position] = shard_state
+        groups = [{**{k: v for k, v in full["param_groups"][0].items() if k != "params"},
+                   "params": list(range(len(self.buckets)))}]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
