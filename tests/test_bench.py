@@ -55,3 +55,14 @@ def test_bench_ps_rows_and_exact_link_bytes(tmp_path):
     server_link = rows[0]["link_bytes_per_step"]
     ring_rank = rows[3]["link_bytes_per_step"]
     assert server_link == 4 * ring_rank   # W=2: 2*W*M = 4M against 2(W-1)/W*M = M
+
+
+@pytest.mark.timeout(180)
+def test_bench_zero1_rows(tmp_path):
+    out = tmp_path / "zero1.json"
+    assert main(["bench", "zero1", "--workers", "2", "--steps", "1", "--batch-size", "2", "--json", str(out)]) == 0
+    ddp, zero = json.loads(out.read_text())
+    assert (ddp["impl"], zero["impl"]) == ("ddp + AdamW", "zero1 AdamW")
+    assert ddp["state_bytes"] == 8 * ddp["params"]              # AdamW m and v in float32
+    assert abs(zero["state_bytes"] - ddp["state_bytes"] / 2) <= 8 * 2   # 1/N, up to one element per bucket
+    assert zero["bytes_sent_per_step"] == ddp["params"] * 4     # N=2: 2(N-1)/N*M = M

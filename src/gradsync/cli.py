@@ -3,6 +3,8 @@
     gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
     gradsync bench ps --workers 2,3,4 [--steps 20]
+    gradsync bench zero1 --workers 2,4
+    gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from gradsync.sim.cost import STRATEGIES as STRATEGIES_SIM
 
 from rich.console import Console
 from rich.table import Table
@@ -48,6 +52,40 @@ def _count(text: str) -> float:
     return value
 
 
+def _human_count(count: float) -> str:
+    return next((f"{count / scale:g}{unit}" for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6))
+                 if count >= scale), f"{count:g}")
+
+
+def _bandwidth(text: str) -> float:
+    """Bytes per second from 200Gbit, 100Mbit, 25GB/s, 400MB/s (bits: 'bit'; bytes: 'B/s')."""
+    raw = text.strip()
+    units = {"tbit": 1e12 / 8, "gbit": 1e9 / 8, "mbit": 1e6 / 8, "tb/s": 1e12, "gb/s": 1e9, "mb/s": 1e6}
+    for unit, scale in units.items():
+        if raw.lower().endswith(unit):
+            try:
+                value = float(raw[:-len(unit)]) * scale
+            except ValueError:
+                break
+            if value > 0:
+                return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a bandwidth; use e.g. 200Gbit, 100Mbit or 25GB/s")
+
+
+def _duration(text: str) -> float:
+    """Seconds from 250ms, 5us, 1.5s."""
+    raw = text.strip().lower()
+    for unit, scale in (("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9), ("s", 1.0)):
+        if raw.endswith(unit):
+            try:
+                value = float(raw[:-len(unit)]) * scale
+            except ValueError:
+                break
+            if value >= 0:
+                return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 250ms, 5us or 1.5s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--batch-size", type=_positive_int, default=64, help="samples per worker")
     ps.add_argument("--steps", type=_positive_int, default=20, help="steps per worker and configuration")
     ps.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    zero1 = benches.add_parser("zero1", help="ZeRO-1 step time and optimizer-state bytes beside DDP")
+    zero1.add_argument("--workers", default="2,4", help="comma-separated rank counts")
+    zero1.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank")
+    zero1.add_argument("--steps", type=_positive_int, default=10, help="timed steps per implementation (median)")
+    zero1.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    sim = commands.add_parser("simulate", help="alpha-beta cost model of every strategy at any scale")
+    sim.add_argument("--params", type=_count, required=True, help="parameters, e.g. 7e9 or 7B")
+    sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="gradient dtype on the wire")
+    sim.add_argument("--workers", type=_positive_int, required=True, help="workers W (data-parallel ranks)")
+    sim.add_argument("--bandwidth", type=_bandwidth, default=_bandwidth("200Gbit"), help="per-link, e.g. 200Gbit")
+    sim.add_argument("--latency", type=_duration, default=_duration("5us"), help="alpha per message, e.g. 5us")
+    sim.add_argument("--compute", type=_duration, default=_duration("250ms"), help="forward+backward per step")
+    sim.add_argument("--strategy", default=",".join(STRATEGIES_SIM), help=f"comma-separated subset of {', '.join(STRATEGIES_SIM)}")
+    sim.add_argument("--servers", type=_positive_int, default=1, help="parameter servers (ps, ps-async)")
+    sim.add_argument("--ranks-per-host", type=_positive_int, default=8, help="hierarchical: ranks per host")
+    sim.add_argument("--intra-bandwidth", type=_bandwidth, default=None, help="hierarchical: intra-host link (default: --bandwidth)")
+    sim.add_argument("--bucket-mb", type=float, default=25.0, help="ddp bucket size in MiB")
+    sim.add_argument("--calibrated", action="store_true",
+                     help="use this machine's measured alpha/beta/gamma (gradsync bench collectives --fit)")
     memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
     memory.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
@@ -207,13 +264,65 @@ def _bench_ps(args) -> int:
     return 0
 
 
+def _bench_zero1(args) -> int:
+    from gradsync.bench import zero1
+
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 2,4") from None
+    rows = zero1.run(workers, args.batch_size, args.steps)
+    table = Table(title=f"ZeRO-1 vs DDP, charlm ({rows[0]['params'] / 1e6:.2f}M params), AdamW, "
+                        f"batch {args.batch_size}/rank, median of {args.steps} steps")
+    for column in ("N", "implementation", "step (ms)", "time ratio", "optimizer state/rank", "state ratio",
+                   "bytes sent/step"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["workers"]), r["impl"], f"{r['step_s'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x",
+                      f"{r['state_bytes']:,}", f"{r['state_ratio']:.3f}x", f"{r['bytes_sent_per_step']:,}")
+    Console(width=max(100, Console().width)).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _simulate(args) -> int:
+    from gradsync.comm import select
+    from gradsync.sim import cost
+    from gradsync.sim.memory import human
+
+    strategies = [x.strip() for x in args.strategy.split(",") if x.strip()]
+    unknown = [x for x in strategies if x not in cost.STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"--strategy {args.strategy!r}: unknown {unknown}; choose from {', '.join(cost.STRATEGIES)}")
+    if args.calibrated:
+        link = select.load_calibration()
+        source = f"calibrated on this machine ({select.calibration_path()})"
+    else:
+        link = cost.Link(alpha=args.latency, beta=1 / args.bandwidth, gamma=0.0)
+        source = f"{args.bandwidth * 8 / 1e9:g} Gbit/s, alpha {args.latency * 1e6:g} us"
+    intra = cost.Link(alpha=link.alpha, beta=1 / args.intra_bandwidth, gamma=link.gamma) if args.intra_bandwidth else link
+    nbytes = args.params * {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]
+    table = Table(title=f"one step: {_human_count(args.params)} params, {args.dtype} gradients = {human(nbytes)}, "
+                        f"{args.workers} workers, compute {args.compute * 1e3:g} ms; link: {source}")
+    for column in ("strategy", "busiest link bytes/step", "comm (s)", "step (s)", "comm:compute", "efficiency", "note"):
+        table.add_column(column, justify="right")
+    for name in strategies:
+        r = cost.strategy_cost(name, nbytes, args.workers, link, args.compute, servers=args.servers,
+                               ranks_per_host=args.ranks_per_host, intra=intra,
+                               bucket_bytes=args.bucket_mb * 2**20)
+        table.add_row(name, human(r.busiest_link_bytes), f"{r.comm_s:.3f}", f"{r.step_s:.3f}",
+                      f"{r.comm_s / args.compute:.1f}:1", f"{r.efficiency:.1%}", r.note)
+    Console(width=max(140, Console().width)).print(table)
+    return 0
+
+
 def _memory(args) -> int:
     from gradsync.sim import memory
 
     p, g, k = memory.bytes_per_parameter(args.optimizer, args.precision)
-    count = next((f"{args.params / scale:g}{unit}" for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6))
-                  if args.params >= scale), f"{args.params:g}")
-    table = Table(title=f"model state per rank: {count} parameters, {args.workers} ranks, "
+    table = Table(title=f"model state per rank: {_human_count(args.params)} parameters, {args.workers} ranks, "
                         f"{args.optimizer} {args.precision} (P={p}, G={g}, K={k} bytes per parameter)")
     for column in ("stage", "formula", "params", "grads", "optimizer", "total per rank", "vs plain DP"):
         table.add_column(column, justify="right")
@@ -237,10 +346,14 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_ddp(args)
         if args.command == "bench" and args.bench == "ps":
             return _bench_ps(args)
+        if args.command == "bench" and args.bench == "zero1":
+            return _bench_zero1(args)
         if args.command == "train":
             return _train(args)
         if args.command == "memory":
             return _memory(args)
+        if args.command == "simulate":
+            return _simulate(args)
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

@@ -14,8 +14,37 @@ JPDC 2009):
                       + (N != p) * (2*alpha + 2*M*beta + M*gamma)       (fold / unfold)
     tree              2*L*(alpha + M*beta) + L*M*gamma
     naive             2(N-1)*(alpha + M*beta) + (N-1)*M*gamma             (rank 0's link serialises)
+    hierarchical      G ranks per host, H = N/G hosts; intra-host link (alpha_i, beta_i):
+                      2(G-1)*alpha_i + 2(G-1)/G*M*beta_i          (intra reduce-scatter + all-gather)
+                      + 2(H-1)*alpha + 2(H-1)/H*(M/G)*beta        (inter-host ring on 1/G of M)
 Per-rank bytes sent (the busiest rank):
-    ring 2(N-1)/N*M;  halving_doubling 2(p-1)/p*M (+M when folded);  tree L*M;  naive (N-1)*M
+    ring 2(N-1)/N*M;  halving_doubling 2(p-1)/p*M (+M when folded);  tree L*M;  naive (N-1)*M;
+    hierarchical, over the inter-host link: 2(H-1)/H*M/G
+
+Strategies (one training step; W workers, S servers, c seconds of compute per step, of which the
+backward pass takes b = backward_share * c):
+    ps (sync)     each server link carries W*M/S in (pushes) and W*M/S out (pulls). Full duplex,
+                  with pulls of updated keys overlapping pushes of the next (a pipelined server):
+                  T_comm = W*alpha + W*M/S*beta;   step = c + T_comm.
+                  gradsync's server answers pulls only after the whole update (ps/server.py), so it
+                  pays both phases in turn: 2*T_comm (shown in the note)
+    ps-async      no step barrier: a server link is full duplex, so it absorbs pushes at S/(M*beta)
+                  per second while workers offer W/(c + 2*(alpha + M*beta)) per second:
+                  step = W / min(S/(M*beta), W/(c + 2*(alpha + M*beta)))   (time per W pushes);
+                  a gradient is then about W-1 versions stale on arrival
+    ring, halving_doubling, tree, naive, hierarchical
+                  step = c + T_allreduce(M)                  (no overlap with backward)
+    ddp           ring all-reduce per bucket of B bytes, overlapped with backward. Bucket k of K
+                  (reverse order) is ready when backward has produced its bytes:
+                  ready_k = (c - b) + b * (k+1)*B/M;  start_k = max(ready_k, end_{k-1});
+                  end_k = start_k + T_ring(B_k);  step = max(c, end_{K-1}).
+                  Small B pays 2(N-1)*alpha per bucket K times; large B leaves the last reductions
+                  exposed after backward ends.
+Scaling efficiency = c / step (1.0: communication fully hidden or free).
+
+Textbook check (a 7B model, bf16 gradients: M = 14 GB; W = 64; 200 Gbit/s = 25 GB/s): one server
+receives W*M = 896 GB and sends 896 GB per step, 35.8 s each way against 250 ms of compute
+(~140:1); ring sends 2*63/64*14 GB = 27.6 GB per rank, 1.10 s.
 """
 
 from __future__ import annotations
@@ -24,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive")
+STRATEGIES = ("ps", "ps-async", "ring", "halving_doubling", "tree", "naive", "hierarchical", "ddp")
 
 
 @dataclass(frozen=True)
@@ -78,3 +108,86 @@ def allreduce_bytes_per_rank(algorithm: str, nbytes: float, n_ranks: int) -> flo
     if algorithm == "naive":
         return (n - 1) * m
     raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def hierarchical_time(nbytes: float, n_ranks: int, ranks_per_host: int, inter: Link, intra: Link) -> float:
+    """Intra-host reduce-scatter, inter-host ring on 1/G of the data, intra-host all-gather."""
+    g = min(ranks_per_host, n_ranks)
+    if n_ranks % g:
+        raise ValueError(f"ranks_per_host {g} must divide the number of ranks {n_ranks}")
+    hosts = n_ranks // g
+    intra_t = 2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * nbytes * intra.beta if g > 1 else 0.0
+    inter_t = (2 * (hosts - 1) * inter.alpha + 2 * (hosts - 1) / hosts * (nbytes / g) * inter.beta
+               + (hosts - 1) / hosts * (nbytes / g) * inter.gamma) if hosts > 1 else 0.0
+    return intra_t + inter_t
+
+
+def ddp_step_time(nbytes: float, n_ranks: int, link: Link, compute_s: float, bucket_bytes: float,
+                  backward_share: float = 2 / 3) -> tuple[float, float]:
+    """(step seconds, exposed communication seconds) for ring all-reduce per bucket overlapped with backward."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    backward = backward_share * compute_s
+    backward_start = compute_s - backward
+    count = max(1, math.ceil(nbytes / bucket_bytes))
+    end = 0.0
+    for k in range(count):
+        size = min(bucket_bytes, nbytes - k * bucket_bytes)
+        ready = backward_start + backward * min(1.0, (k + 1) * bucket_bytes / nbytes)
+        end = max(ready, end) + allreduce_time("ring", size, n_ranks, link)
+    step = max(compute_s, end)
+    return step, step - compute_s
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    strategy: str
+    busiest_link_bytes: float
+    """Bytes the busiest endpoint sends per step (a PS server: per direction; ring: per rank)."""
+    comm_s: float
+    """Communication seconds per step (for ddp: the part not hidden behind backward)."""
+    step_s: float
+    """Seconds per step (for ps-async: seconds per W pushes)."""
+    efficiency: float
+    """compute / step."""
+    note: str = ""
+
+
+def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
+                  ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
+                  backward_share: float = 2 / 3) -> StrategyCost:
+    """One strategy's cost per training step (formulas in the module docstring)."""
+    if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
+        raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
+                         f"servers={servers}, compute={compute_s}, bytes={nbytes}")
+    w, m, c = workers, nbytes, compute_s
+    if strategy == "ps":
+        link_bytes = w * m / servers
+        comm = w * link.alpha + link_bytes * link.beta
+        return StrategyCost(strategy, link_bytes, comm, c + comm, c / (c + comm),
+                            f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; "
+                            f"push-then-pull server: {2 * comm:.3g} s")
+    if strategy == "ps-async":
+        server_rate = servers / (m * link.beta) if link.beta > 0 else math.inf
+        worker_rate = w / (c + 2 * (link.alpha + m * link.beta))
+        step = w / min(server_rate, worker_rate)
+        return StrategyCost(strategy, w * m / servers, max(0.0, step - c), step, c / step,
+                            f"~{w - 1} versions stale; {'server' if server_rate < worker_rate else 'worker'}-bound")
+    if strategy in ALGORITHMS:
+        comm = allreduce_time(strategy, m, w, link)
+        return StrategyCost(strategy, allreduce_bytes_per_rank(strategy, m, w), comm, c + comm, c / (c + comm))
+    if strategy == "hierarchical":
+        g = min(ranks_per_host, w)
+        hosts = w // g if w % g == 0 else None
+        if hosts is None:
+            raise ValueError(f"--ranks-per-host {g} must divide --workers {w}")
+        comm = hierarchical_time(m, w, g, link, intra or link)
+        inter_bytes = 2 * (hosts - 1) / hosts * m / g if hosts > 1 else 0.0
+        return StrategyCost(strategy, inter_bytes, comm, c + comm, c / (c + comm),
+                            f"{hosts} hosts x {g} ranks; bytes: inter-host link")
+    if strategy == "ddp":
+        step, exposed = ddp_step_time(m, w, link, c, bucket_bytes, backward_share)
+        return StrategyCost(strategy, allreduce_bytes_per_rank("ring", m, w), exposed, step, c / step,
+                            f"{math.ceil(nbytes / bucket_bytes)} buckets of {bucket_bytes / 2**20:g} MiB, overlapped "
+                            f"with backward")
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
