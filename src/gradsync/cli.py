@@ -5,6 +5,7 @@
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
     gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
+    gradsync figures --out figs/ [--measured check.json]
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
 """
 
@@ -133,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bucket-mb", type=float, default=25.0, help="ddp bucket size in MiB")
     sim.add_argument("--calibrated", action="store_true",
                      help="use this machine's measured alpha/beta/gamma (gradsync bench collectives --fit)")
+    sim.add_argument("--check", metavar="N,N,...", default=None,
+                     help="with --calibrated: measure ring all-reduce and DDP steps on N local ranks and print "
+                          "them beside the prediction")
+    sim.add_argument("--json", metavar="PATH", help="with --check: also write the rows as JSON")
+    figs = commands.add_parser("figures", help="PNG figures + CSV from the cost model (and this machine's check)")
+    figs.add_argument("--out", default="figs", help="output directory (default figs/)")
+    figs.add_argument("--measured", metavar="JSON", default=None,
+                      help="rows from gradsync simulate --calibrated --check 2,3,4 --json JSON, for the "
+                           "measured-vs-predicted figure")
     memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
     memory.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
@@ -302,6 +312,10 @@ def _simulate(args) -> int:
     else:
         link = cost.Link(alpha=args.latency, beta=1 / args.bandwidth, gamma=0.0)
         source = f"{args.bandwidth * 8 / 1e9:g} Gbit/s, alpha {args.latency * 1e6:g} us"
+    if args.check:
+        if not args.calibrated:
+            raise ValueError("--check compares the calibrated model with this machine: add --calibrated")
+        return _simulate_check(args, link)
     intra = cost.Link(alpha=link.alpha, beta=1 / args.intra_bandwidth, gamma=link.gamma) if args.intra_bandwidth else link
     nbytes = args.params * {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]
     table = Table(title=f"one step: {_human_count(args.params)} params, {args.dtype} gradients = {human(nbytes)}, "
@@ -315,6 +329,45 @@ def _simulate(args) -> int:
         table.add_row(name, human(r.busiest_link_bytes), f"{r.comm_s:.3f}", f"{r.step_s:.3f}",
                       f"{r.comm_s / args.compute:.1f}:1", f"{r.efficiency:.1%}", r.note)
     Console(width=max(140, Console().width)).print(table)
+    return 0
+
+
+def _simulate_check(args, link) -> int:
+    from gradsync.bench import predict
+    from gradsync.bench.collectives import human_bytes
+
+    try:
+        workers = [int(w) for w in args.check.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--check {args.check!r}: expected comma-separated rank counts, e.g. 2,3,4") from None
+    result = predict.run(link, workers, [1 << 20, 16 << 20, 64 << 20])
+    table = Table(title=f"calibrated model vs this machine: alpha {link.alpha * 1e6:.1f} us, "
+                        f"{1 / link.beta / 1e9:.2f} GB/s, reduce {1 / link.gamma / 1e9:.1f} GB/s")
+    for column in ("what", "N", "size", "measured (ms)", "predicted (ms)", "error"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["what"], str(r["workers"]), human_bytes(r["size"]), f"{r['measured_s'] * 1e3:.2f}",
+                      f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}")
+    Console(width=max(100, Console().width)).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _figures(args) -> int:
+    from pathlib import Path
+
+    from gradsync.sim import figures
+
+    measured = Path(args.measured) if args.measured else None
+    if measured is not None and not measured.is_file():
+        raise ValueError(f"--measured {args.measured}: no such file; make it with "
+                         f"gradsync simulate --params 1 --workers 2 --calibrated --check 2,3,4 --json {args.measured}")
+    for path in figures.write_all(Path(args.out), measured):
+        print(f"wrote {path} (+ {path.with_suffix('.csv').name})")
+    if measured is None:
+        print("measured_vs_predicted.png skipped: pass --measured JSON from gradsync simulate --calibrated --check")
     return 0
 
 
@@ -354,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             return _memory(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "figures":
+            return _figures(args)
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

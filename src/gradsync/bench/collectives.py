@@ -13,9 +13,12 @@ repetition so machine noise hits them alike.
 the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
 never pass through our transport), so its measured column is empty.
 
-``fit`` measures the link costs that algorithm="auto" uses: alpha and beta from point-to-point
-ping-pongs between ranks 0 and 1 through our transport (one-way time = alpha + bytes*beta, least
-squares over sizes 8 B .. 4 MiB), gamma from timing an in-place add of 4 MiB.
+``fit`` measures the link costs that algorithm="auto" and ``gradsync simulate --calibrated`` use:
+alpha and beta from exchanges between ranks 0 and 1 through our transport, each sending M bytes to
+the other while receiving M from it, as every step of the ring does (step time = alpha + M*beta,
+least squares over sizes 8 B .. 4 MiB); gamma from timing an in-place add of 4 MiB. (A one-way
+ping-pong measures beta about 2.5x lower on loopback, where both directions are CPU copies, and
+then under-predicts ring all-reduce times by 60%.)
 """
 
 from __future__ import annotations
@@ -91,25 +94,25 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
 
 
 def _fit_rank() -> dict | None:
-    """Ping-pong between ranks 0 and 1 through our transport; see module docstring."""
+    """Simultaneous exchanges between ranks 0 and 1 through our transport; see module docstring."""
     w = gs.world()
     transport = default_transport()
     samples = []
     for nbytes in (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22):
         buf = torch.zeros(max(1, nbytes // 4))
         rounds = 30 if nbytes <= 1 << 17 else 8
-        one_way = []
+        incoming = torch.zeros_like(buf)
+        step_times = []
         for _ in range(rounds + 2):
             dist.barrier()
             started = time.perf_counter()
-            if w.rank == 0:
-                transport.isend(buf, 1, "fit").wait()
-                transport.irecv(buf, 1, "fit").wait()
-            elif w.rank == 1:
-                transport.irecv(buf, 0, "fit").wait()
-                transport.isend(buf, 0, "fit").wait()
-            one_way.append((time.perf_counter() - started) / 2)
-        samples.append((buf.numel() * 4, statistics.median(one_way[2:])))
+            if w.rank in (0, 1):   # one ring step: send to the peer and receive from it at once
+                peer = 1 - w.rank
+                handles = [transport.isend(buf, peer, "fit"), transport.irecv(incoming, peer, "fit")]
+                for handle in handles:
+                    handle.wait()
+            step_times.append(time.perf_counter() - started)
+        samples.append((buf.numel() * 4, statistics.median(step_times[2:])))
     if w.rank != 0:
         return None
     xs, ys = [s[0] for s in samples], [s[1] for s in samples]
