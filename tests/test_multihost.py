@@ -1,0 +1,78 @@
+"""Two hosts on one machine: two network namespaces joined by a veth pair (10.231.0.0/24), one
+torchrun per namespace, gloo bound to the veth with GLOO_SOCKET_IFNAME. Traffic stays inside the
+namespaces this test creates, and they are deleted afterwards."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HOST_ADDRESSES = ("10.231.0.1", "10.231.0.2")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """(namespace, interface) for host 0 and host 1; skips where namespaces cannot be made."""
+    if shutil.which("ip") is None:
+        pytest.skip("the 'ip' command (iproute2) is not installed")
+    tag = f"{os.getpid() % 100000}"
+    names = [f"gs{tag}h0", f"gs{tag}h1"]
+    links = [f"gsv{tag}a", f"gsv{tag}b"]
+    made = _ip("netns", "add", names[0])
+    if made.returncode != 0:
+        pytest.skip(f"cannot create a network namespace here ({made.stderr.strip()}); needs root or CAP_SYS_ADMIN")
+    try:
+        steps = [("netns", "add", names[1]),
+                 ("link", "add", links[0], "type", "veth", "peer", "name", links[1]),
+                 ("link", "set", links[0], "netns", names[0]), ("link", "set", links[1], "netns", names[1])]
+        for host in (0, 1):
+            steps += [("-n", names[host], "addr", "add", f"{HOST_ADDRESSES[host]}/24", "dev", links[host]),
+                      ("-n", names[host], "link", "set", links[host], "up"),
+                      ("-n", names[host], "link", "set", "lo", "up")]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                pytest.skip(f"cannot build the veth pair: 'ip {' '.join(step)}' failed: {result.stderr.strip()}")
+        yield list(zip(names, links))
+    finally:
+        for name in names:
+            _ip("netns", "del", name)
+
+
+def _tx_bytes(namespace: str, link: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{link}/statistics/tx_bytes"],
+                         capture_output=True, text=True, timeout=30)
+    return int(out.stdout.strip())
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
+    port = "29500"   # the namespaces are new and empty, so any port is free there
+    procs = []
+    for node, (namespace, link) in enumerate(two_hosts):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
+        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+               "--master-addr", HOST_ADDRESSES[0], "--master-port", port,
+               "-m", "gradsync.train", "--steps", "5", "--quiet", "--out", str(tmp_path / f"node{node}")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for node, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
+    assert "4 worker(s)" in outputs[0] and "gradsync train: summary" in outputs[0]
+    # each node's two ranks reach the other node's two ranks only through the veth pair
+    for namespace, link in two_hosts:
+        assert _tx_bytes(namespace, link) > 1_000_000
