@@ -39,6 +39,7 @@ def test_parameter_server_strategies_train_digits(tmp_path):
             assert set(server["staleness_histogram"]) == {0}
         if strategy == "ssp":
             assert server["max_clock_gap"] <= 2
+        assert summary["staleness"]["updates"] == server["pushes"]
     assert accuracy["ps-sync"] >= 0.95, accuracy
     assert abs(accuracy["ps-async"] - accuracy["ps-sync"]) <= 0.03, accuracy
     assert abs(accuracy["ssp"] - accuracy["ps-sync"]) <= 0.03, accuracy

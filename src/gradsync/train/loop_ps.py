@@ -111,9 +111,16 @@ def train_ps_rank(cfg: TrainConfig) -> dict:
     stats = ps.stats()
     evaluation = evaluate(cfg, model, test_set, ranks=list(range(servers, w.world_size)))
     wait_s = stats.get("pull_wait_seconds", 0.0) + stats.get("push_seconds", 0.0)
-    mine = torch.tensor([compute_s, wait_s, wait_s, gs.traffic()["bytes_sent"], -1.0], dtype=torch.float64)
+    histogram = stats.get("staleness_histogram", {})
+    updates = sum(histogram.values())
+    weighted = sum(k * v for k, v in histogram.items())
+    mine = torch.tensor([compute_s, wait_s, wait_s, gs.traffic()["bytes_sent"], -1.0, updates, weighted,
+                         max(histogram, default=0)], dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
-    summary = report.finish(wall, total_steps, evaluation, per_rank, workers=workers)
+    total_updates = float(per_rank[:, 5].sum())
+    staleness = {"mean": float(per_rank[:, 6].sum()) / total_updates if total_updates else 0.0,
+                 "max": float(per_rank[:, 7].max()), "updates": total_updates}
+    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness)
     return {"summary": summary, "digest": _param_digest(model), "ps": stats,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": []}

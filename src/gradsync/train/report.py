@@ -81,9 +81,10 @@ class Reporter:
         (self.progress.console if self.progress else self.console).print(line)
 
     def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
-               workers: int | None = None) -> dict | None:
+               workers: int | None = None, staleness: dict | None = None) -> dict | None:
         """``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
-        ``workers``: ranks that train (default: all; parameter servers do not)."""
+        ``workers``: ranks that train (default: all; parameter servers do not). ``staleness``: for
+        parameter-server runs, {"mean": versions, "max": versions, "updates": count}, shown instead of overlap."""
         if self.progress:
             self.progress.stop()
         if not self.enabled:
@@ -98,7 +99,8 @@ class Reporter:
                    "accuracy": evaluation.get("accuracy"), "test_loss": evaluation.get("test_loss"),
                    "bytes_sent_per_rank": per_rank[:, 3].tolist(), "compute_s": compute,
                    "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
-                   "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers}
+                   "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers,
+                   "staleness": staleness}
         self._record({"event": "summary", **summary})
         table = Table(title="gradsync train: summary")
         table.add_column("")
@@ -108,7 +110,11 @@ class Reporter:
         table.add_row("test accuracy" if c.model != "charlm" else "next-byte accuracy", f"{summary['accuracy']:.2%}")
         table.add_row("test loss", f"{summary['test_loss']:.4f}")
         table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
-        table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
+        if staleness is not None:
+            table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "
+                                       f"{staleness['updates']:.0f} updates (server version - version pushed on)")
+        else:
+            table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
         table.add_row("compute / comm / exposed wait",
                       f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
         table.add_row("stragglers", ", ".join(f"rank {r} ({compute[r] / median_compute:.2f}x median compute)"
