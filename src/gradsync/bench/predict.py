@@ -1,11 +1,14 @@
 """gradsync simulate --calibrated --check: the cost model's predictions beside measurements on this machine.
 
 For each N the ring all-reduce is measured (bench/collectives.py, median of ``reps`` calls) and
-predicted by sim/cost.py with the calibrated link (``gradsync bench collectives --fit``). The DDP
-step of the benchmark MLP (bench/ddp.py, 25 MiB buckets) is predicted from its compute time, which
-is measured here in one process and scaled for CPU sharing: with N ranks on C cores, each rank
-computes at min(1, C/N) of full speed (plus the communication thread's share, which the model does
-not see). error = predicted / measured - 1.
+predicted by sim/cost.py with the calibrated link (``gradsync bench collectives --fit``, measured
+with two ranks). The DDP step of the benchmark MLP (bench/ddp.py, 25 MiB buckets) is predicted from
+its compute time, measured here in one process.
+
+CPU sharing (this machine only, not part of the cluster model): over loopback every byte moved is a
+CPU copy, so with N ranks on C cores each rank computes *and* copies at min(1, C/N) of full speed.
+Compute time, beta and gamma are therefore scaled by f = max(1, N/C); alpha is not.
+error = predicted / measured - 1.
 """
 
 from __future__ import annotations
@@ -35,23 +38,29 @@ def _compute_seconds(batch: int, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def shared_link(link: Link, ranks: int, cores: int) -> Link:
+    """The link as N ranks see it when they share C cores (see module docstring)."""
+    f = max(1.0, ranks / cores)
+    return Link(alpha=link.alpha, beta=link.beta * f, gamma=link.gamma * f)
+
+
 def run(link: Link, workers: list[int], sizes: list[int], reps: int = 5, batch: int = 64) -> dict:
     rows = []
+    cores = os.cpu_count() or 1
     for n in workers:
         for r in collectives.run(n, sizes, ["ring"], reps=reps)["rows"]:
             if r["algorithm"] != "ring":
                 continue
-            predicted = allreduce_time("ring", r["size"], n, link)
+            predicted = allreduce_time("ring", r["size"], n, shared_link(link, n, cores))
             rows.append({"what": "ring all-reduce", "workers": n, "size": r["size"], "measured_s": r["time_s"],
                          "predicted_s": predicted, "error": predicted / r["time_s"] - 1})
     compute_1 = _compute_seconds(batch)
-    cores = os.cpu_count() or 1
     model, _, _ = ddp._model_and_batch("mlp", batch)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     for n in workers:
         measured = next(r["step_s"] for r in ddp.run(n, "mlp", batch, [25.0], steps=5) if r["impl"] != "torch DDP")
         compute_n = compute_1 * max(1.0, n / cores)
-        predicted, _ = ddp_step_time(nbytes, n, link, compute_n, 25 * 2**20)
+        predicted, _ = ddp_step_time(nbytes, n, shared_link(link, n, cores), compute_n, 25 * 2**20)
         rows.append({"what": "DDP step (mlp, 25 MiB)", "workers": n, "size": nbytes, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1, "compute_s": compute_n})
     return {"rows": rows, "link": {"alpha": link.alpha, "beta": link.beta, "gamma": link.gamma}}
