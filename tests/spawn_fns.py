@@ -36,3 +36,14 @@ def record_pid_then_hang(path):
     if gs.world().rank == 0:
         raise RuntimeError("rank 0 gives up")
     time.sleep(120)
+
+
+def stall_fail_and_wait():
+    """Rank 3 raises; rank 0 stalls in Python; rank 1 waits on rank 0 inside an all-reduce."""
+    w = gs.world()
+    if w.rank == 3:
+        time.sleep(1.5)
+        raise ValueError("bad batch on rank 3")
+    if w.rank == 0:
+        time.sleep(60)
+    gs.all_reduce(torch.ones(8), algorithm="ring")

@@ -67,3 +67,14 @@ def test_spawn_rejects_bad_arguments():
         gs.spawn(lambda: None, nprocs=2)
     with pytest.raises(TypeError, match="args must be a tuple"):
         gs.spawn(spawn_fns.identity_and_state, nprocs=2, args=[1])
+
+
+@pytest.mark.timeout(120)
+def test_the_error_says_where_the_stopped_ranks_were():
+    with pytest.raises(gs.SpawnError) as info:
+        gs.spawn(spawn_fns.stall_fail_and_wait, nprocs=4, timeout=30)
+    message = str(info.value)
+    assert "rank 3 raised ValueError: bad batch on rank 3" in message
+    where = message.split("when stopped, the other ranks were in:")[1].split("\n\n")[0]
+    assert "rank 0: stall_fail_and_wait (spawn_fns.py" in where           # stalled in its own code
+    assert "rank 1:" in where and "all_reduce" in where                 # blocked inside a collective

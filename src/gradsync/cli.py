@@ -4,6 +4,7 @@
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
+    gradsync bench faults --trials 10
     gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
     gradsync figures --out figs/ [--measured check.json]
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
@@ -143,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     figs.add_argument("--measured", metavar="JSON", default=None,
                       help="rows from gradsync simulate --calibrated --check 2,3,4 --json JSON, for the "
                            "measured-vs-predicted figure")
+    faults = benches.add_parser("faults", help="SIGKILL a rank of real training runs; detection time, leftovers")
+    faults.add_argument("--strategies", default="ddp,zero1,ps-sync,ps-async,ssp", help="comma-separated strategies")
+    faults.add_argument("--trials", type=_positive_int, default=10, help="kills per strategy")
+    faults.add_argument("--workers", type=_positive_int, default=3, help="processes per run")
+    faults.add_argument("--timeout", type=float, default=10.0, help="the runs' --timeout in seconds")
+    faults.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
     memory.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
@@ -371,6 +378,28 @@ def _figures(args) -> int:
     return 0
 
 
+def _bench_faults(args) -> int:
+    from gradsync.bench import faults
+
+    strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
+    rows = faults.run(strategies, args.trials, args.workers, args.timeout)
+    table = Table(title=f"SIGKILL one random rank of `gradsync train --workers {args.workers} --timeout "
+                        f"{args.timeout:g}`, {args.trials} trials per strategy")
+    for column in ("strategy", "trials", "clean", "slowest detection (s)", "median (s)", "problems"):
+        table.add_column(column, justify="right")
+    for strategy in strategies:
+        mine = [r for r in rows if r["strategy"] == strategy]
+        times = sorted(r["detection_s"] for r in mine if "detection_s" in r)
+        problems = "; ".join(sorted({r["why"] for r in mine if r["why"]})) or "-"
+        table.add_row(strategy, str(len(mine)), str(sum(r["clean"] for r in mine)),
+                      f"{times[-1]:.2f}" if times else "-", f"{times[len(times) // 2]:.2f}" if times else "-", problems)
+    Console(width=max(100, Console().width)).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0 if all(r["clean"] for r in rows) else 1
+
+
 def _memory(args) -> int:
     from gradsync.sim import memory
 
@@ -401,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_ps(args)
         if args.command == "bench" and args.bench == "zero1":
             return _bench_zero1(args)
+        if args.command == "bench" and args.bench == "faults":
+            return _bench_faults(args)
         if args.command == "train":
             return _train(args)
         if args.command == "memory":

@@ -12,7 +12,10 @@ Recipe
        traceback;
     4. the launcher watches all processes; the first failure (an exception or a death by signal)
        stops the others (SIGTERM, then SIGKILL after a grace period) and raises SpawnError naming
-       the rank and carrying its traceback.
+       the rank and carrying its traceback;
+    5. a stopped rank dumps its Python stack as it dies (faulthandler on SIGTERM works even while
+       the rank is blocked inside a gloo wait), so the error also says what every other rank was
+       doing: "rank 1 was in all_reduce <- allreduce_ring <- wait".
 
 Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
 OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
@@ -21,6 +24,7 @@ OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -60,9 +64,19 @@ def _die_with_parent() -> None:
         return
 
 
+def _name_process(name: str) -> None:
+    """Set the kernel's name for this process (ps -o comm, top, /proc/PID/comm; 15 bytes at most)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except OSError:
+            pass
+
+
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, parent_pid: int) -> None:
     _die_with_parent()
+    _name_process(f"gradsync-r{rank}")
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
         os._exit(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
@@ -73,6 +87,8 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     import gradsync
 
     out = Path(out_dir)
+    stack_file = open(out / f"{rank}.stack", "w")  # noqa: SIM115 - must stay open for the handler
+    faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
     try:
         gradsync.init(**init_kwargs)
         result = fn(*args)
@@ -171,6 +187,34 @@ def _watch(processes: list, join_timeout: float | None) -> int | None:
     return None
 
 
+def _where(stack_path: Path) -> str | None:
+    """Where a rank's main thread was, from its faulthandler dump: the innermost frames of gradsync
+    and of the user's code (not the launcher, multiprocessing or torch internals), innermost first."""
+    try:
+        text = stack_path.read_text()
+    except OSError:
+        return None
+    # faulthandler writes each thread's frames innermost first; the main thread is the last block
+    blocks = [b for b in text.split("\n\n") if "File " in b]
+    if not blocks:
+        return None
+    frames = []
+    for line in blocks[-1].splitlines():
+        line = line.strip()
+        if not line.startswith("File "):
+            continue
+        path = line.split('"')[1]
+        if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
+                                         "/site-packages/torch/", "<frozen", "<string>")):
+            continue
+        name = line.rsplit(" in ", 1)[-1]
+        short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name
+        frames.append(f"{name} ({short}:{line.split('line ')[1].split(' ')[0]})")
+    if not frames:
+        return None
+    return " <- ".join(frames[:4]) + (" <- ..." if len(frames) > 4 else "")
+
+
 def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -> SpawnError:
     if failed == -1:
         return SpawnError("spawn: the ranks did not finish within join_timeout; all were stopped", -1, {})
@@ -187,6 +231,10 @@ def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) 
     message = f"spawn: {what}; the other ranks were stopped."
     if others:
         message += "\nother ranks reported:\n" + "\n".join(others)
+    doing = [f"  rank {r}: {where}" for r in sorted(exit_codes) if r != primary and r not in tracebacks
+             for where in [_where(out_dir / f"{r}.stack")] if where]
+    if doing:
+        message += "\nwhen stopped, the other ranks were in:\n" + "\n".join(doing)
     if primary in tracebacks:
         message += f"\n\nrank {primary} traceback:\n{tracebacks[primary]}"
     return SpawnError(message, primary, tracebacks)

@@ -14,7 +14,11 @@ Consistency models (what a PUSH does, and when a PULL is answered):
            W pushes worth one synchronous step); a PULL is answered at once with the newest version.
            staleness = version at apply - version the gradient was computed on, recorded per update.
     ssp    applied as async, but a PULL from a worker at clock c waits while c - min(open clocks)
-           > staleness_bound (Ho et al., NIPS 2013). Bound 0 gives sync's schedule; a huge bound, async's.
+           > staleness_bound (Ho et al., NIPS 2013), then returns the newest version. A huge bound
+           gives async. Bound 0 returns the parameters as they were when the slowest worker reached
+           clock c (a reference kept per clock boundary, no copy), so every worker computes step c
+           on the same parameters, as in sync; otherwise a late PULL could already see a faster
+           worker's step-c update.
 
 Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W*M_s; with one
 server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
@@ -76,6 +80,8 @@ class Server:
         self.pushed_this_version: set[int] = set()
         self.pending_pulls: set[int] = set()
         self.last_seen = {w: time.monotonic() for w in self.workers}
+        self.min_clock = 0
+        self.boundary = {0: (0, self.published)}   # ssp, bound 0: clock -> (version, parameters)
         self.sends: list[Handle] = []
         self.counts = Counter()
         self.staleness = Counter()
@@ -135,6 +141,7 @@ class Server:
             self.pending_pulls.discard(sender)
             self._send_header(sender, wire.Header(wire.BYE, self.rank, self.version, self.rank))
             self._maybe_step_sync()
+            self._advance_boundary()
         else:
             raise ProtocolError(f"server rank {self.rank}: a worker may not send {header.describe()}; refused",
                                 sender)
@@ -165,6 +172,18 @@ class Server:
         else:
             self.staleness[self.version - header.version] += 1
             self._step(self.incoming / len(self.workers))
+            self._advance_boundary()
+
+    def _advance_boundary(self) -> None:
+        """Record the parameters at each new minimum clock (what a bound-0 SSP pull returns)."""
+        if self.mode != "ssp" or self.staleness_bound != 0 or not self.open:
+            return
+        lowest = min(self.clock[w] for w in self.open)
+        for clock in range(self.min_clock + 1, lowest + 1):
+            self.boundary[clock] = (self.version, self.published)
+        self.min_clock = max(self.min_clock, lowest)
+        for clock in [c for c in self.boundary if c < self.min_clock]:
+            del self.boundary[clock]
 
     def _maybe_step_sync(self) -> None:
         if self.mode != "sync" or not self.pushed_this_version or not self.open <= self.pushed_this_version:
@@ -195,8 +214,10 @@ class Server:
                 continue
             self.pending_pulls.discard(worker)
             self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
-            payload = self.published
-            header = Header(wire.PARAMS, self.rank, self.version, self.rank, payload.numel(),
+            version, payload = self.version, self.published
+            if self.mode == "ssp" and self.staleness_bound == 0:
+                version, payload = self.boundary[self.clock[worker]]
+            header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload))
             self._send_header(worker, header)
             self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))

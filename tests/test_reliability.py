@@ -1,0 +1,15 @@
+"""Faults for real: a rank SIGKILLed in the middle of `gradsync train`, for every strategy; what the
+launcher reports about the other ranks; a long soak of collectives without growth."""
+
+import pytest
+
+from gradsync.bench import faults
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", faults.STRATEGIES)
+def test_sigkill_of_a_random_rank_ends_the_job_cleanly(strategy):
+    result = faults.kill_trial(strategy, seed=7, workers=3, timeout=10.0)
+    assert result["clean"], f"{result.get('why')}\n{result.get('stderr')}"
+    assert result["detection_s"] < 10.0, "every other rank must be gone within the configured timeout"
+    assert result["exit_code"] != 0
