@@ -47,3 +47,38 @@ def stall_fail_and_wait():
     if w.rank == 0:
         time.sleep(60)
     gs.all_reduce(torch.ones(8), algorithm="ring")
+
+
+def soak(calls, warmup, seed):
+    """``calls`` collectives of random sizes and algorithms; RSS and open fds after warm-up and at the end."""
+    import random
+
+    rng = random.Random(seed)   # the same sequence on every rank
+    algorithms = ("ring", "halving_doubling", "tree", "naive", "native")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss_and_fds():
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+        return rss, len(os.listdir("/proc/self/fd"))
+
+    w = gs.world()
+    marks = {}
+    for call in range(calls):
+        if call == warmup:
+            marks["after_warmup"] = rss_and_fds()
+        numel = rng.choice((0, 1, 7, 1000, rng.randint(1, 1 << 16)))
+        algorithm = rng.choice(algorithms)
+        kind = rng.choice(("all_reduce", "all_reduce", "broadcast", "reduce_scatter"))
+        t = torch.full((numel,), float(w.rank + 1))
+        if kind == "all_reduce":
+            gs.all_reduce(t, algorithm=algorithm)
+            expected = w.world_size * (w.world_size + 1) / 2
+            assert numel == 0 or float(t[0]) == expected
+        elif kind == "broadcast":
+            gs.broadcast(t, src=call % w.world_size)
+            assert numel == 0 or float(t[0]) == call % w.world_size + 1
+        else:
+            gs.reduce_scatter(t)
+    marks["end"] = rss_and_fds()
+    return marks

@@ -76,3 +76,43 @@ def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
     # each node's two ranks reach the other node's two ranks only through the veth pair
     for namespace, link in two_hosts:
         assert _tx_bytes(namespace, link) > 1_000_000
+
+
+@pytest.mark.timeout(300)
+def test_link_down_mid_training_is_detected_on_both_hosts(two_hosts, tmp_path):
+    """Take the veth down while the two nodes train: both sides must fail, not hang."""
+    import time
+
+    timeout = 10
+    procs = []
+    for node, (namespace, link) in enumerate(two_hosts):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
+        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+               "--master-addr", HOST_ADDRESSES[0], "--master-port", "29500",
+               "-m", "gradsync.train", "--steps", "100000", "--quiet", "--timeout", str(timeout),
+               "--out", str(tmp_path / f"node{node}")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    metrics = tmp_path / "node0" / "metrics.jsonl"
+    started = time.monotonic()
+    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+        assert time.monotonic() - started < 120, "training never started"
+        assert all(p.poll() is None for p in procs), "a node ended before the link went down"
+        time.sleep(0.1)
+    namespace, link = two_hosts[0]
+    assert _ip("-n", namespace, "link", "set", "dev", link, "down").returncode == 0
+    down_at = time.monotonic()
+    outputs, ended = [], []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout + 90)[0])
+            ended.append(time.monotonic() - down_at)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for node, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode != 0, f"node {node} ended cleanly although its peer vanished:\n{out[-2000:]}"
+        assert "timed out" in out or "PeerError" in out or "Connection" in out, out[-2000:]
+    # each worker gives up after its own timeout; torchrun's agent then needs a few seconds to stop
+    assert max(ended) < timeout + 60, f"nodes ended {ended} s after the link went down"

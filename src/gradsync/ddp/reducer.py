@@ -9,7 +9,8 @@ Per iteration
        whatever order autograd produced them in;
     3. at the end of backward (an autograd engine callback) unready parameters are either an error
        that names them or, with find_unused_parameters, zero gradients; then the reducer waits for
-       every bucket, so no optimizer step can see a half-reduced gradient.
+       every bucket, so no optimizer step can see a half-reduced gradient. In debug mode
+       (GRADSYNC_DEBUG=1) the averaged gradients are then checked for NaN and Inf.
 
 State: ``ready`` flags live in the buckets; ``_pending`` counts unready parameters per bucket;
 ``_next_launch`` is the first bucket not yet handed over; ``_futures`` the reductions in flight.
@@ -119,10 +120,23 @@ class Reducer:
             self.last_wait_seconds = time.perf_counter() - backward_end
             for b, slot in globally_unused:  # as in one process: no gradient, not a zero gradient
                 b.params[slot].grad = None
+            if runtime.world().debug:
+                self._check_finite()
             self.last_overlap = trace.overlap_share(self._comm_spans, backward_end)
             self.last_comm_seconds = sum(end - start for start, end in self._comm_spans)
         finally:
             self._reset()
+
+    def _check_finite(self) -> None:
+        """Debug mode: a NaN or Inf in the averaged gradients is an error naming the parameters. The
+        check runs after the reduction, so every rank sees the same values and raises alike."""
+        bad = [b.names[slot] for b in self.buckets for slot in range(len(b.params))
+               if not bool(torch.isfinite(b.grad_view(slot)).all())]
+        if bad:
+            raise FloatingPointError(
+                f"rank {runtime.world().rank}: the averaged gradients of {', '.join(bad)} contain NaN or Inf "
+                f"(checked because GRADSYNC_DEBUG=1 / init(debug=True)); some rank produced them: look for a "
+                f"bad batch, a too-large learning rate or a log/div of zero")
 
     def _mark_unused(self, bucket: Bucket, slot: int) -> None:
         param = bucket.params[slot]
