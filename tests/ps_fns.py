@@ -125,6 +125,11 @@ def malformed(kind):
                 ps._client.pulled_since_push = True   # bypass the client-side check to reach the server's
                 model.zero_grad()
                 ps._client.push()
+        else:   # rank 1 pushes a valid step, then waits in pull for a version rank 2 never completes validly
+            ps.pull()
+            nn.functional.cross_entropy(model(torch.randn(4, 8, dtype=torch.float64)),
+                                        torch.zeros(4, dtype=torch.long)).backward()
+            ps.push()
         ps.pull()
         ps.close()
     except Exception as exc:  # noqa: BLE001 - the error is the result

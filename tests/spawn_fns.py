@@ -82,3 +82,13 @@ def soak(calls, warmup, seed):
             gs.reduce_scatter(t)
     marks["end"] = rss_and_fds()
     return marks
+
+
+def late_rank(late, seconds):
+    """Rank ``late`` sleeps before a collective the others are already waiting in."""
+    w = gs.world()
+    if w.rank == late:
+        time.sleep(seconds)
+    t = torch.ones(10)
+    gs.all_reduce(t, algorithm="ring")
+    return float(t[0])

@@ -78,3 +78,15 @@ def test_the_error_says_where_the_stopped_ranks_were():
     where = message.split("when stopped, the other ranks were in:")[1].split("\n\n")[0]
     assert "rank 0: stall_fail_and_wait (spawn_fns.py" in where           # stalled in its own code
     assert "rank 1:" in where and "all_reduce" in where                 # blocked inside a collective
+
+
+@pytest.mark.timeout(120)
+def test_stall_inspector_names_the_rank_that_has_not_joined(capfd, monkeypatch):
+    monkeypatch.setenv("GRADSYNC_STALL_SECONDS", "1.5")
+    assert gs.spawn(spawn_fns.late_rank, nprocs=3, args=(2, 5.0), timeout=30) == [3.0, 3.0, 3.0]
+    err = capfd.readouterr().err
+    reports = [line for line in err.splitlines() if line.startswith("gradsync stall inspector (rank 0)")]
+    assert reports, err[-3000:]
+    assert "all_reduce (ring, 10 x float32)" in reports[0]
+    assert "Also waiting in" in reports[0] and "ranks 1" in reports[0]
+    assert "rank 2 (posted nothing" in reports[0]

@@ -7,6 +7,7 @@
     gradsync bench faults --trials 10
     gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
     gradsync figures --out figs/ [--measured check.json]
+    gradsync doctor RUN_DIR
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
 """
 
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--workers", type=_positive_int, default=3, help="processes per run")
     faults.add_argument("--timeout", type=float, default=10.0, help="the runs' --timeout in seconds")
     faults.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    doctor = commands.add_parser("doctor", help="the DDP performance checklist, read from a run directory")
+    doctor.add_argument("run_dir", help="a --out directory of gradsync train")
     memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
     memory.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
@@ -400,6 +403,20 @@ def _bench_faults(args) -> int:
     return 0 if all(r["clean"] for r in rows) else 1
 
 
+def _doctor(args) -> int:
+    from gradsync.doctor import examine
+
+    findings = examine(args.run_dir)
+    table = Table(title=f"gradsync doctor: {args.run_dir}")
+    for column in ("check", "verdict", "finding"):
+        table.add_column(column)
+    colours = {"OK": "green", "WARN": "yellow", "INFO": "cyan"}
+    for f in findings:
+        table.add_row(f.check, f"[{colours[f.verdict]}]{f.verdict}[/]", f.detail)
+    Console(width=max(120, Console().width)).print(table)
+    return 0
+
+
 def _memory(args) -> int:
     from gradsync.sim import memory
 
@@ -440,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args)
         if args.command == "figures":
             return _figures(args)
+        if args.command == "doctor":
+            return _doctor(args)
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

@@ -151,7 +151,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)
     init_kwargs = {"backend": backend, "timeout": timeout, "debug": debug}
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="gradsync-spawn-") as out_dir:
+    with tempfile.TemporaryDirectory(prefix=f"gradsync-spawn-{os.getpid()}-") as out_dir:
         processes = [ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
                                  args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid()))
                      for rank in range(nprocs)]

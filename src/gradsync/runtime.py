@@ -30,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradsync import stall
+
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
@@ -175,6 +177,7 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
                             world_size=wanted.world_size, timeout=wait)
     _WORLD = World(**{**wanted.__dict__, "store": store})
+    stall.start(_WORLD)
     return _WORLD
 
 
@@ -201,5 +204,6 @@ def shutdown() -> None:
     if _WORLD is None:
         return
     _WORLD = None
+    stall.stop()
     if dist.is_initialized():
         dist.destroy_process_group()

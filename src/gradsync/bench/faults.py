@@ -6,7 +6,8 @@ One trial:
        0-1 s more, and SIGKILL one rank chosen at random (its RANK read from /proc/PID/environ);
     3. measure the time from the kill until the whole job has exited, and check:
        clean = the job exited non-zero, its error names the killed rank, every rank process is
-       gone (no orphans), and no gradsync temporary directory or /dev/shm entry is left behind.
+       gone (no orphans), and neither the launcher's temporary directory (gradsync-spawn-<its
+       pid>-*) nor a /dev/shm entry named after one of the job's processes is left behind.
 The job's error is the launcher's one-screen summary (launch.py).
 """
 
@@ -42,9 +43,14 @@ def _rank_pids(job_pid: int) -> dict[int, int]:
     return ranks
 
 
-def _leftovers() -> set[str]:
-    tmp = {f"tmp:{p.name}" for p in Path(tempfile.gettempdir()).glob("gradsync-spawn-*")}
-    shm = {f"shm:{p.name}" for p in Path("/dev/shm").glob("*")} if Path("/dev/shm").is_dir() else set()
+def _leftovers(pids: list[int]) -> set[str]:
+    """Temporary directories of the launcher ``pids[0]`` and /dev/shm entries naming any of ``pids``
+    (other jobs on the machine may create their own meanwhile; only this job's count)."""
+    tmp = {f"tmp:{p.name}" for p in Path(tempfile.gettempdir()).glob(f"gradsync-spawn-{pids[0]}-*")}
+    shm = set()
+    if Path("/dev/shm").is_dir():
+        shm = {f"shm:{p.name}" for p in Path("/dev/shm").iterdir()
+               if any(str(pid) in p.name.split("_") or p.name.endswith(f"-{pid}") for pid in pids)}
     return tmp | shm
 
 
@@ -67,7 +73,6 @@ def kill_trial(strategy: str, seed: int, workers: int = 3, timeout: float = 10.0
 
 def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> dict:
     rng = random.Random(seed)
-    before = _leftovers()
     cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
            "--timeout", str(timeout), "--steps", "100000", "--quiet", "--out", out, "--seed", str(seed)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,7 +103,7 @@ def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> 
                 "why": f"the job was still running {timeout + 30:.0f} s after the kill", "stderr": err_text[-2000:]}
     detection_s = time.monotonic() - killed_at
     orphans = [pid for pid in ranks.values() if _alive(pid)]
-    leaked = sorted(_leftovers() - before)
+    leaked = sorted(_leftovers([job.pid, *ranks.values()]))
     named = f"rank {victim} was killed by signal SIGKILL" in err_text
     clean = job.returncode != 0 and named and not orphans and not leaked
     why = [] if clean else [w for w, bad in (("exit code 0", job.returncode == 0), ("error does not name the rank", not named),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import runtime, stall
 from gradsync.comm import select
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, gather_control,
                                   mismatch_error)
@@ -58,6 +58,8 @@ def _check_op(op: str, tensor: torch.Tensor, what: str) -> None:
 
 
 def _agree(transport: Transport, fingerprint: Fingerprint) -> None:
+    stall.entered(f"{fingerprint.kind} ({fingerprint.algorithm}, {fingerprint.numel} x "
+                  f"{str(fingerprint.dtype).replace('torch.', '')})", fingerprint.sequence)
     if runtime.world().debug:
         check_everyone(transport, fingerprint)
     else:
@@ -69,6 +71,7 @@ def _next_sequence(transport: Transport) -> int:
     return transport.sequence
 
 
+@stall.tracked
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` across all ranks in place (op "sum" or "avg") and return it."""
     _check_tensor(tensor, "all_reduce")
@@ -96,6 +99,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     return tensor
 
 
+@stall.tracked
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Ring reduce-scatter: returns this rank's 1-D chunk of the reduced, flattened ``tensor``.
 
@@ -117,6 +121,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return shard.clone()
 
 
+@stall.tracked
 def all_gather(shard: torch.Tensor) -> torch.Tensor:
     """Ring all-gather: the 1-D concatenation of every rank's ``shard`` in rank order.
 
@@ -145,6 +150,7 @@ def all_gather(shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
+@stall.tracked
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with its value on rank ``src``, in place; returns it."""
     _check_tensor(tensor, "broadcast")

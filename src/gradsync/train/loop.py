@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import statistics
 import time
 import zlib
@@ -30,7 +31,7 @@ from torch import nn
 import gradsync as gs
 from gradsync import checkpoint, trace
 from gradsync.data import DistributedSampler
-from gradsync.replicas import first_mismatch
+from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
@@ -137,6 +138,17 @@ def _resume(cfg: TrainConfig, model, optimizer) -> tuple[int, int, int]:
     return state["step"], state["epoch"], state["batch_in_epoch"]
 
 
+def _layout(model: nn.Module, wrapped) -> dict:
+    """Model size, buckets and rank placement (collective: every rank calls it)."""
+    w = gs.world()
+    hosts = gather_strings([socket.gethostname()])
+    params = [p for p in model.parameters() if p.requires_grad]
+    return {"params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+            "bucket_bytes": wrapped.bucket_sizes() if hasattr(wrapped, "bucket_sizes") else None,
+            "world_size": w.world_size, "hosts": [h[0] if h else "?" for h in hosts]}
+
+
 def _param_digest(model: nn.Module) -> int:
     crc = 0
     for p in model.parameters():
@@ -175,6 +187,7 @@ def train_worker(cfg: TrainConfig) -> dict:
 
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
     report.start(global_batch, base_lr, peak_lr, steps_per_epoch, resumed_at=step if cfg.resume else None)
+    report.setup(**_layout(model, wrapped))
     gs.traffic_reset()
     stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": []}
     evaluation = {}

@@ -64,6 +64,11 @@ class Reporter:
             self.progress.start()
             self.task = self.progress.add_task("training", total=self.total_steps, completed=resumed_at or 0)
 
+    def setup(self, **fields) -> None:
+        """Record how the job is laid out (model size, buckets, placement) for `gradsync doctor`."""
+        if self.enabled:
+            self._record({"event": "setup", **fields})
+
     def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap) -> None:
         if not self.enabled:
             return

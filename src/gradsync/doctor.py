@@ -1,0 +1,160 @@
+"""gradsync doctor RUN_DIR: read a run's metrics.jsonl (and trace.json) and go through the checklist
+practitioners use when data-parallel training underperforms.
+
+    batch math     per-worker batch x workers x accumulation = global batch; the learning rate after
+                   scaling (a larger global batch without a larger lr, or without warm-up, trains worse)
+    overlap        do bucket all-reduces start while backward is still running? (trace.json: a
+                   bucket span that starts in the first 90% of the step's backward; else the
+                   summary's overlap share)
+    bucket sizes   too small: every bucket pays 2(N-1) message latencies (4+ buckets, median < 256 KiB);
+                   too large: one bucket holding >= 90% of the gradients cannot start before
+                   backward ends, so nothing overlaps
+    unused params  the reducer raises on them unless find_unused_parameters is set (so a finished run
+                   had none, or paid the extra used-count all-reduce)
+    stragglers     ranks whose compute time is > 20% above the median (they make everyone wait)
+    placement      ranks per host (uneven hosts leave the ring's slowest link on the crowded host)
+    precision      parameter dtype and what travels on the wire (--compress fp16/bf16 halves the
+                   bytes but rounds each gradient to 2^-11 / 2^-8 relative)
+
+Each check ends as OK, WARN or INFO with the numbers behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+STRAGGLER_FACTOR = 1.2
+SMALL_BUCKET_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    verdict: str   # OK | WARN | INFO
+    detail: str
+
+
+def _read_run(run_dir: Path) -> dict[str, list[dict]]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl: point gradsync doctor at a --out directory of gradsync train")
+    events: dict[str, list[dict]] = {}
+    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{metrics}:{number} is not JSON ({exc.msg})") from None
+        events.setdefault(record.get("event", "?"), []).append(record)
+    if "start" not in events:
+        raise ValueError(f"{metrics} has no start record; was the run interrupted before its first step?")
+    return events
+
+
+def _overlap_from_trace(trace_path: Path) -> tuple[int, int] | None:
+    """(steps in which a bucket all-reduce started within the first 90% of backward, steps), rank 0.
+
+    A bucket launched by the very last gradient hook starts just before "backward end" but hides
+    nothing, hence the 90% mark between the "backward start" and "backward end" instants."""
+    try:
+        events = json.loads(trace_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    rank0 = [e for e in events if e.get("pid") == 0 and e.get("ph") in ("X", "i")]
+    starts = sorted(e["ts"] for e in rank0 if e.get("name") == "backward start")
+    ends = sorted(e["ts"] for e in rank0 if e.get("name") == "backward end")
+    buckets = sorted(e["ts"] for e in rank0 if str(e.get("name", "")).startswith("all_reduce bucket"))
+    pairs = [(s, min((e for e in ends if e >= s), default=None)) for s in starts]
+    pairs = [(s, e) for s, e in pairs if e is not None]
+    if not pairs:
+        return None
+    early = sum(any(s <= b < s + 0.9 * (e - s) for b in buckets) for s, e in pairs)
+    return early, len(pairs)
+
+
+def examine(run_dir: str | Path) -> list[Finding]:
+    run_dir = Path(run_dir)
+    events = _read_run(run_dir)
+    start = events["start"][-1]
+    cfg = start["config"]
+    setup = events.get("setup", [{}])[-1]
+    summary = events.get("summary", [None])[-1]
+    findings = []
+
+    workers = start["global_batch"] // (cfg["batch_size"] * cfg["grad_accum"])
+    scaled = cfg["lr_scaling"] == "linear"
+    math = (f"{cfg['batch_size']} per worker x {workers} workers x {cfg['grad_accum']} accumulation = "
+            f"{start['global_batch']} global; peak lr {start['peak_lr']:g} ({cfg['lr_scaling']} scaling, "
+            f"warm-up {cfg['warmup_steps']} steps)")
+    risky = workers > 1 and (not scaled or cfg["warmup_steps"] == 0)
+    findings.append(Finding("batch math", "WARN" if risky else "OK", math + (
+        ": a larger global batch wants a scaled lr and a warm-up (Goyal et al. 2017)" if risky else "")))
+
+    trace_counts = _overlap_from_trace(run_dir / "trace.json")
+    if cfg["strategy"] in ("ddp", "local"):
+        if trace_counts is not None:
+            early, steps = trace_counts
+            verdict = "OK" if early >= steps / 2 else "WARN"
+            findings.append(Finding("overlap", verdict, f"a bucket all-reduce started within the first 90% of "
+                                                        f"backward in {early} of {steps} steps (trace.json)"))
+        elif summary and summary.get("overlap") is not None:
+            share = summary["overlap"]
+            findings.append(Finding("overlap", "OK" if share >= 0.1 else "WARN",
+                                    f"{share:.0%} of communication ran during backward (summary)"))
+        else:
+            findings.append(Finding("overlap", "INFO", "no trace.json and no overlap figure: rerun with --trace"))
+    else:
+        findings.append(Finding("overlap", "INFO", f"strategy {cfg['strategy']} reduces outside backward"))
+
+    buckets = setup.get("bucket_bytes")
+    if buckets:
+        total = sum(buckets)
+        small = [b for b in buckets if b < SMALL_BUCKET_BYTES]
+        if len(buckets) >= 4 and statistics.median(buckets) < SMALL_BUCKET_BYTES:
+            findings.append(Finding("bucket sizes", "WARN", f"{len(buckets)} buckets, {len(small)} under 256 KiB "
+                                    f"(--bucket-mb {cfg['bucket_mb']:g}): each pays 2(N-1) message latencies; "
+                                    f"try --bucket-mb {max(0.25, total / 4 / 2**20):.2g} (about 4 buckets)"))
+        elif len(buckets) == 1 or max(buckets) >= 0.9 * total:
+            findings.append(Finding("bucket sizes", "WARN" if workers > 1 else "INFO",
+                                    f"one bucket holds {max(buckets) / total:.0%} of {total / 2**20:.1f} MiB of "
+                                    f"gradients: it cannot start before backward ends; lower --bucket-mb"))
+        else:
+            findings.append(Finding("bucket sizes", "OK", f"{len(buckets)} buckets, "
+                                    f"{min(buckets) / 2**20:.2f}-{max(buckets) / 2**20:.2f} MiB, "
+                                    f"{total / 2**20:.1f} MiB in all"))
+    else:
+        findings.append(Finding("bucket sizes", "INFO", f"no buckets recorded (strategy {cfg['strategy']})"))
+
+    findings.append(Finding("unused parameters", "OK" if summary else "INFO",
+                            "none: the reducer raises on a parameter without a gradient, and the run finished"
+                            if summary else "the run did not finish; look at its error"))
+
+    if summary:
+        compute = [t for t in summary["compute_s"] if t > 0]
+        median = statistics.median(compute) if compute else 0.0
+        slow = [(r, t) for r, t in enumerate(summary["compute_s"]) if median > 0 and t > STRAGGLER_FACTOR * median]
+        findings.append(Finding("stragglers", "WARN" if slow else "OK", ", ".join(
+            f"rank {r}: {t / median:.2f}x the median compute ({t:.2f} s vs {median:.2f} s)" for r, t in slow)
+            or f"every rank within 20% of the median compute ({median:.2f} s)"))
+    else:
+        findings.append(Finding("stragglers", "INFO", "no summary: the run did not finish"))
+
+    hosts = setup.get("hosts")
+    if hosts:
+        per_host = {h: hosts.count(h) for h in dict.fromkeys(hosts)}
+        uneven = len(set(per_host.values())) > 1
+        findings.append(Finding("placement", "WARN" if uneven else "OK", ", ".join(
+            f"{h}: {n} rank(s)" for h, n in per_host.items()) + ("; uneven hosts" if uneven else "")))
+    else:
+        findings.append(Finding("placement", "INFO", "not recorded"))
+
+    dtypes = ", ".join(setup.get("param_dtypes", ["?"]))
+    wire = {"none": "the parameters' own dtype", "fp16": "fp16 (2^-11 relative rounding)",
+            "bf16": "bf16 (2^-8 relative rounding)"}[cfg["compress"]]
+    findings.append(Finding("precision", "INFO", f"parameters {dtypes}; gradients on the wire: {wire}"))
+    return findings

@@ -1,0 +1,122 @@
+"""Stall inspector: when a rank has waited too long inside a collective, say who has not joined it.
+
+Every public collective records, at no communication cost, what this rank is doing:
+
+    entered(fingerprint)    the operation (kind, sequence number, elements, dtype, algorithm) and when
+    left()                  back in user code
+
+A daemon thread per rank looks once a second. When the current operation has lasted more than
+``stall_seconds`` (GRADSYNC_STALL_SECONDS; default timeout / 3; 0 turns it off), the rank posts
+"waiting in <op> #<sequence> since <t>" under its own key in the rendezvous store, reads the other
+ranks' posts, and prints one report to stderr:
+
+    gradsync stall inspector (rank 0): waiting 4.0 s in all_reduce #12 (ring, 1000 x float32).
+    Also waiting in #12: ranks 1. Not in #12: rank 2 (posted nothing: not inside any gradsync
+    collective, e.g. still computing or stalled in user code).
+
+Ranks doing the same collective have the same sequence number, so a rank whose post is missing or
+older has not joined. The report repeats every ``stall_seconds`` while the stall lasts; the
+transfer's own timeout still ends the job (PeerError) as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+
+_STATE: dict = {"op": None, "sequence": None, "since": None}
+_THREAD: dict = {"thread": None, "stop": None}
+
+
+def entered(description: str, sequence: int) -> None:
+    _STATE.update(op=description, sequence=sequence, since=time.monotonic())
+
+
+def left() -> None:
+    _STATE.update(op=None, sequence=None, since=None)
+
+
+def tracked(fn):
+    """Decorator for a public collective: this rank is back in user code when it returns or raises."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            left()
+    return wrapper
+
+
+def stall_seconds(timeout: float) -> float:
+    raw = os.environ.get("GRADSYNC_STALL_SECONDS")
+    if raw is None:
+        return timeout / 3
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"GRADSYNC_STALL_SECONDS={raw!r} is not a number of seconds (0 turns the inspector off)")
+    if value < 0:
+        raise ValueError(f"GRADSYNC_STALL_SECONDS must be >= 0, got {value}")
+    return value
+
+
+def start(world) -> None:
+    """Start this rank's inspector thread (no-op for a world of one or when turned off)."""
+    stop()
+    limit = stall_seconds(world.timeout)
+    if world.world_size == 1 or limit == 0 or world.store is None:
+        return
+    event = threading.Event()
+    thread = threading.Thread(target=_watch, args=(world, limit, event), name="gradsync-stall-inspector",
+                              daemon=True)
+    _THREAD.update(thread=thread, stop=event)
+    thread.start()
+
+
+def stop() -> None:
+    if _THREAD["stop"] is not None:
+        _THREAD["stop"].set()
+    _THREAD.update(thread=None, stop=None)
+
+
+def _watch(world, limit: float, event: threading.Event) -> None:
+    reported = None
+    while not event.wait(1.0):
+        op, sequence, since = _STATE["op"], _STATE["sequence"], _STATE["since"]
+        if op is None or since is None:
+            continue
+        waited = time.monotonic() - since
+        if waited < limit or (reported == (sequence, int(waited // limit))):
+            continue
+        reported = (sequence, int(waited // limit))
+        try:
+            print(_report(world, op, sequence, waited), file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - the inspector must never take the rank down
+            print(f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}",
+                  file=sys.stderr, flush=True)
+
+
+def _report(world, op: str, sequence: int, waited: float) -> str:
+    store = world.store
+    store.set(f"gradsync/stall/{world.rank}", f"{sequence}|{op}")
+    time.sleep(0.5)   # let ranks stalled in the same operation post theirs
+    waiting, missing = [], []
+    for rank in range(world.world_size):
+        if rank == world.rank:
+            continue
+        key = f"gradsync/stall/{rank}"
+        post = store.get(key).decode() if store.check([key]) else None
+        their_sequence = int(post.split("|", 1)[0]) if post else None
+        if their_sequence == sequence:
+            waiting.append(rank)
+        else:
+            seen = f"last posted #{their_sequence}: {post.split('|', 1)[1]}" if post else (
+                "posted nothing: not inside any gradsync collective, e.g. still computing or stalled in user code")
+            missing.append(f"rank {rank} ({seen})")
+    also = f" Also waiting in #{sequence}: ranks {', '.join(map(str, waiting))}." if waiting else ""
+    absent = f" Not in #{sequence}: {'; '.join(missing)}." if missing else ""
+    return (f"gradsync stall inspector (rank {world.rank}): waiting {waited:.1f} s in {op} #{sequence}"
+            f"{also}{absent} The job fails with a timeout error after {world.timeout:.0f} s.")

@@ -1,0 +1,54 @@
+"""gradsync doctor on real runs with a planted bad bucket size, and on a run with a planted straggler."""
+
+import json
+
+import pytest
+
+from gradsync.cli import main
+from gradsync.doctor import examine
+from gradsync.train.config import TrainConfig
+from gradsync.train.loop import run
+
+
+def verdicts(run_dir):
+    return {f.check: f for f in examine(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("doctor")
+    common = dict(workers=2, steps=6, quiet=True, trace=True)
+    run(TrainConfig(out=str(base / "tiny"), bucket_mb=0.001, **common))
+    run(TrainConfig(out=str(base / "giant"), **common))   # the digits CNN fits one 25 MiB bucket
+    return base
+
+
+@pytest.mark.timeout(300)
+def test_tiny_buckets_are_flagged(runs):
+    found = verdicts(runs / "tiny")
+    assert found["bucket sizes"].verdict == "WARN" and "under 256 KiB" in found["bucket sizes"].detail
+    assert found["batch math"].detail.startswith("32 per worker x 2 workers x 1 accumulation = 64 global")
+
+
+@pytest.mark.timeout(300)
+def test_one_giant_bucket_is_flagged_and_hides_nothing(runs):
+    found = verdicts(runs / "giant")
+    assert found["bucket sizes"].verdict == "WARN" and "one bucket holds 100%" in found["bucket sizes"].detail
+    assert found["overlap"].verdict == "WARN"   # the single bucket can only start as backward ends
+
+
+@pytest.mark.timeout(300)
+def test_planted_straggler_is_named(runs, tmp_path):
+    lines = (runs / "giant" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    summary = next(r for r in records if r["event"] == "summary")
+    summary["compute_s"] = [1.0, 1.6]          # rank 1 computes 60% longer than rank 0
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    found = verdicts(tmp_path)
+    assert found["stragglers"].verdict == "WARN" and "rank 1: 1.23x the median" in found["stragglers"].detail
+    assert verdicts(runs / "giant")["stragglers"].verdict in ("OK", "WARN")   # real runs: measured, not planted
+
+
+def test_doctor_on_a_directory_without_a_run(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
