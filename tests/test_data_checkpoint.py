@@ -87,3 +87,27 @@ def test_interrupted_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoint.save(path, {"step": 2})
     assert checkpoint.load(path)["step"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """A real SIGKILL while a 400 MB checkpoint is being written over a small one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(path, {"step": 1, "w": torch.arange(5.0)})
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import torch; from gradsync import checkpoint; "
+        f"checkpoint.save({str(path)!r}, {{'step': 2, 'w': torch.ones(100_000_000)}})")])
+    started = time.monotonic()
+    while not any(p.name.startswith(".ckpt.pt.tmp-") for p in tmp_path.iterdir()):   # the write has begun
+        assert writer.poll() is None and time.monotonic() - started < 60, "the writer never started writing"
+        time.sleep(0.01)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert writer.returncode == -signal.SIGKILL
+    loaded = checkpoint.load(path)
+    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.arange(5.0))

@@ -24,3 +24,42 @@ def test_soak_2000_collectives_without_growth(world_of):
         (rss_warm, fds_warm), (rss_end, fds_end) = m["after_warmup"], m["end"]
         assert fds_end == fds_warm, f"rank {rank}: open file descriptors went from {fds_warm} to {fds_end}"
         assert rss_end - rss_warm < 16 << 20, f"rank {rank}: RSS grew by {(rss_end - rss_warm) >> 20} MiB"
+
+
+@pytest.mark.timeout(600)
+def test_max_restarts_resumes_bit_identically_after_a_kill(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from gradsync import checkpoint
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    common = ["--workers", "2", "--epochs", "4", "--quiet", "--seed", "3"]
+    run(TrainConfig(workers=2, epochs=4, quiet=True, seed=3, out=str(tmp_path / "straight")))
+    out = tmp_path / "restarted"
+    job = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "train", *common, "--max-restarts", "1",
+                            "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    started = time.monotonic()
+    while not (metrics.exists() and '"event": "epoch"' in metrics.read_text()):   # first checkpoint written
+        assert job.poll() is None and time.monotonic() - started < 120, "the job never reached its first epoch"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    ranks = faults._rank_pids(job.pid)
+    assert ranks, "no rank processes found"
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "rank 1 was killed by signal SIGKILL" in err and "restart 1 of 1, from the last checkpoint" in err
+    a = checkpoint.load(tmp_path / "straight" / "checkpoint.pt")
+    b = checkpoint.load(out / "checkpoint.pt")
+    assert a["step"] == b["step"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after the restart"

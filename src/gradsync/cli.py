@@ -192,6 +192,8 @@ def _add_train(commands) -> None:
     train.add_argument("--trace", action="store_true", help="write a Chrome trace timeline (trace.json)")
     train.add_argument("--timeout", type=float, default=60.0, help="seconds any wait between ranks may take")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="after a failure, restart the workers from the last checkpoint up to this many times")
 
 
 def _train(args) -> int:

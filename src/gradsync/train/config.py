@@ -64,6 +64,9 @@ class TrainConfig:
     """Seconds any wait between ranks may take before it is an error."""
     quiet: bool = False
     """No progress bar (for tests and logs)."""
+    max_restarts: int = 0
+    """Local launcher: after a failure, start the workers again from the last checkpoint this many
+    times (under torchrun use its own --max-restarts with --resume)."""
 
     def __post_init__(self) -> None:
         def choose(field: str, value, choices) -> None:
@@ -101,6 +104,11 @@ class TrainConfig:
             if self.servers >= self.workers:
                 raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
                                  f"at least one worker besides the servers (servers < workers)")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and self.strategy in ("ps-sync", "ps-async", "ssp"):
+            raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: a restart resumes "
+                               f"from a checkpoint, and the optimizer state lives on the parameter servers")
         if self.resume and self.strategy in ("ps-sync", "ps-async", "ssp"):
             raise RuntimeError(f"--resume is not supported with --strategy {self.strategy}: the optimizer state "
                                f"lives on the parameter servers; use ddp, zero1 or local to resume")

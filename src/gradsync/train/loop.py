@@ -18,9 +18,11 @@ Batch math (printed at start):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import statistics
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -260,6 +262,25 @@ def train_rank(cfg: TrainConfig) -> dict:
     return train_worker(cfg)
 
 
+def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
+    """gs.spawn, and after a failure up to ``cfg.max_restarts`` more attempts, each resuming from the
+    newest checkpoint this job wrote (an older one in --out, from another run, is never used)."""
+    started = time.time()
+    checkpoint_path = Path(cfg.out) / CHECKPOINT_NAME
+    for attempt in range(cfg.max_restarts + 1):
+        try:
+            return gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
+        except gs.SpawnError as exc:
+            if attempt == cfg.max_restarts:
+                raise
+            ours = checkpoint_path.exists() and checkpoint_path.stat().st_mtime >= started
+            cfg = dataclasses.replace(cfg, resume=ours or cfg.resume)
+            print(f"gradsync train: {str(exc).splitlines()[0]}\ngradsync train: restart {attempt + 1} of "
+                  f"{cfg.max_restarts}, from {'the last checkpoint' if cfg.resume else 'the beginning'}",
+                  file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 def run(cfg: TrainConfig) -> list[dict]:
     """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -272,7 +293,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         if cfg.trace:
             trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
         return results
-    results = gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
+    results = _spawn_with_restarts(cfg)
     if cfg.trace:
         trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
     return results
