@@ -55,6 +55,25 @@ def _count(text: str) -> float:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    """'2,3,4' -> [2, 3, 4] (each >= 1)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 2,3,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1, e.g. 2,3,4")
+    return values
+
+
+def _show(table: Table, rows, json_path: str | None, width: int = 100) -> None:
+    """Print a result table (at least ``width`` columns wide) and, with --json, write the rows."""
+    Console(width=max(width, Console().width)).print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def _human_count(count: float) -> str:
     return next((f"{count / scale:g}{unit}" for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6))
                  if count >= scale), f"{count:g}")
@@ -113,12 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--steps", type=_positive_int, default=15, help="timed steps per implementation (median)")
     ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
-    ps.add_argument("--workers", default="2,3,4", help="comma-separated worker counts W (the server is extra)")
+    ps.add_argument("--workers", type=_int_list, default=[2, 3, 4],
+                    help="comma-separated worker counts W (the server is extra)")
     ps.add_argument("--batch-size", type=_positive_int, default=64, help="samples per worker")
     ps.add_argument("--steps", type=_positive_int, default=20, help="steps per worker and configuration")
     ps.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     zero1 = benches.add_parser("zero1", help="ZeRO-1 step time and optimizer-state bytes beside DDP")
-    zero1.add_argument("--workers", default="2,4", help="comma-separated rank counts")
+    zero1.add_argument("--workers", type=_int_list, default=[2, 4], help="comma-separated rank counts")
     zero1.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank")
     zero1.add_argument("--steps", type=_positive_int, default=10, help="timed steps per implementation (median)")
     zero1.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -136,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bucket-mb", type=float, default=25.0, help="ddp bucket size in MiB")
     sim.add_argument("--calibrated", action="store_true",
                      help="use this machine's measured alpha/beta/gamma (gradsync bench collectives --fit)")
-    sim.add_argument("--check", metavar="N,N,...", default=None,
+    sim.add_argument("--check", metavar="N,N,...", type=_int_list, default=None,
                      help="with --calibrated: measure ring all-reduce and DDP steps on N local ranks and print "
                           "them beside the prediction")
     sim.add_argument("--json", metavar="PATH", help="with --check: also write the rows as JSON")
@@ -251,21 +271,14 @@ def _bench_ddp(args) -> int:
                       "1.00 (baseline)" if r["impl"] == "torch DDP" else f"{r['ratio_vs_torch']:.2f}x",
                       "-" if r["overlap"] is None else f"{r['overlap']:.0%}",
                       "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:,}")
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    _show(table, rows, args.json, 80)
     return 0
 
 
 def _bench_ps(args) -> int:
     from gradsync.bench import ps
 
-    try:
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError:
-        raise ValueError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 2,3,4") from None
-    rows = ps.run(workers, args.batch_size, args.steps)
+    rows = ps.run(args.workers, args.batch_size, args.steps)
     table = Table(title=f"parameter server (1 server) vs ring DDP: MLP {rows[0]['model_bytes'] / 4e6:.2f}M params, "
                         f"batch {args.batch_size}/worker, {args.steps} steps; bytes: server link (in+out) for PS, "
                         f"sent per rank for ring")
@@ -279,21 +292,14 @@ def _bench_ps(args) -> int:
                       f"{r['samples_per_s'] / ring['samples_per_s']:.2f}x", f"{r['step_ms']:.1f}",
                       f"{r['link_bytes_per_step'] / 2**20:.2f}", f"{r['formula_bytes'] / 2**20:.2f}",
                       str(r["staleness_max"]))
-    Console(width=max(100, Console().width)).print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    _show(table, rows, args.json)
     return 0
 
 
 def _bench_zero1(args) -> int:
     from gradsync.bench import zero1
 
-    try:
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError:
-        raise ValueError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 2,4") from None
-    rows = zero1.run(workers, args.batch_size, args.steps)
+    rows = zero1.run(args.workers, args.batch_size, args.steps)
     table = Table(title=f"ZeRO-1 vs DDP, charlm ({rows[0]['params'] / 1e6:.2f}M params), AdamW, "
                         f"batch {args.batch_size}/rank, median of {args.steps} steps")
     for column in ("N", "implementation", "step (ms)", "time ratio", "optimizer state/rank", "state ratio",
@@ -302,10 +308,7 @@ def _bench_zero1(args) -> int:
     for r in rows:
         table.add_row(str(r["workers"]), r["impl"], f"{r['step_s'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x",
                       f"{r['state_bytes']:,}", f"{r['state_ratio']:.3f}x", f"{r['bytes_sent_per_step']:,}")
-    Console(width=max(100, Console().width)).print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    _show(table, rows, args.json)
     return 0
 
 
@@ -340,7 +343,7 @@ def _simulate(args) -> int:
                                bucket_bytes=args.bucket_mb * 2**20)
         table.add_row(name, human(r.busiest_link_bytes), f"{r.comm_s:.3f}", f"{r.step_s:.3f}",
                       f"{r.comm_s / args.compute:.1f}:1", f"{r.efficiency:.1%}", r.note)
-    Console(width=max(140, Console().width)).print(table)
+    _show(table, None, None, 140)
     return 0
 
 
@@ -348,11 +351,7 @@ def _simulate_check(args, link) -> int:
     from gradsync.bench import predict
     from gradsync.bench.collectives import human_bytes
 
-    try:
-        workers = [int(w) for w in args.check.split(",") if w.strip()]
-    except ValueError:
-        raise ValueError(f"--check {args.check!r}: expected comma-separated rank counts, e.g. 2,3,4") from None
-    result = predict.run(link, workers, [1 << 20, 16 << 20, 64 << 20])
+    result = predict.run(link, args.check, [1 << 20, 16 << 20, 64 << 20])
     table = Table(title=f"calibrated model vs this machine: alpha {link.alpha * 1e6:.1f} us, "
                         f"{1 / link.beta / 1e9:.2f} GB/s, reduce {1 / link.gamma / 1e9:.1f} GB/s")
     for column in ("what", "N", "size", "measured (ms)", "predicted (ms)", "error"):
@@ -360,10 +359,7 @@ def _simulate_check(args, link) -> int:
     for r in result["rows"]:
         table.add_row(r["what"], str(r["workers"]), human_bytes(r["size"]), f"{r['measured_s'] * 1e3:.2f}",
                       f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}")
-    Console(width=max(100, Console().width)).print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    _show(table, result, args.json)
     return 0
 
 
@@ -398,10 +394,7 @@ def _bench_faults(args) -> int:
         problems = "; ".join(sorted({r["why"] for r in mine if r["why"]})) or "-"
         table.add_row(strategy, str(len(mine)), str(sum(r["clean"] for r in mine)),
                       f"{times[-1]:.2f}" if times else "-", f"{times[len(times) // 2]:.2f}" if times else "-", problems)
-    Console(width=max(100, Console().width)).print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    _show(table, rows, args.json)
     return 0 if all(r["clean"] for r in rows) else 1
 
 
@@ -415,7 +408,7 @@ def _doctor(args) -> int:
     colours = {"OK": "green", "WARN": "yellow", "INFO": "cyan"}
     for f in findings:
         table.add_row(f.check, f"[{colours[f.verdict]}]{f.verdict}[/]", f.detail)
-    Console(width=max(120, Console().width)).print(table)
+    _show(table, None, None, 120)
     return 0
 
 
@@ -434,7 +427,7 @@ def _memory(args) -> int:
         b = memory.model_state_bytes(args.params, args.workers, stage, args.optimizer, args.precision)
         table.add_row(stage, formulas[stage], memory.human(b.param), memory.human(b.grad), memory.human(b.optimizer),
                       memory.human(b.total), f"{b.total / plain:.3f}x")
-    Console(width=max(100, Console().width)).print(table)
+    _show(table, None, None)
     return 0
 
 

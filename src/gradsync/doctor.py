@@ -3,9 +3,9 @@ practitioners use when data-parallel training underperforms.
 
     batch math     per-worker batch x workers x accumulation = global batch; the learning rate after
                    scaling (a larger global batch without a larger lr, or without warm-up, trains worse)
-    overlap        do bucket all-reduces start while backward is still running? (trace.json: a
-                   bucket span that starts in the first 90% of the step's backward; else the
-                   summary's overlap share)
+    overlap        how much bucket all-reduce time runs while backward is still computing?
+                   (trace.json: each bucket span's part before its step's "backward end"; else the
+                   summary's overlap share); under 10% is a WARN
     bucket sizes   too small: every bucket pays 2(N-1) message latencies (4+ buckets, median < 256 KiB);
                    too large: one bucket holding >= 90% of the gradients cannot start before
                    backward ends, so nothing overlaps
@@ -55,11 +55,11 @@ def _read_run(run_dir: Path) -> dict[str, list[dict]]:
     return events
 
 
-def _overlap_from_trace(trace_path: Path) -> tuple[int, int] | None:
-    """(steps in which a bucket all-reduce started within the first 90% of backward, steps), rank 0.
+def _overlap_from_trace(trace_path: Path) -> tuple[float, int] | None:
+    """(share of rank 0's bucket all-reduce time that ran before its step's backward ended, steps).
 
-    A bucket launched by the very last gradient hook starts just before "backward end" but hides
-    nothing, hence the 90% mark between the "backward start" and "backward end" instants."""
+    The same quantity as the summary's overlap share, recomputed from the timeline: a bucket
+    launched by the very last gradient hook hides nothing even though it starts during backward."""
     try:
         events = json.loads(trace_path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -68,13 +68,17 @@ def _overlap_from_trace(trace_path: Path) -> tuple[int, int] | None:
     rank0 = [e for e in events if e.get("pid") == 0 and e.get("ph") in ("X", "i")]
     starts = sorted(e["ts"] for e in rank0 if e.get("name") == "backward start")
     ends = sorted(e["ts"] for e in rank0 if e.get("name") == "backward end")
-    buckets = sorted(e["ts"] for e in rank0 if str(e.get("name", "")).startswith("all_reduce bucket"))
-    pairs = [(s, min((e for e in ends if e >= s), default=None)) for s in starts]
-    pairs = [(s, e) for s, e in pairs if e is not None]
-    if not pairs:
+    spans = [(e["ts"], e.get("dur", 0.0)) for e in rank0 if str(e.get("name", "")).startswith("all_reduce bucket")]
+    if not starts or not ends or not spans:
         return None
-    early = sum(any(s <= b < s + 0.9 * (e - s) for b in buckets) for s, e in pairs)
-    return early, len(pairs)
+    hidden = total = 0.0
+    for start, duration in spans:
+        # the step a bucket belongs to began at the last "backward start" before the bucket
+        step_start = max((s for s in starts if s <= start), default=None)
+        step_end = min((e for e in ends if step_start is not None and e >= step_start), default=start)
+        hidden += max(0.0, min(start + duration, step_end) - start)
+        total += duration
+    return (hidden / total if total > 0 else 0.0), len(ends)
 
 
 def examine(run_dir: str | Path) -> list[Finding]:
@@ -98,10 +102,10 @@ def examine(run_dir: str | Path) -> list[Finding]:
     trace_counts = _overlap_from_trace(run_dir / "trace.json")
     if cfg["strategy"] in ("ddp", "local"):
         if trace_counts is not None:
-            early, steps = trace_counts
-            verdict = "OK" if early >= steps / 2 else "WARN"
-            findings.append(Finding("overlap", verdict, f"a bucket all-reduce started within the first 90% of "
-                                                        f"backward in {early} of {steps} steps (trace.json)"))
+            share, steps = trace_counts
+            findings.append(Finding("overlap", "OK" if share >= 0.1 else "WARN",
+                                    f"{share:.0%} of bucket all-reduce time ran before backward ended "
+                                    f"({steps} steps, trace.json)"))
         elif summary and summary.get("overlap") is not None:
             share = summary["overlap"]
             findings.append(Finding("overlap", "OK" if share >= 0.1 else "WARN",
