@@ -117,7 +117,7 @@ class Reporter:
         table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
         if staleness is not None:
             table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "
-                                       f"{staleness['updates']:.0f} updates (server version - version pushed on)")
+                                       f"{staleness['updates']:.0f} shard updates (server version - version pushed on)")
         else:
             table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
         table.add_row("compute / comm / exposed wait",
