@@ -24,7 +24,6 @@ import socket
 import statistics
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ import gradsync as gs
 from gradsync import checkpoint, trace
 from gradsync.data import DistributedSampler
 from gradsync.replicas import first_mismatch, gather_strings
+from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
@@ -41,27 +41,6 @@ from gradsync.train.models import build_model
 from gradsync.train.report import Reporter
 
 CHECKPOINT_NAME = "checkpoint.pt"
-
-
-def _loss(model_name: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if model_name == "charlm":
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-    return nn.functional.cross_entropy(logits, target)
-
-
-def optimizer_spec(cfg: TrainConfig, lr: float) -> tuple[type, dict]:
-    """(optimizer class, keyword arguments) for the model."""
-    if cfg.model == "charlm":
-        return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.01}
-    return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
-
-
-def build_optimizer(cfg: TrainConfig, params, lr: float):
-    """The full optimizer, or for --strategy zero1 the ShardedOptimizer around it."""
-    cls, kwargs = optimizer_spec(cfg, lr)
-    if cfg.strategy == "zero1":
-        return gs.ShardedOptimizer(params, cls, **kwargs)
-    return cls(params, **kwargs)
 
 
 class _Unwrapped:
@@ -90,31 +69,6 @@ class _Unwrapped:
 
     def close(self) -> None:
         pass
-
-
-def lr_at(step: int, peak: float, warmup_steps: int) -> float:
-    """Linear warm-up from peak/warmup to peak over the first ``warmup_steps`` steps, then flat."""
-    return peak if step >= warmup_steps else peak * (step + 1) / warmup_steps
-
-
-@torch.no_grad()
-def evaluate(cfg: TrainConfig, model: nn.Module, test_set, ranks: list[int] | None = None) -> dict:
-    """The ``ranks`` (default: all) score disjoint slices of the test set; the counts are summed exactly
-    over every rank (a rank outside ``ranks`` adds zeros)."""
-    w = gs.world()
-    ranks = list(range(w.world_size)) if ranks is None else ranks
-    model.eval()
-    indices = list(range(ranks.index(w.rank), len(test_set), len(ranks))) if w.rank in ranks else []
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for start in range(0, len(indices), 256):
-        x, y = test_set[indices[start:start + 256]]
-        logits = model(x)
-        totals[0] += float(_loss(cfg.model, logits, y)) * y.numel()
-        totals[1] += float((logits.argmax(-1) == y).sum())
-        totals[2] += y.numel()
-    gs.all_reduce(totals, op="sum")
-    model.train()
-    return {"test_loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2])}
 
 
 def _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch) -> dict:
@@ -149,13 +103,6 @@ def _layout(model: nn.Module, wrapped) -> dict:
             "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
             "bucket_bytes": wrapped.bucket_sizes() if hasattr(wrapped, "bucket_sizes") else None,
             "world_size": w.world_size, "hosts": [h[0] if h else "?" for h in hosts]}
-
-
-def _param_digest(model: nn.Module) -> int:
-    crc = 0
-    for p in model.parameters():
-        crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
-    return crc
 
 
 def train_worker(cfg: TrainConfig) -> dict:
@@ -211,10 +158,10 @@ def train_worker(cfg: TrainConfig) -> dict:
                 x, y = train_set[order[first:first + cfg.batch_size]]
                 if micro < cfg.grad_accum - 1:
                     with wrapped.no_sync():
-                        loss = _loss(cfg.model, wrapped(x), y) / cfg.grad_accum
+                        loss = loss_of(cfg.model, wrapped(x), y) / cfg.grad_accum
                         loss.backward()
                 else:
-                    loss = _loss(cfg.model, wrapped(x), y) / cfg.grad_accum
+                    loss = loss_of(cfg.model, wrapped(x), y) / cfg.grad_accum
                     loss.backward()
                 loss_sum += float(loss.detach())
             with trace.span("optimizer step", "compute"):
@@ -246,7 +193,7 @@ def train_worker(cfg: TrainConfig) -> dict:
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank)
     wrapped.close()
-    return {"summary": summary, "digest": _param_digest(model),
+    return {"summary": summary, "digest": param_digest(model),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": trace.disable() if cfg.trace else []}
 

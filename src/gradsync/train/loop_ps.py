@@ -22,6 +22,7 @@ import torch
 
 import gradsync as gs
 from gradsync.data import DistributedSampler
+from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
@@ -32,7 +33,6 @@ MODE_OF = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 
 def _optimizer_fn(cfg: TrainConfig, peak_lr: float, pushes_per_version: int):
     """The servers' optimizer, with the warm-up applied per version inside step()."""
-    from gradsync.train.loop import build_optimizer, lr_at
 
     def build(params):
         optimizer = build_optimizer(cfg, params, peak_lr)
@@ -53,8 +53,6 @@ def _optimizer_fn(cfg: TrainConfig, peak_lr: float, pushes_per_version: int):
 
 def train_ps_rank(cfg: TrainConfig) -> dict:
     """One rank's job under a parameter-server strategy; returns its statistics."""
-    from gradsync.train.loop import _loss, _param_digest, evaluate
-
     w = gs.world()
     torch.manual_seed(cfg.seed)
     servers, mode = cfg.servers, MODE_OF[cfg.strategy]
@@ -96,7 +94,7 @@ def train_ps_rank(cfg: TrainConfig) -> dict:
                 for micro in range(cfg.grad_accum):
                     first = (batch * cfg.grad_accum + micro) * cfg.batch_size
                     x, y = train_set[order[first:first + cfg.batch_size]]
-                    loss = _loss(cfg.model, model(x), y) / cfg.grad_accum
+                    loss = loss_of(cfg.model, model(x), y) / cfg.grad_accum
                     loss.backward()
                     loss_sum += float(loss.detach())
                 compute_s += time.perf_counter() - computed
@@ -121,6 +119,6 @@ def train_ps_rank(cfg: TrainConfig) -> dict:
     staleness = {"mean": float(per_rank[:, 6].sum()) / total_updates if total_updates else 0.0,
                  "max": float(per_rank[:, 7].max()), "updates": total_updates}
     summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness)
-    return {"summary": summary, "digest": _param_digest(model), "ps": stats,
+    return {"summary": summary, "digest": param_digest(model), "ps": stats,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": []}

@@ -1,0 +1,65 @@
+"""What every training strategy shares: the loss, the optimizer, the learning-rate warm-up, the
+exact distributed evaluation and a digest of the parameters."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync.train.config import TrainConfig
+
+
+def loss_of(model_name: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if model_name == "charlm":
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return nn.functional.cross_entropy(logits, target)
+
+
+def optimizer_spec(cfg: TrainConfig, lr: float) -> tuple[type, dict]:
+    """(optimizer class, keyword arguments) for the model."""
+    if cfg.model == "charlm":
+        return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.01}
+    return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+
+
+def build_optimizer(cfg: TrainConfig, params, lr: float):
+    """The full optimizer, or for --strategy zero1 the ShardedOptimizer around it."""
+    cls, kwargs = optimizer_spec(cfg, lr)
+    if cfg.strategy == "zero1":
+        return gs.ShardedOptimizer(params, cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+def lr_at(step: int, peak: float, warmup_steps: int) -> float:
+    """Linear warm-up from peak/warmup to peak over the first ``warmup_steps`` steps, then flat."""
+    return peak if step >= warmup_steps else peak * (step + 1) / warmup_steps
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, model: nn.Module, test_set, ranks: list[int] | None = None) -> dict:
+    """The ``ranks`` (default: all) score disjoint slices of the test set; the counts are summed exactly
+    over every rank (a rank outside ``ranks`` adds zeros)."""
+    w = gs.world()
+    ranks = list(range(w.world_size)) if ranks is None else ranks
+    model.eval()
+    indices = list(range(ranks.index(w.rank), len(test_set), len(ranks))) if w.rank in ranks else []
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for start in range(0, len(indices), 256):
+        x, y = test_set[indices[start:start + 256]]
+        logits = model(x)
+        totals[0] += float(loss_of(cfg.model, logits, y)) * y.numel()
+        totals[1] += float((logits.argmax(-1) == y).sum())
+        totals[2] += y.numel()
+    gs.all_reduce(totals, op="sum")
+    model.train()
+    return {"test_loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2])}
+
+
+def param_digest(model: nn.Module) -> int:
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
