@@ -31,8 +31,14 @@ _STATE: dict = {"op": None, "sequence": None, "since": None}
 _THREAD: dict = {"thread": None, "stop": None}
 
 
-def entered(description: str, sequence: int) -> None:
-    _STATE.update(op=description, sequence=sequence, since=time.monotonic())
+def entered(fingerprint) -> None:
+    """Record the collective this rank is in (described only if a report is ever printed)."""
+    _STATE.update(op=fingerprint, sequence=fingerprint.sequence, since=time.monotonic())
+
+
+def _describe(fingerprint) -> str:
+    return (f"{fingerprint.kind} ({fingerprint.algorithm}, {fingerprint.numel} x "
+            f"{str(fingerprint.dtype).replace('torch.', '')})")
 
 
 def left() -> None:
@@ -93,7 +99,7 @@ def _watch(world, limit: float, event: threading.Event) -> None:
             continue
         reported = (sequence, int(waited // limit))
         try:
-            print(_report(world, op, sequence, waited), file=sys.stderr, flush=True)
+            print(_report(world, _describe(op), sequence, waited), file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - the inspector must never take the rank down
             print(f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}",
                   file=sys.stderr, flush=True)

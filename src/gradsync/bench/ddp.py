@@ -44,6 +44,18 @@ def _loss(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def timed_step(model, optimizer, x, y, set_to_none: bool = True) -> float:
+    """One training step after a barrier; seconds of the slowest rank."""
+    dist.barrier()
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    _loss(model(x), y).backward()
+    optimizer.step()
+    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int) -> list[dict]:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -58,14 +70,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
 
     def step(label: str) -> float:
         wrapped, opt, x, y = runners[label]
-        dist.barrier()
-        started = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        _loss(wrapped(x), y).backward()
-        opt.step()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
+        return timed_step(wrapped, opt, x, y, set_to_none=False)
 
     for label in runners:
         for _ in range(warmup):

@@ -12,13 +12,11 @@ both alike; a step's time is the slowest rank's, preceded by a barrier; the tabl
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import gradsync as gs
-from gradsync.bench.ddp import _loss, _model_and_batch
+from gradsync.bench.ddp import _model_and_batch, timed_step
 
 
 def _state_bytes(optimizer) -> int:
@@ -40,14 +38,7 @@ def _bench_rank(batch: int, steps: int, warmup: int) -> list[dict]:
 
     def step(label: str) -> float:
         model, opt = runners[label]
-        dist.barrier()
-        started = time.perf_counter()
-        opt.zero_grad()
-        _loss(model(x), y).backward()
-        opt.step()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
+        return timed_step(model, opt, x, y)
 
     for _ in range(warmup):
         for label in runners:

@@ -58,8 +58,7 @@ def _check_op(op: str, tensor: torch.Tensor, what: str) -> None:
 
 
 def _agree(transport: Transport, fingerprint: Fingerprint) -> None:
-    stall.entered(f"{fingerprint.kind} ({fingerprint.algorithm}, {fingerprint.numel} x "
-                  f"{str(fingerprint.dtype).replace('torch.', '')})", fingerprint.sequence)
+    stall.entered(fingerprint)
     if runtime.world().debug:
         check_everyone(transport, fingerprint)
     else:
