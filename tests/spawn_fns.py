@@ -50,7 +50,7 @@ def stall_fail_and_wait():
 
 
 def soak(calls, warmup, seed):
-    """``calls`` collectives of random sizes and algorithms; RSS and open fds after warm-up and at the end."""
+    """``calls`` collectives of random sizes and algorithms; private RSS and open fds after warm-up and at the end."""
     import random
 
     rng = random.Random(seed)   # the same sequence on every rank
@@ -58,9 +58,11 @@ def soak(calls, warmup, seed):
     page = os.sysconf("SC_PAGE_SIZE")
 
     def rss_and_fds():
+        # private resident memory: resident minus shared pages, because the shared-memory transport's
+        # rings are mapped once at init, fixed in size, and become resident as traffic first reaches them
         with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * page
-        return rss, len(os.listdir("/proc/self/fd"))
+            resident, shared = (int(v) for v in f.read().split()[1:3])
+        return (resident - shared) * page, len(os.listdir("/proc/self/fd"))
 
     w = gs.world()
     marks = {}

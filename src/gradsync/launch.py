@@ -29,6 +29,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import secrets
 import signal
 import sys
 import tempfile
@@ -74,14 +75,14 @@ def _name_process(name: str) -> None:
 
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
-               init_kwargs: dict, parent_pid: int) -> None:
+               init_kwargs: dict, parent_pid: int, job: str) -> None:
     _die_with_parent()
     _name_process(f"gradsync-r{rank}")
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
         os._exit(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1"})
+                       "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1", "GRADSYNC_JOB_ID": job})
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     import gradsync
@@ -151,9 +152,10 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)
     init_kwargs = {"backend": backend, "timeout": timeout, "debug": debug}
     ctx = mp.get_context("spawn")
+    job = f"{os.getpid()}x{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix=f"gradsync-spawn-{os.getpid()}-") as out_dir:
         processes = [ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
-                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid()))
+                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid(), job))
                      for rank in range(nprocs)]
         try:
             for p in processes:
@@ -167,7 +169,15 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
             return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False) for rank in range(nprocs)]
         finally:
             _stop(processes)
+            _remove_segments(job)
             del store
+
+
+def _remove_segments(job: str) -> None:
+    """Unlink the job's shared-memory names. Ranks unlink their own once every peer has mapped
+    them (comm/shm.py); this catches a job stopped during that set-up."""
+    for leftover in Path("/dev/shm").glob(f"gradsync-{job}*") if Path("/dev/shm").is_dir() else ():
+        leftover.unlink(missing_ok=True)
 
 
 def _watch(processes: list, join_timeout: float | None) -> int | None:
@@ -189,7 +199,8 @@ def _watch(processes: list, join_timeout: float | None) -> int | None:
 
 def _where(stack_path: Path) -> str | None:
     """Where a rank's main thread was, from its faulthandler dump: the innermost frames of gradsync
-    and of the user's code (not the launcher, multiprocessing or torch internals), innermost first."""
+    and of the user's code (not the launcher, multiprocessing, torch or transport internals),
+    innermost first."""
     try:
         text = stack_path.read_text()
     except OSError:
@@ -205,7 +216,8 @@ def _where(stack_path: Path) -> str | None:
             continue
         path = line.split('"')[1]
         if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
-                                         "/site-packages/torch/", "<frozen", "<string>")):
+                                         "/site-packages/torch/", "<frozen", "<string>",
+                                         "gradsync/comm/shm.py", "gradsync/comm/doorbell.py")):
             continue
         name = line.rsplit(" in ", 1)[-1]
         short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name

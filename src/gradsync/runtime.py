@@ -26,6 +26,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,16 @@ class World:
     """Full collective fingerprint comparison before every collective (GRADSYNC_DEBUG=1)."""
     store: dist.Store | None = field(default=None, compare=False, repr=False)
     """The rendezvous key-value store shared by all ranks."""
+    hosts: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
+    """Ranks grouped by host (see host_id), each group in rank order, groups by their first rank."""
+    generation: int = field(default=0, compare=False, repr=False)
+    """How many times this process has called init() on this store (keys of one init stay apart
+    from the next's)."""
+
+    @property
+    def host_ranks(self) -> tuple[int, ...]:
+        """The ranks on this rank's host (this rank included)."""
+        return next((group for group in self.hosts if self.rank in group), (self.rank,))
 
     def settings(self) -> tuple:
         """The user-visible settings, for comparing two init() calls."""
@@ -67,6 +78,50 @@ class World:
 
 
 _WORLD: World | None = None
+_ON_INIT: list[Callable[[World], None]] = []
+_ON_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def on_init(hook: Callable[[World], None]) -> None:
+    """Run ``hook(world)`` at the end of every init() (the communication layer connects there)."""
+    _ON_INIT.append(hook)
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` at the start of every shutdown()."""
+    _ON_SHUTDOWN.append(hook)
+
+
+def host_id() -> str:
+    """What makes two ranks "on the same host": the same kernel boot and the same network, IPC,
+    mount and PID namespaces (two network namespaces on one machine are two hosts to gradsync, as
+    they are to gloo: they cannot share /dev/shm-backed memory safely or see each other's PIDs)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            parts.append(boot.read().strip())
+    except OSError:
+        pass
+    for namespace in ("net", "ipc", "mnt", "pid"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{namespace}"))
+        except OSError:
+            pass
+    return "|".join(parts)
+
+
+def _exchange_hosts(store, rank: int, world_size: int, generation: int, timeout: float) -> tuple[tuple[int, ...], ...]:
+    """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host."""
+    key = f"gradsync/host/{generation}"
+    store.set(f"{key}/{rank}", host_id())
+    try:
+        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank}: not every rank published its host within {timeout:.0f} s: {exc}") from exc
+    groups: dict[str, list[int]] = {}
+    for r in range(world_size):
+        groups.setdefault(store.get(f"{key}/{r}").decode(), []).append(r)
+    return tuple(tuple(group) for group in sorted(groups.values()))
 
 
 def _env_int(name: str) -> int | None:
@@ -176,7 +231,17 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
                            f"{wanted.master_addr}:{wanted.master_port} within {wanted.timeout:.0f} s: {exc}") from exc
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
                             world_size=wanted.world_size, timeout=wait)
-    _WORLD = World(**{**wanted.__dict__, "store": store})
+    try:
+        generation = int(store.add(f"gradsync/init/{wanted.rank}", 1))
+        hosts = ((0,),) if wanted.world_size == 1 else _exchange_hosts(
+            store, wanted.rank, wanted.world_size, generation, wanted.timeout)
+        _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
+        for hook in _ON_INIT:
+            hook(_WORLD)
+    except BaseException:
+        _WORLD = None
+        dist.destroy_process_group()
+        raise
     stall.start(_WORLD)
     return _WORLD
 
@@ -205,5 +270,7 @@ def shutdown() -> None:
         return
     _WORLD = None
     stall.stop()
+    for hook in _ON_SHUTDOWN:
+        hook()
     if dist.is_initialized():
         dist.destroy_process_group()

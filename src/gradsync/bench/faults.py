@@ -50,7 +50,8 @@ def _leftovers(pids: list[int]) -> set[str]:
     shm = set()
     if Path("/dev/shm").is_dir():
         shm = {f"shm:{p.name}" for p in Path("/dev/shm").iterdir()
-               if any(str(pid) in p.name.split("_") or p.name.endswith(f"-{pid}") for pid in pids)}
+               if any(str(pid) in p.name.split("_") or p.name.endswith(f"-{pid}") for pid in pids)
+               or p.name.startswith(f"gradsync-{pids[0]}x")}
     return tmp | shm
 
 

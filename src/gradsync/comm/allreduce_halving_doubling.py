@@ -30,9 +30,14 @@ from gradsync.comm.scratch import scratch
 from gradsync.comm.transport import Transport
 
 
-def _exchange(transport: Transport, send: torch.Tensor, recv: torch.Tensor, peer: int, op: str) -> None:
+def _exchange(transport: Transport, send: torch.Tensor, recv: torch.Tensor, peer: int, op: str,
+              staging: torch.Tensor | None = None) -> None:
+    """Send ``send`` to ``peer`` while receiving into ``recv`` (added into it when ``staging`` is given)."""
     handle_out = transport.isend(send, peer, op)
-    transport.irecv(recv, peer, op).wait()
+    if staging is None:
+        transport.irecv(recv, peer, op).wait()
+    else:
+        transport.irecv_add(recv, peer, op, staging=staging).wait()
     handle_out.wait()
 
 
@@ -51,9 +56,7 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
             transport.isend(flat, rank + 1, op).wait()
             transport.irecv(flat, rank + 1, op).wait()  # unfold, seen from the folded rank
             return
-        incoming = scratch(flat.numel(), flat.dtype, flat.device)
-        transport.irecv(incoming, rank - 1, op).wait()
-        flat.add_(incoming)
+        transport.irecv_add(flat, rank - 1, op, staging=scratch(flat.numel(), flat.dtype, flat.device)).wait()
         newrank = rank // 2
     else:
         newrank = rank - extra
@@ -70,9 +73,8 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
         mid = lo + (hi - lo) // 2
         keep_low = not (newrank & mask)
         keep, give = ((lo, mid), (mid, hi)) if keep_low else ((mid, hi), (lo, mid))
-        incoming = half.narrow(0, 0, keep[1] - keep[0])
-        _exchange(transport, flat[give[0]:give[1]], incoming, real_rank(newrank ^ mask), op)
-        flat[keep[0]:keep[1]].add_(incoming)
+        _exchange(transport, flat[give[0]:give[1]], flat[keep[0]:keep[1]], real_rank(newrank ^ mask), op,
+                  staging=half.narrow(0, 0, keep[1] - keep[0]))
         levels.append((mask, lo, hi))
         lo, hi = keep
         mask >>= 1

@@ -93,13 +93,17 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
         return chunks
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
     seg_elems = max(1, segment_bytes // flat.element_size())
-    # Two receive buffers: step s receives into buffers[s % 2] while step s-1's is still being reduced.
+    # Two staging buffers (used by transports that cannot add in place): step s receives into
+    # buffers[s % 2] while step s-1's is still being reduced.
     buffers = [scratch(max(chunks.sizes), flat.dtype, flat.device, slot) for slot in range(min(2, n_ranks - 1))]
 
     def post_recvs(step: int):
+        # Each incoming segment is added into our copy of its chunk: in place on shared memory,
+        # through buffers[step % 2] on TCP (irecv_add).
         recv_chunk = (rank - step - 2) % n_ranks
-        buf = buffers[step % 2]
-        return recv_chunk, [(start, length, transport.irecv(buf.narrow(0, start, length), left, op))
+        target, buf = chunks.view(flat, recv_chunk), buffers[step % 2]
+        return recv_chunk, [(start, length, transport.irecv_add(target.narrow(0, start, length), left, op,
+                                                                staging=buf.narrow(0, start, length)))
                             for start, length in _segments(chunks.sizes[recv_chunk], seg_elems)]
 
     # reduce-scatter
@@ -111,12 +115,11 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
         posted[1] = post_recvs(1)
     for step in range(n_ranks - 1):
         recv_chunk, recvs = posted.pop(step)
-        target, buf = chunks.view(flat, recv_chunk), buffers[step % 2]
+        target = chunks.view(flat, recv_chunk)
         forward = step < n_ranks - 2
         for start, length, handle in recvs:
             handle.wait()
             segment = target.narrow(0, start, length)
-            segment.add_(buf.narrow(0, start, length))
             if forward:  # pipeline: this reduced segment is what the right neighbour needs next
                 sends.append(transport.isend(segment, right, op))
         if step + 2 < n_ranks - 1:
@@ -153,10 +156,9 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
 
 
 def allreduce_ring(flat: torch.Tensor, transport: Transport, *, average: bool = False,
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, op: str = "all_reduce/ring") -> None:
     """In-place all-reduce of a 1-D contiguous tensor; ``average`` divides the owned chunk by N
     before the all-gather, so every rank ends with bit-identical values."""
-    op = "all_reduce/ring"
     chunks = reduce_scatter_ring(flat, transport, op, segment_bytes)
     if average:
         chunks.view(flat, transport.rank).div_(transport.world_size)

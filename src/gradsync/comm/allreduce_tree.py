@@ -38,8 +38,7 @@ def allreduce_tree(flat: torch.Tensor, transport: Transport, *, average: bool = 
             transport.isend(flat, rank - mask, op).wait()
             break
         if rank + mask < n_ranks:
-            transport.irecv(incoming, rank + mask, op).wait()
-            flat.add_(incoming)
+            transport.irecv_add(flat, rank + mask, op, staging=incoming).wait()
         mask <<= 1
     if rank == 0 and average:
         flat.div_(n_ranks)

@@ -22,13 +22,14 @@ from gradsync.comm import select
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, gather_control,
                                   mismatch_error)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
+from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.transport import Transport, default_transport
 
-ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native")
+ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical")
 OPS = ("sum", "avg")
 
 _IMPLEMENTATIONS = {
@@ -36,6 +37,7 @@ _IMPLEMENTATIONS = {
     "halving_doubling": allreduce_halving_doubling,
     "tree": allreduce_tree,
     "naive": allreduce_naive,
+    "hierarchical": allreduce_hierarchical,
 }
 
 
@@ -84,7 +86,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
     if algorithm == "auto":
-        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size)
+        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts)
+    elif algorithm == "hierarchical" and layout_error(w.hosts):
+        raise RuntimeError(f"all_reduce: {layout_error(w.hosts)}; use another algorithm")
     _agree(transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
     if flat.numel() > 0:
         if algorithm == "native":

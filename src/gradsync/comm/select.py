@@ -71,7 +71,16 @@ def shared_link() -> Link:
     return link
 
 
-def choose(nbytes: int, n_ranks: int, link: Link | None = None) -> str:
-    """The algorithm with the smallest predicted all-reduce time for this message size and N."""
+HIERARCHICAL_FROM_BYTES = 1 << 20
+"""Across hosts with several ranks each, hierarchical all-reduce from 1 MiB up: it puts 1/L of the
+ring's bytes on the network. Evidence: the two-namespace run in docs/benchmarks.md."""
+
+
+def choose(nbytes: int, n_ranks: int, link: Link | None = None, hosts: tuple[tuple[int, ...], ...] = ()) -> str:
+    """The algorithm with the smallest predicted all-reduce time for this message size and N
+    (``hosts``: the job's host layout; several hosts of equal size > 1 admit hierarchical)."""
+    if (len(hosts) > 1 and len({len(group) for group in hosts}) == 1 and len(hosts[0]) > 1
+            and nbytes >= HIERARCHICAL_FROM_BYTES):
+        return "hierarchical"
     link = link or shared_link()
     return min(ALGORITHMS, key=lambda algorithm: allreduce_time(algorithm, nbytes, n_ranks, link))

@@ -20,6 +20,7 @@ headers, counted apart from payload.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -64,6 +65,29 @@ class Transport:
     def irecv(self, tensor: torch.Tensor, src: int | None, op: str, *, control: bool = False,
               tag: int = 0) -> Handle:
         raise NotImplementedError
+
+    def irecv_add(self, tensor: torch.Tensor, src: int, op: str, *, staging: torch.Tensor) -> Handle:
+        """Receive a message shaped like ``tensor`` from ``src`` and add it into ``tensor``; done when
+        ``wait()`` returns. Here: receive into ``staging`` (same size, the caller's reusable buffer),
+        add on wait. A transport that can read the incoming bytes in place (shm.py) skips the copy."""
+        return _AddOnWait(self.irecv(staging, src, op), tensor, staging)
+
+
+class _AddOnWait(Handle):
+    __slots__ = ("_inner", "_target", "_staging", "_peer")
+
+    def __init__(self, inner: Handle, target: torch.Tensor, staging: torch.Tensor) -> None:
+        self._inner, self._target, self._staging, self._peer = inner, target, staging, None
+
+    def done(self) -> bool:
+        return self._peer is not None or self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._peer is None:
+            peer = self._inner.wait(timeout)
+            self._target.add_(self._staging)
+            self._peer = peer
+        return self._peer
 
 
 class _TorchHandle(Handle):
@@ -113,6 +137,7 @@ class TorchTransport(Transport):
     def __init__(self, world: runtime.World, meter: TrafficMeter = METER) -> None:
         self.rank = world.rank
         self.world_size = world.world_size
+        self.hosts = world.hosts
         self.timeout = world.timeout
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
@@ -135,17 +160,65 @@ class TorchTransport(Transport):
         return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
 
 
+TRANSPORTS = ("auto", "tcp", "shm")
+"""GRADSYNC_TRANSPORT: auto (shared memory between ranks of one host where this machine supports
+it, torch.distributed otherwise), tcp (torch.distributed for every peer), shm (shared memory between
+ranks of one host, an error where unsupported)."""
+
 _TRANSPORTS: dict[int, Transport] = {}
 
 
+def transport_choice() -> str:
+    """The GRADSYNC_TRANSPORT setting, checked."""
+    choice = os.environ.get("GRADSYNC_TRANSPORT", "auto").strip().lower() or "auto"
+    if choice not in TRANSPORTS:
+        raise ValueError(f"GRADSYNC_TRANSPORT={os.environ['GRADSYNC_TRANSPORT']!r} is not a transport; choose one "
+                         f"of {', '.join(TRANSPORTS)}")
+    return choice
+
+
+def _build(world: runtime.World) -> Transport:
+    from gradsync.comm import doorbell, shm  # shm builds on this module
+
+    choice = transport_choice()
+    local = world.host_ranks
+    if choice == "tcp" or world.world_size == 1:
+        return TorchTransport(world)
+    unsupported = doorbell.supported()
+    if unsupported and choice == "shm":
+        raise RuntimeError(f"GRADSYNC_TRANSPORT=shm: {unsupported}; use GRADSYNC_TRANSPORT=tcp or auto")
+    if unsupported:
+        return TorchTransport(world)
+    job = shm.job_token(world)  # every rank takes part: rank 0 publishes it even when alone on its host
+    if len(local) == 1:
+        return TorchTransport(world)
+    return shm.ShmTransport(world, local, job)
+
+
+def _connect(world: runtime.World) -> None:
+    _disconnect()
+    _TRANSPORTS[id(world)] = _build(world)
+
+
+def _disconnect() -> None:
+    for transport in _TRANSPORTS.values():
+        close = getattr(transport, "close", None)
+        if close is not None:
+            close()
+    _TRANSPORTS.clear()
+
+
+runtime.on_init(_connect)
+runtime.on_shutdown(_disconnect)
+
+
 def default_transport() -> Transport:
-    """The transport for the current world (created on first use, dropped at shutdown)."""
+    """The transport of the current world, made at init() (see TRANSPORTS for the choice)."""
     w = runtime.world()
-    key = id(w)
-    transport = _TRANSPORTS.get(key)
+    transport = _TRANSPORTS.get(id(w))
     if transport is None:
-        _TRANSPORTS.clear()
-        transport = _TRANSPORTS[key] = TorchTransport(w)
+        _connect(w)
+        transport = _TRANSPORTS[id(w)]
     return transport
 
 

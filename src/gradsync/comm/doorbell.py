@@ -1,0 +1,80 @@
+"""Doorbell: a 32-bit word in shared memory that a rank sleeps on until another rank rings it.
+
+The shared-memory transport must not busy-wait: on a 2-core machine four ranks spinning would
+starve the very peers they wait for. So a waiting rank reads its doorbell, makes what progress it
+can, and then sleeps in the kernel with futex(FUTEX_WAIT) until the word changes or a time slice
+ends. A rank that writes into a peer's ring (or frees space in it) rings the peer's bell: it
+stores a new value and calls futex(FUTEX_WAKE). The kernel compares the word with the value the
+sleeper last saw, under its own lock, so a ring that lands between "read" and "sleep" is never
+lost: the sleeper returns at once.
+
+Values are never repeated by different ringers: ringer i writes ((count << 8) | (i + 1)) with its
+own increasing count, so two ringers racing (the store is not an atomic increment) still leave a
+value different from the one the sleeper saw.
+
+Linux only (futex is a Linux system call). The ring buffers built on this rely on x86-64's
+total store order (data written before the ring's head pointer is visible before it), which is
+why ``supported()`` also checks the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+
+_SYS_FUTEX = {"x86_64": 202}
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAKE_EVERYONE = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def supported() -> str | None:
+    """None when doorbells and shared-memory rings work here, else the reason they do not."""
+    if not sys.platform.startswith("linux"):
+        return f"shared-memory transport needs Linux (futex), this is {sys.platform}"
+    if platform.machine() not in _SYS_FUTEX:
+        return (f"shared-memory transport relies on x86-64 store ordering, this machine is "
+                f"{platform.machine()}")
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        return "shared-memory transport needs a writable /dev/shm"
+    return None
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class Doorbell:
+    """The 32-bit word at ``offset`` of a shared mapping; ``ringer`` identifies who rings it."""
+
+    def __init__(self, mapping, offset: int, ringer: int) -> None:
+        self._word = ctypes.c_uint32.from_buffer(mapping, offset)
+        self._address = ctypes.addressof(self._word)
+        self._ringer = (ringer + 1) & 0xFF
+        self._count = 0
+
+    def read(self) -> int:
+        return self._word.value
+
+    def ring(self) -> None:
+        """Change the word and wake every sleeper on it."""
+        self._count = (self._count + 1) & 0xFFFFFF
+        self._word.value = (self._count << 8) | self._ringer
+        _libc.syscall(_SYS_FUTEX[platform.machine()], ctypes.c_void_p(self._address), _FUTEX_WAKE,
+                      _WAKE_EVERYONE, None, None, 0)
+
+    def sleep(self, seen: int, seconds: float) -> None:
+        """Sleep until the word differs from ``seen``, a ring, a signal or ``seconds`` pass."""
+        whole = int(seconds)
+        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        # The result needs no check: every caller re-reads its state after waking, whatever woke it.
+        _libc.syscall(_SYS_FUTEX[platform.machine()], ctypes.c_void_p(self._address), _FUTEX_WAIT,
+                      ctypes.c_uint32(seen), ctypes.byref(timeout), None, 0)
+
+    def release(self) -> None:
+        """Drop the reference into the mapping (so the mapping can be closed)."""
+        self._word = None
