@@ -88,3 +88,9 @@ def any_source_case():
         source = transport.irecv(buf, None, "test/any").wait()
         seen[source] = buf
     return seen, gs.traffic()["per_peer"]
+
+
+def transport_kind() -> str:
+    """The class of the transport this rank's collectives use."""
+    from gradsync.comm.transport import default_transport
+    return type(default_transport()).__name__

@@ -2,17 +2,19 @@ import pytest
 
 from world_pool import WorldPool
 
-_POOLS: dict[int, WorldPool] = {}
+_POOLS: dict[tuple, WorldPool] = {}
 
 
 @pytest.fixture(scope="session")
 def world_of():
-    """world_of(n) -> a WorldPool of n ranks, started once and shared by the whole session."""
+    """world_of(n, **env) -> a WorldPool of n ranks with these environment variables (e.g.
+    GRADSYNC_TRANSPORT="tcp"), started once and shared by the whole session."""
 
-    def get(n: int) -> WorldPool:
-        if n not in _POOLS:
-            _POOLS[n] = WorldPool(n)
-        return _POOLS[n]
+    def get(n: int, **env: str) -> WorldPool:
+        key = (n, tuple(sorted(env.items())))
+        if key not in _POOLS:
+            _POOLS[key] = WorldPool(n, env=env)
+        return _POOLS[key]
 
     yield get
     for pool in _POOLS.values():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import cases
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-ALGORITHMS = ["ring", "halving_doubling", "tree", "naive", "native", "auto"]
+ALGORITHMS = ["ring", "halving_doubling", "tree", "naive", "native", "auto", "hierarchical"]
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 
 case_settings = settings(max_examples=25, deadline=None, derandomize=True,
@@ -24,10 +24,19 @@ def sizes(world_size: int):
                      st.integers(0, 3000))
 
 
+TRANSPORTS = {"auto": {},                                          # shared memory on this host
+              "tcp": {"GRADSYNC_TRANSPORT": "tcp"},                  # torch.distributed for every peer
+              "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002"}}       # 2 KiB rings: messages stream and wrap
+SETUPS = ([(n, "auto") for n in WORLD_SIZES] + [(n, "tcp") for n in (2, 3, 5)]
+          + [(n, "tiny-rings") for n in (2, 4)])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_all_reduce_matches_torch_and_closed_form(world_of, world_size):
-    pool = world_of(world_size)
+@pytest.mark.parametrize("world_size,transport", SETUPS)
+def test_all_reduce_matches_torch_and_closed_form(world_of, world_size, transport):
+    pool = world_of(world_size, **TRANSPORTS[transport])
+    expected_kind = "TorchTransport" if transport == "tcp" or world_size == 1 else "ShmTransport"
+    assert pool.run(cases.transport_kind) == [expected_kind] * world_size
 
     @case_settings
     @given(numel=sizes(world_size), dtype=st.sampled_from(DTYPES),

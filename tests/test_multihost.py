@@ -79,6 +79,45 @@ def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks(two_hosts):
+    """Shared memory inside each namespace, TCP across the veth; exact sums; 1/L of the ring's bytes
+    cross hosts."""
+    import json
+
+    procs = []
+    script = os.path.join(os.path.dirname(__file__), "multihost_allreduce.py")
+    for node, (namespace, link) in enumerate(two_hosts):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
+        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+               "--master-addr", HOST_ADDRESSES[0], "--master-port", "29500", script]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for node, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
+    rows = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs for line in out.splitlines()
+            if "RESULT " in line]
+    assert sorted(row["rank"] for row in rows) == [0, 1, 2, 3]
+    m = (1 << 20) * 8
+    for row in rows:
+        assert row["hosts"] == [[0, 1], [2, 3]] and row["transport"] == "ShmTransport"
+        hier, auto, ring = row["results"]["hierarchical"], row["results"]["auto"], row["results"]["ring"]
+        assert hier["exact"] and auto["exact"] and ring["exact"]
+        # H=2 hosts, L=2 ranks each: 2(L-1)/L*M inside the host, 2(H-1)/H*M/L across
+        assert hier["on_host_sent"] == m and hier["off_host_sent"] == m // 2
+        assert auto == hier, "auto picks hierarchical for 8 MiB across hosts"
+        # the flat ring (0-1-2-3) crosses hosts on two of its four links: ranks 1 and 3 send 2(N-1)/N*M over them
+        assert ring["off_host_sent"] + ring["on_host_sent"] == 3 * m // 2
+
+
+@pytest.mark.timeout(300)
 def test_link_down_mid_training_is_detected_on_both_hosts(two_hosts, tmp_path):
     """Take the veth down while the two nodes train: both sides must fail, not hang."""
     import time

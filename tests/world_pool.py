@@ -28,8 +28,9 @@ class RankFailure(RuntimeError):
         super().__init__("; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in sorted(errors.items())))
 
 
-def _serve(rank: int, n: int, port: int, conn, timeout: float) -> None:
+def _serve(rank: int, n: int, port: int, conn, timeout: float, env: dict) -> None:
     _die_with_parent()
+    os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "GRADSYNC_EXTERNAL_STORE": "1"})
@@ -52,8 +53,9 @@ def _serve(rank: int, n: int, port: int, conn, timeout: float) -> None:
 class WorldPool:
     """N ranks waiting for cases; see module docstring."""
 
-    def __init__(self, n: int, timeout: float = 20.0):
+    def __init__(self, n: int, timeout: float = 20.0, env: dict | None = None):
         self.n = n
+        self.env = dict(env or {})
         self.timeout = timeout
         self._procs: list = []
         self._conns: list = []
@@ -65,7 +67,8 @@ class WorldPool:
         ctx = mp.get_context("spawn")
         for rank in range(self.n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.n, self._store.port, child, self.timeout), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, self.n, self._store.port, child, self.timeout, self.env),
+                               daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)

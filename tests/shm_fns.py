@@ -1,0 +1,51 @@
+"""Rank functions for tests/test_shm.py (module level, so spawned ranks can import them)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import gradsync as gs
+from gradsync.comm.transport import PeerError, default_transport
+
+
+def job_names() -> list[str]:
+    """This job's names in /dev/shm, seen from inside the running job."""
+    job = os.environ["GRADSYNC_JOB_ID"]
+    return sorted(p.name for p in Path("/dev/shm").glob(f"gradsync-{job}*"))
+
+
+def transport_and_names():
+    x = torch.arange(10.0) * (gs.world().rank + 1)
+    gs.all_reduce(x)
+    return type(default_transport()).__name__, job_names(), x
+
+
+def size_mismatch():
+    """Rank 0 sends 2 floats where rank 1 expects 4: rank 1 must say so, not hang or corrupt."""
+    transport = default_transport()
+    if gs.world().rank == 0:
+        transport.isend(torch.ones(2), 1, "test/mismatch").wait()
+        return None
+    try:
+        transport.irecv(torch.empty(4), 0, "test/mismatch").wait()
+    except PeerError as exc:
+        return str(exc)
+    return "no error"
+
+
+def killed_mid_collective():
+    """Rank 1 SIGKILLs itself inside a run of all-reduces; rank 0 reports how long it took to notice."""
+    w = gs.world()
+    x = torch.ones(1 << 20)
+    for step in range(1000):
+        if w.rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            gs.all_reduce(x, op="avg")
+        except PeerError as exc:
+            return time.monotonic() - started, str(exc), job_names()
+    return None

@@ -1,0 +1,52 @@
+"""The shared-memory transport: how it is chosen, what it refuses, and what it leaves behind."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradsync as gs
+import shm_fns
+
+
+@pytest.mark.timeout(120)
+def test_auto_uses_shared_memory_and_unlinks_every_name_once_connected(monkeypatch):
+    monkeypatch.delenv("GRADSYNC_TRANSPORT", raising=False)
+    results = gs.spawn(shm_fns.transport_and_names, nprocs=3)
+    for kind, names, x in results:
+        assert kind == "ShmTransport"
+        assert names == [], f"segments still named in /dev/shm while the job runs: {names}"
+        assert torch.equal(x, torch.arange(10.0) * 6)
+
+
+@pytest.mark.timeout(120)
+def test_tcp_override_and_bad_setting(monkeypatch):
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    assert [r[0] for r in gs.spawn(shm_fns.transport_and_names, nprocs=2)] == ["TorchTransport"] * 2
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "infiniband")
+    with pytest.raises(gs.SpawnError, match="GRADSYNC_TRANSPORT='infiniband' is not a transport; choose one of "
+                                             "auto, tcp, shm"):
+        gs.spawn(shm_fns.transport_and_names, nprocs=2)
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "shm")
+    monkeypatch.setenv("GRADSYNC_SHM_RING_MB", "-3")
+    with pytest.raises(gs.SpawnError, match="GRADSYNC_SHM_RING_MB='-3': give the ring size in MiB"):
+        gs.spawn(shm_fns.transport_and_names, nprocs=2)
+
+
+@pytest.mark.timeout(120)
+def test_size_mismatch_is_an_error_naming_both_ranks():
+    message = gs.spawn(shm_fns.size_mismatch, nprocs=2)[1]
+    assert "rank 1: test/mismatch: receive from rank 0 expected 16 bytes, rank 0 sent 8 bytes" in message
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_is_noticed_fast_and_leaves_nothing_in_dev_shm():
+    before = {p.name for p in Path("/dev/shm").glob("gradsync-*")}
+    with pytest.raises(gs.SpawnError) as failure:
+        gs.spawn(shm_fns.killed_mid_collective, nprocs=3, timeout=30.0)
+    assert failure.value.rank == 1 and "SIGKILL" in str(failure.value)
+    # nothing to clean up was left to the launcher either: names go once every rank has mapped them
+    # (test above); this checks the whole path, launcher included
+    after = {p.name for p in Path("/dev/shm").glob("gradsync-*")}
+    assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
