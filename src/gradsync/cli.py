@@ -1,7 +1,7 @@
 """The gradsync command.
 
     gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
-    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--json out.json] [--fit]
+    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--json out.json] [--fit]
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
     gradsync bench faults --trials 10
@@ -108,6 +108,16 @@ def _duration(text: str) -> float:
     raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 250ms, 5us or 1.5s")
 
 
+def _transports(text: str) -> list[str]:
+    from gradsync.comm.transport import TRANSPORTS
+
+    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in chosen if t not in TRANSPORTS]
+    if not chosen or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose transports from {', '.join(TRANSPORTS)}, comma-separated")
+    return chosen
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated subset of ring,halving_doubling,tree,naive")
     coll.add_argument("--reps", type=_positive_int, default=10, help="timed calls per size and algorithm (median)")
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    coll.add_argument("--transport", type=_transports, default=["auto"],
+                      help="comma-separated: auto, tcp, shm (GRADSYNC_TRANSPORT); one run each, e.g. tcp,shm")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
     ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
@@ -231,18 +243,27 @@ def _bench_collectives(args) -> int:
     from gradsync.comm import select
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    result = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit)
+    console = Console()
+    ceiling = collectives.memory_copy_bandwidth()
+    console.print(f"memory copy on this host (one thread, 64 MiB): {ceiling / 1e9:.1f} GB/s -- the ceiling for "
+                  f"moving bytes between local ranks")
+    result = {"rows": [], "fit": None, "memory_copy_GBps": ceiling / 1e9}
+    for transport in args.transport:
+        one = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit,
+                              transport=transport)
+        result["rows"] += one["rows"]
+        result["fit"] = one["fit"] or result["fit"]
     table = Table(title=f"all_reduce, {args.workers} ranks, float32, median of {args.reps}")
-    for column in ("size", "algorithm", "time (us)", "algbw GB/s", "busbw GB/s", "bytes/rank", "formula", "ours/native"):
+    for column in ("size", "transport", "algorithm", "time (us)", "algbw GB/s", "busbw GB/s", "bytes/rank",
+                   "formula", "ours/native"):
         table.add_column(column, justify="right")
-    for r in result["rows"]:
-        table.add_row(collectives.human_bytes(r["size"]), r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
+    for r in sorted(result["rows"], key=lambda r: (r["size"], r["algorithm"] != "native", r["transport"])):
+        table.add_row(collectives.human_bytes(r["size"]), r["transport"], r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
                       f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                       "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
                       "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
                       "1.00 (baseline)" if r["algorithm"] == "native" else f"{r['ratio_vs_native']:.2f}x")
-    console = Console()
-    console.print(table)
+    Console(width=max(130, console.width)).print(table)
     if result["fit"]:
         link = collectives.fitted_link(result["fit"])
         path = select.save_calibration(link, {"measured_with": f"gradsync bench collectives --workers {args.workers} --fit"})

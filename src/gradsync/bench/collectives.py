@@ -9,6 +9,11 @@ repetition so machine noise hits them alike.
     busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
     ratio = busbw(ours) / busbw(native) from the same run
 
+"transport" is what carried our algorithms' bytes: shm (comm/shm.py, ranks of one host) or tcp
+(torch.distributed point-to-point over gloo); torch's own all_reduce always runs on gloo. The
+memory-copy bandwidth printed above the table is the ceiling every transport on this host works
+under (``memory_copy_bandwidth``).
+
 "bytes/rank" is what the TrafficMeter measured on the busiest rank in one call; "formula" is
 the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
 never pass through our transport), so its measured column is empty.
@@ -23,6 +28,7 @@ then under-predicts ring all-reduce times by 60%.)
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -31,7 +37,8 @@ import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.comm.allreduce_ring import ring_bytes_sent
-from gradsync.comm.transport import default_transport
+from gradsync.comm.shm import ShmTransport
+from gradsync.comm.transport import TRANSPORTS, default_transport
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
 OURS = ("ring", "halving_doubling", "tree", "naive")
@@ -129,16 +136,45 @@ def _fit_rank() -> dict | None:
     return {"alpha": alpha, "beta": beta, "gamma": gamma, "samples": samples}
 
 
+def memory_copy_bandwidth(nbytes: int = 64 << 20, reps: int = 7) -> float:
+    """Bytes per second that one thread copies (torch copy_ of ``nbytes``, median of ``reps``): the
+    ceiling any transport on this host works under, since every byte moved is at least one copy."""
+    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    target.copy_(source)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            target.copy_(source)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / statistics.median(times)
+
+
 def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, reps: int = 5,
-        warmup: int = 1, fit: bool = False) -> dict:
-    """Run the benchmark on ``workers`` local ranks; returns {"rows": [...], "fit": {...} | None}."""
+        warmup: int = 1, fit: bool = False, transport: str = "auto") -> dict:
+    """Run the benchmark on ``workers`` local ranks over ``transport`` (GRADSYNC_TRANSPORT's values);
+    returns {"rows": [...], "fit": {...} | None}; every row names the transport that carried it."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
     algorithms = list(algorithms or OURS)
     unknown = set(algorithms) - set(OURS)
     if unknown:
         raise ValueError(f"unknown algorithm(s) {sorted(unknown)}; choose from {', '.join(OURS)}")
-    results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
+    saved = os.environ.get("GRADSYNC_TRANSPORT")
+    os.environ["GRADSYNC_TRANSPORT"] = transport
+    try:
+        results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
+    finally:
+        if saved is None:
+            del os.environ["GRADSYNC_TRANSPORT"]
+        else:
+            os.environ["GRADSYNC_TRANSPORT"] = saved
     rows, fitted = results[0]
     native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
@@ -160,6 +196,9 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
 def _bench_job(sizes, algorithms, reps, warmup, fit):
     torch.set_num_threads(1)
     rows = _bench_rank(sizes, algorithms, reps, warmup)
+    carrier = "shm" if isinstance(default_transport(), ShmTransport) else "tcp"
+    for r in rows:
+        r["transport"] = "gloo" if r["algorithm"] == "native" else carrier
     fitted = _fit_rank() if fit and gs.world().world_size >= 2 else None
     return rows, fitted
 
