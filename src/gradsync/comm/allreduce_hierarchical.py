@@ -33,9 +33,10 @@ from gradsync.comm.transport import Handle, Transport
 class GroupTransport(Transport):
     """A subset of ranks seen as a world of its own: rank i of the group is ``members[i]``."""
 
-    def __init__(self, base: Transport, members: tuple[int, ...]) -> None:
+    def __init__(self, base: Transport, members: tuple[int, ...], segment_bytes: int | None = None) -> None:
         self.base = base
         self.members = members
+        self.segment_bytes = segment_bytes
         self.rank = members.index(base.rank)
         self.world_size = len(members)
 
@@ -66,7 +67,7 @@ def allreduce_hierarchical(flat: torch.Tensor, transport: Transport, *, average:
     if problem:
         raise RuntimeError(problem)
     host = next(group for group in hosts if transport.rank in group)
-    local = GroupTransport(transport, host)
+    local = GroupTransport(transport, host, transport.segment_bytes)  # shared memory where available
     rail = GroupTransport(transport, tuple(group[local.rank] for group in hosts))
     # reduce-scatter (host ring)
     chunks = reduce_scatter_ring(flat, local, op)

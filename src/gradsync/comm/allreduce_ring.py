@@ -75,24 +75,30 @@ def ring_bytes_sent(numel: int, world_size: int, rank: int, element_size: int) -
     return (2 * numel - sizes[rank] - sizes[(rank + 1) % world_size]) * element_size
 
 
+def _segment_elems(flat: torch.Tensor, transport: Transport, segment_bytes: int | None) -> int:
+    """Elements per wire unit: ``segment_bytes``, else the transport's preference, else the default."""
+    chosen = segment_bytes or transport.segment_bytes or DEFAULT_SEGMENT_BYTES
+    return max(1, chosen // flat.element_size())
+
+
 def _segments(length: int, segment_elems: int) -> list[tuple[int, int]]:
     """(start, length) pieces of at most segment_elems covering 0..length; none when length is 0."""
     return [(start, min(segment_elems, length - start)) for start in range(0, length, segment_elems)]
 
 
 def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
-                        segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Chunks:
+                        segment_bytes: int | None = None) -> Chunks:
     """Sum ``flat`` across ranks so that chunk ``rank`` holds the total; other chunks are scratch.
 
     ``flat`` must be 1-D and contiguous. ``segment_bytes``: small values exercise the pipelined path
-    in fast tests.
+    in fast tests; None takes the transport's preference (``_segment_elems``).
     """
     n_ranks, rank = transport.world_size, transport.rank
     chunks = ring_chunks(flat.numel(), n_ranks)
     if n_ranks == 1:
         return chunks
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
-    seg_elems = max(1, segment_bytes // flat.element_size())
+    seg_elems = _segment_elems(flat, transport, segment_bytes)
     # Two staging buffers (used by transports that cannot add in place): step s receives into
     # buffers[s % 2] while step s-1's is still being reduced.
     buffers = [scratch(max(chunks.sizes), flat.dtype, flat.device, slot) for slot in range(min(2, n_ranks - 1))]
@@ -129,13 +135,13 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
 
 
 def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op: str,
-                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                    segment_bytes: int | None = None) -> None:
     """Fill every chunk of ``flat`` from its owner: rank r contributes chunk r (any sizes in ``chunks``)."""
     n_ranks, rank = transport.world_size, transport.rank
     if n_ranks == 1:
         return
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
-    seg_elems = max(1, segment_bytes // flat.element_size())
+    seg_elems = _segment_elems(flat, transport, segment_bytes)
     # all-gather. Sends are posted before receives: on gloo, a receive posted first and matched by a
     # send posted after it costs a scheduler tick (~4 ms median at 64 KiB on this machine).
     own = chunks.view(flat, rank)
@@ -156,7 +162,7 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
 
 
 def allreduce_ring(flat: torch.Tensor, transport: Transport, *, average: bool = False,
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, op: str = "all_reduce/ring") -> None:
+                   segment_bytes: int | None = None, op: str = "all_reduce/ring") -> None:
     """In-place all-reduce of a 1-D contiguous tensor; ``average`` divides the owned chunk by N
     before the all-gather, so every rank ends with bit-identical values."""
     chunks = reduce_scatter_ring(flat, transport, op, segment_bytes)

@@ -64,16 +64,20 @@ FRAME = 64
 MAGIC = 0x6753484D  # "gSHM"
 LIVENESS_SLICE = 0.2
 """Seconds a waiting rank sleeps before checking that its peers are alive."""
-DEFAULT_RING_MB = {2: 32}
-"""Ring capacity per ordered pair, MiB, by host-group size (8 MiB otherwise). Measured with
-N=2 and the ring's 4 MiB segments: a 32 MiB ring lets the sender run a whole 64 MiB reduce-scatter
-step ahead (10.3 ms against 17.8 ms with 8 MiB); at N=4, 8 and 32 MiB tie, so more ranks get less."""
+DEFAULT_RING_MB = 2
+"""Ring capacity per ordered pair, MiB. Small on purpose: a ring that fits the shared L3 cache
+(32 MiB here) is read by the receiver while the sender's bytes are still in cache. Measured, ring
+all-reduce medians of 7, N=4 on 2 cores: 16 MiB in 7.4-7.9 ms with 2 MiB rings against 10.6-10.9
+ms with 8 MiB; N=2: 2.1-2.2 ms against 2.7-3.4 ms with 32 MiB (docs/benchmarks.md)."""
+SEGMENT_BYTES = 1 << 20
+"""The ring all-reduce's wire unit on shared memory (the TCP default is 4 MiB): half a ring, so the
+sender fills one half while the receiver drains the other."""
 SHM_DIR = "/dev/shm"
 
 
-def ring_bytes(group_size: int) -> int:
+def ring_bytes() -> int:
     """Capacity C of every ring, from GRADSYNC_SHM_RING_MB (a positive number), rounded to 64 bytes."""
-    default = DEFAULT_RING_MB.get(group_size, 8)
+    default = DEFAULT_RING_MB
     value = os.environ.get("GRADSYNC_SHM_RING_MB", str(default))
     try:
         megabytes = float(value)
@@ -157,6 +161,8 @@ class _ShmOp(Handle):
 class ShmTransport(Transport):
     """Shared memory between ranks of one host, torch.distributed for everything else."""
 
+    segment_bytes = SEGMENT_BYTES
+
     def __init__(self, world: runtime.World, local_ranks: tuple[int, ...], job: str,
                  meter: TrafficMeter = METER) -> None:
         self.rank = world.rank
@@ -167,7 +173,7 @@ class ShmTransport(Transport):
         self.tcp = TorchTransport(world, meter)
         self.local_ranks = local_ranks
         self.local_index = {r: i for i, r in enumerate(local_ranks)}
-        self.capacity = ring_bytes(len(local_ranks))
+        self.capacity = ring_bytes()
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0

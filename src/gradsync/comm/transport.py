@@ -58,6 +58,8 @@ class Transport:
 
     rank: int
     world_size: int
+    segment_bytes: int | None = None
+    """The pipelined algorithms' preferred wire unit on this transport (None: their own default)."""
 
     def isend(self, tensor: torch.Tensor, dst: int, op: str, *, control: bool = False, tag: int = 0) -> Handle:
         raise NotImplementedError
