@@ -49,3 +49,25 @@ def killed_mid_collective():
         except PeerError as exc:
             return time.monotonic() - started, str(exc), job_names()
     return None
+
+
+def shared_memory_refused():
+    """algorithm="shared_memory" over TCP must say why it cannot run."""
+    try:
+        gs.all_reduce(torch.ones(4), algorithm="shared_memory")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def shared_memory_pieces(stage_numel: int):
+    """A tensor of several staging pieces, twice in a row, with the bytes read from other ranks."""
+    w = gs.world()
+    n = 3 * stage_numel + 5
+    results = []
+    for _ in range(2):
+        x = torch.arange(n, dtype=torch.float64) * (w.rank + 1)
+        gs.traffic_reset()
+        gs.all_reduce(x, op="avg", algorithm="shared_memory")
+        results.append((x, gs.traffic()["bytes_received"], gs.traffic()["bytes_sent"]))
+    return results

@@ -17,16 +17,23 @@ def test_parse_size():
 @pytest.mark.timeout(180)
 def test_bench_collectives_rows(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert main(["bench", "collectives", "--workers", "3", "--sizes", "4K,96K", "--reps", "2", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["algorithm"] for r in rows} == {"native", "ring", "halving_doubling", "tree", "naive"}
+    assert main(["bench", "collectives", "--workers", "3", "--sizes", "4K,96K", "--reps", "2", "--transport", "tcp,shm",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["memory_copy_GBps"] > 0
+    by_transport = {t: {r["algorithm"] for r in rows if r["transport"] == t} for t in ("gloo", "tcp", "shm")}
+    assert by_transport == {"gloo": {"native"}, "tcp": {"ring", "halving_doubling", "tree", "naive"},
+                            "shm": {"ring", "halving_doubling", "tree", "naive", "shared_memory"}}
     for r in rows:
         if r["algorithm"] == "native":
             assert r["bytes_per_rank"] is None and r["ratio_vs_native"] == 1.0
         elif r["algorithm"] in ("ring", "naive"):  # exact for sizes divisible by N
             assert r["bytes_per_rank"] == r["formula_bytes"]
+        elif r["algorithm"] == "shared_memory" and r["size"] % 3 == 0:
+            assert r["bytes_per_rank"] == r["formula_bytes"] == 2 * 2 / 3 * r["size"]
     printed = capsys.readouterr().out
-    assert "native" in printed and "ring" in printed
+    assert "native" in printed and "ring" in printed and "memory copy on this host" in printed
 
 
 @pytest.mark.timeout(180)
@@ -35,9 +42,9 @@ def test_bench_ddp_rows(tmp_path):
     assert main(["bench", "ddp", "--workers", "2", "--model", "cnn", "--steps", "2", "--bucket-mb", "0.1,25",
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["impl"] for r in rows] == ["torch DDP", "gradsync 0.1 MiB", "gradsync 25 MiB"]
+    assert [r["impl"] for r in rows] == ["torch DDP", "gradsync 0.1 MiB", "gradsync 25 MiB", "no communication"]
     params_bytes = rows[0]["params"] * 4
-    for r in rows[1:]:
+    for r in rows[1:3]:
         assert r["bytes_per_step"] == params_bytes  # ring, N=2: 2(N-1)/N * M = M (when every bucket splits evenly)
 
 

@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--workers", type=_positive_int, default=2, help="local ranks (default 2)")
     coll.add_argument("--sizes", type=_sizes, default=_sizes("4K,64K,1M,16M,64M"),
                       help="message sizes, e.g. 4K,64K,1M,16M,64M")
-    coll.add_argument("--algorithms", default="ring,halving_doubling,tree,naive",
-                      help="comma-separated subset of ring,halving_doubling,tree,naive")
+    coll.add_argument("--algorithms", default="ring,halving_doubling,tree,naive,shared_memory",
+                      help="comma-separated subset of ring,halving_doubling,tree,naive,shared_memory "
+                           "(shared_memory only on the shm transport)")
     coll.add_argument("--reps", type=_positive_int, default=10, help="timed calls per size and algorithm (median)")
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     coll.add_argument("--transport", type=_transports, default=["auto"],

@@ -41,7 +41,9 @@ from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
-OURS = ("ring", "halving_doubling", "tree", "naive")
+OURS = ("ring", "halving_doubling", "tree", "naive", "shared_memory")
+SHARED_ONLY = ("shared_memory",)
+"""Algorithms that need the shared-memory transport; a tcp run leaves them out."""
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -166,6 +168,8 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
     unknown = set(algorithms) - set(OURS)
     if unknown:
         raise ValueError(f"unknown algorithm(s) {sorted(unknown)}; choose from {', '.join(OURS)}")
+    if transport == "tcp":
+        algorithms = [a for a in algorithms if a not in SHARED_ONLY]
     saved = os.environ.get("GRADSYNC_TRANSPORT")
     os.environ["GRADSYNC_TRANSPORT"] = transport
     try:
@@ -190,6 +194,8 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
     """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
+    if algorithm == "shared_memory":  # 2(N-1)/N * M read out of other ranks' memory (allreduce_shared.py)
+        return 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
 

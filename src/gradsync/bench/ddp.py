@@ -7,6 +7,8 @@ The implementations are interleaved step by step so machine noise hits them alik
 shows medians. One intra-op thread per rank.
 
     ratio       = ours / torch DDP step time (below 1.0: ours is faster)
+    no communication = the bare model's step on every rank at once (gradients never averaged):
+                  the floor, so step - floor is what communication costs each implementation
     overlap     = share of our bucket communication that ran before backward ended (trace.py)
     bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
 
@@ -26,6 +28,8 @@ import gradsync as gs
 from gradsync.train.models import MLP, CharLM, DigitsCNN
 
 BENCH_MODELS = ("mlp", "cnn", "charlm")
+NO_COMM = "no communication"
+"""The same step on the bare model, each rank alone: the floor any implementation's step sits on."""
 
 
 def _model_and_batch(name: str, batch: int):
@@ -62,10 +66,16 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
     torch.set_num_threads(1)
     w = gs.world()
     runners = {}
-    for label, cap in [("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]:
+    for label, cap in ([("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]
+                       + [(NO_COMM, 0.0)]):
         torch.manual_seed(0)
         model, x, y = _model_and_batch(model_name, batch)
-        wrapped = TorchDDP(model, bucket_cap_mb=cap) if label == "torch DDP" else gs.DistributedDataParallel(model, bucket_cap_mb=cap)
+        if label == "torch DDP":
+            wrapped = TorchDDP(model, bucket_cap_mb=cap)
+        elif label == NO_COMM:
+            wrapped = model
+        else:
+            wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cap)
         runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
 
     def step(label: str) -> float:
@@ -82,16 +92,16 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         for label in runners:
             gs.traffic_reset()
             times[label].append(step(label))
-            if label != "torch DDP":
+            if label not in ("torch DDP", NO_COMM):
                 bytes_per_step[label] = gs.traffic()["bytes_sent"]
                 overlaps[label].append(runners[label][0].last_overlap or 0.0)
-    n_params = sum(p.numel() for p in runners["torch DDP"][0].module.parameters())
+    n_params = sum(p.numel() for p in runners[NO_COMM][0].parameters())
     rows = []
     for label in runners:
         wrapped = runners[label][0]
         rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
                      "step_s": statistics.median(times[label]), "times_s": times[label],
-                     "buckets": len(wrapped.buckets) if label != "torch DDP" else None,
+                     "buckets": len(wrapped.buckets) if label not in ("torch DDP", NO_COMM) else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
                      "bytes_per_step": bytes_per_step.get(label)})
     return rows

@@ -27,7 +27,7 @@ from gradsync.comm.transport import Transport
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 OPS = ("sum", "avg", "none")
-ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical")
+ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory")
 
 
 class CollectiveMismatchError(RuntimeError):

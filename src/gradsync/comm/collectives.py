@@ -24,12 +24,14 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
+from gradsync.comm.allreduce_shared import allreduce_shared
+from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.transport import Transport, default_transport
 
-ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical")
+ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
 OPS = ("sum", "avg")
 
 _IMPLEMENTATIONS = {
@@ -38,6 +40,7 @@ _IMPLEMENTATIONS = {
     "tree": allreduce_tree,
     "naive": allreduce_naive,
     "hierarchical": allreduce_hierarchical,
+    "shared_memory": allreduce_shared,
 }
 
 
@@ -85,10 +88,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     transport = default_transport()
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
+    shared_ok = not flat.is_cuda and shared_layout_error(transport) is None
     if algorithm == "auto":
-        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts)
+        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
+                                  shared_memory=shared_ok)
     elif algorithm == "hierarchical" and layout_error(w.hosts):
         raise RuntimeError(f"all_reduce: {layout_error(w.hosts)}; use another algorithm")
+    elif algorithm == "shared_memory" and not shared_ok:
+        raise RuntimeError(f"all_reduce: {shared_layout_error(transport) or 'the shared-memory all-reduce takes CPU tensors'}; "
+                           f"use another algorithm")
     _agree(transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
     if flat.numel() > 0:
         if algorithm == "native":

@@ -76,9 +76,13 @@ HIERARCHICAL_FROM_BYTES = 1 << 20
 ring's bytes on the network. Evidence: the two-namespace run in docs/benchmarks.md."""
 
 
-def choose(nbytes: int, n_ranks: int, link: Link | None = None, hosts: tuple[tuple[int, ...], ...] = ()) -> str:
+def choose(nbytes: int, n_ranks: int, link: Link | None = None, hosts: tuple[tuple[int, ...], ...] = (),
+           shared_memory: bool = False) -> str:
     """The algorithm with the smallest predicted all-reduce time for this message size and N
-    (``hosts``: the job's host layout; several hosts of equal size > 1 admit hierarchical)."""
+    (``hosts``: the job's host layout; several hosts of equal size > 1 admit hierarchical;
+    ``shared_memory``: every rank on this host over the shared-memory transport)."""
+    if shared_memory:
+        return "shared_memory"
     if (len(hosts) > 1 and len({len(group) for group in hosts}) == 1 and len(hosts[0]) > 1
             and nbytes >= HIERARCHICAL_FROM_BYTES):
         return "hierarchical"

@@ -16,10 +16,13 @@ Vocabulary
                  message larger than C streams through the ring in pieces
 
 Segment layout (rank d's segment; slot i is the ring from local rank i to d)
-    [0, 64)                          doorbell (u32): rung by anyone who wrote to d or freed space for d
+    [0, 4)                           doorbell (u32): rung by anyone who wrote to d or freed space for d
+    [8, 16)                          barrier count (u64): how many barriers d has entered
     64 + i*(128 + C) + 0             head  (u64, stored by the sender)
     64 + i*(128 + C) + 64            tail  (u64, stored by d; its own cache line)
     64 + i*(128 + C) + 128 .. + C    data
+    then 2 staging halves of S bytes (GRADSYNC_SHM_STAGE_MB): d's contribution to a collective that
+                                     reads every rank's memory directly (allreduce_shared.py)
 
 Bytes copied: a send copies the payload once into the receiver's ring; a receive copies it once
 out (irecv) or adds it straight from the ring into its target (irecv_add: the reduction reads the
@@ -44,6 +47,7 @@ seconds; after each slice it checks that the peers it waits for are still alive 
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
 import secrets
@@ -69,6 +73,9 @@ DEFAULT_RING_MB = 2
 (32 MiB here) is read by the receiver while the sender's bytes are still in cache. Measured, ring
 all-reduce medians of 7, N=4 on 2 cores: 16 MiB in 7.4-7.9 ms with 2 MiB rings against 10.6-10.9
 ms with 8 MiB; N=2: 2.1-2.2 ms against 2.7-3.4 ms with 32 MiB (docs/benchmarks.md)."""
+DEFAULT_STAGE_MB = 4
+"""Each staging half, MiB: 4 ranks x 2 halves x 4 MiB fill the 32 MiB L3 cache, so what one rank
+stages the others read from cache."""
 SEGMENT_BYTES = 1 << 20
 """The ring all-reduce's wire unit on shared memory (the TCP default is 4 MiB): half a ring, so the
 sender fills one half while the receiver drains the other."""
@@ -87,6 +94,19 @@ def ring_bytes() -> int:
         raise ValueError(f"GRADSYNC_SHM_RING_MB={value!r}: give the ring size in MiB, a positive number (default "
                          f"{default})")
     return max(FRAME * 4, int(megabytes * (1 << 20)) // FRAME * FRAME)
+
+
+def stage_bytes() -> int:
+    """Bytes S of each staging half, from GRADSYNC_SHM_STAGE_MB (a positive number), rounded to 64 bytes."""
+    value = os.environ.get("GRADSYNC_SHM_STAGE_MB", str(DEFAULT_STAGE_MB))
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes > 0:
+        raise ValueError(f"GRADSYNC_SHM_STAGE_MB={value!r}: give the staging size in MiB, a positive number "
+                         f"(default {DEFAULT_STAGE_MB})")
+    return max(FRAME, int(megabytes * (1 << 20)) // FRAME * FRAME)
 
 
 def segment_prefix(job: str) -> str:
@@ -111,8 +131,6 @@ class _Ring:
     """One ordered pair's ring inside the receiver's segment."""
 
     def __init__(self, mapping: mmap.mmap, base: int, capacity: int) -> None:
-        import ctypes
-
         self.mapping = mapping
         self.capacity = capacity
         self.data_offset = base + 2 * FRAME
@@ -174,6 +192,9 @@ class ShmTransport(Transport):
         self.local_ranks = local_ranks
         self.local_index = {r: i for i, r in enumerate(local_ranks)}
         self.capacity = ring_bytes()
+        self.stage_bytes = stage_bytes()
+        self._barriers = 0
+        self._half = 0
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
@@ -187,6 +208,9 @@ class ShmTransport(Transport):
 
     # --- set-up -------------------------------------------------------------------------------
     def _segment_bytes(self) -> int:
+        return self._stage_offset() + 2 * self.stage_bytes
+
+    def _stage_offset(self) -> int:
         return FRAME + len(self.local_ranks) * (2 * FRAME + self.capacity)
 
     def _slot(self, sender: int) -> int:
@@ -229,6 +253,9 @@ class ShmTransport(Transport):
         self._bells = {peer: Doorbell(self._mappings[peer], 0, me) for peer in self.pids}
         self._in = {peer: _Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
         self._out = {peer: _Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
+        self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
+        self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
+                                               offset=self._stage_offset()) for rank in self.local_ranks}
 
     def _store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
         try:
@@ -247,7 +274,7 @@ class ShmTransport(Transport):
             for bell in [getattr(self, "_bell", None), *getattr(self, "_bells", {}).values()]:
                 if bell is not None:
                     bell.release()
-            self._in, self._out, self._bells = {}, {}, {}
+            self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
             for mapping in self._mappings.values():
                 try:
                     mapping.close()
@@ -413,6 +440,13 @@ class ShmTransport(Transport):
 
     # --- waiting --------------------------------------------------------------------------------
     def _wait_for(self, handle: _ShmOp, timeout: float | None) -> None:
+        peers = [handle.peer] if handle.peer is not None else list(self.pids)
+        self._wait_until(lambda: handle.finished, timeout, peers,
+                         lambda waited, limit, what: self._stuck(handle, waited, limit, what))
+
+    def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck) -> None:
+        """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
+        the timeout raises ``stuck(waited, limit, what)``."""
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
         while True:
@@ -422,36 +456,63 @@ class ShmTransport(Transport):
                 seen = self._bell.read()
                 if self._progress() and self._sleepers:
                     self._bell.ring()  # another thread sleeps on our bell and its operation may be done
-                if handle.finished:
+                if is_done():
                     return
                 self._sleepers += 1
             waited = time.monotonic() - started
             try:
                 if waited >= limit:
-                    raise self._stuck(handle, waited, limit, "timed out")
+                    raise self._broken_by(stuck(waited, limit, "timed out"))
                 self._bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
                 if time.monotonic() - started >= LIVENESS_SLICE:
-                    self._check_peers(handle, started)
+                    for peer in peers:
+                        if not _alive(self.pids[peer]):
+                            raise self._broken_by(stuck(time.monotonic() - started, limit,
+                                                        f"failed: rank {peer} (pid {self.pids[peer]}) exited"))
             finally:
                 with self._lock:
                     self._sleepers -= 1
 
-    def _check_peers(self, handle: _ShmOp, started: float) -> None:
-        peers = [handle.peer] if handle.peer is not None else list(self.pids)
-        for peer in peers:
-            if not _alive(self.pids[peer]):
-                waited = time.monotonic() - started
-                raise self._stuck(handle, waited, self.timeout, f"failed: rank {peer} (pid {self.pids[peer]}) exited")
+    def _broken_by(self, error: PeerError) -> PeerError:
+        with self._lock:
+            self._broken = error
+        return error
 
     def _stuck(self, handle: _ShmOp, waited: float, limit: float, what: str) -> PeerError:
         verb = "send to" if handle.sent else "receive from"
         who = "any rank" if handle.peer is None else f"rank {handle.peer}"
-        error = PeerError(f"rank {self.rank}: {handle.op}: {verb} {who} ({handle.nbytes} bytes, shared memory) {what} "
-                          f"after {waited:.1f} s (timeout {limit:.0f} s); rank {handle.peer} may have died or stalled",
-                          rank=self.rank, peer=handle.peer, op=handle.op)
-        with self._lock:
-            self._broken = error
-        return error
+        return PeerError(f"rank {self.rank}: {handle.op}: {verb} {who} ({handle.nbytes} bytes, shared memory) {what} "
+                         f"after {waited:.1f} s (timeout {limit:.0f} s); rank {handle.peer} may have died or stalled",
+                         rank=self.rank, peer=handle.peer, op=handle.op)
+
+    # --- what allreduce_shared.py builds on -----------------------------------------------------
+    def barrier(self, op: str) -> None:
+        """Return once every local rank has entered as many barriers as this one (with the timeout
+        and liveness checks of any wait)."""
+        self._barriers += 1
+        count = self._barriers
+        self._counters[self.rank].value = count
+        for bell in self._bells.values():
+            bell.ring()
+        counters = [self._counters[peer] for peer in self.pids]
+
+        def stuck(waited, limit, what):
+            behind = [peer for peer in self.pids if self._counters[peer].value < count]
+            return PeerError(f"rank {self.rank}: {op}: barrier {count} on shared memory {what} after {waited:.1f} s "
+                             f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
+                             rank=self.rank, peer=behind[0] if behind else None, op=op)
+
+        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck)
+
+    def next_half(self) -> int:
+        """The staging half the next piece uses: they alternate, across calls too, so a rank may
+        fill one half while slower ranks still read the other (allreduce_shared.py)."""
+        self._half ^= 1
+        return self._half
+
+    def stage(self, rank: int, half: int) -> torch.Tensor:
+        """Local rank ``rank``'s staging half ``half`` (S bytes, uint8), readable and writable here."""
+        return self._stages[rank].narrow(0, half * self.stage_bytes, self.stage_bytes)
 
 
 def job_token(world: runtime.World) -> str:

@@ -187,6 +187,8 @@ def train_worker(cfg: TrainConfig) -> dict:
         if finished_epoch:
             epoch += 1
     wall = time.perf_counter() - started
+    if not evaluation:  # resumed from a checkpoint with no step left: still report the model's score
+        evaluation = evaluate(cfg, model, test_set)
     wrapped.check_replicas()
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
                          statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)

@@ -1,0 +1,87 @@
+"""Shared-memory all-reduce: every rank reads the others' contributions straight out of their memory.
+
+For ranks of one host only (ShmTransport, GRADSYNC_TRANSPORT auto or shm). Point-to-point
+algorithms make each byte travel: copied into a ring, copied or added out of it, once per step.
+Here each rank copies its data once into its own staging half, and the reduction then reads every
+rank's staging directly; no byte is forwarded.
+
+Vocabulary
+    N        ranks, all on this host; rank r
+    S        bytes in one staging half (GRADSYNC_SHM_STAGE_MB); each rank has two
+    piece    a run of at most S bytes of the tensor, processed start to end; pieces alternate between
+             the two halves (see ShmTransport.next_half)
+    slice    slice j of a piece is ring_chunks(piece, N) chunk j; rank j reduces it
+
+Phases, per piece
+    stage     rank r copies its piece into its staging half
+    barrier   every piece is staged
+    reduce    rank r adds slice r of every other rank's staging into slice r of its own (in rank
+              order, starting from its own: the sum is computed once, by its owner, so every rank
+              ends bit-identical); average divides it by N
+    barrier   every slice is reduced
+    gather    rank r copies slice j of rank j's staging into its tensor, for every j
+No third barrier: the next piece uses the other half, and the next piece's first barrier is only
+passed once every rank has finished this piece's gather, so a half is never overwritten while read.
+
+Traffic (bytes read out of another rank's memory, which is what the meter records; a divisible
+tensor of M bytes): rank r reads slice r from N-1 ranks and slice j from rank j, so
+    bytes_received = bytes_sent = 2(N-1)/N * M      (the ring's figure, with no forwarding)
+Memory traffic per rank: read M + write M (stage), read M + write M/N (reduce), read M + write M
+(gather) -- against the ring's (N-1) copies into rings, (N-1) reductions and (N-1) copies out.
+Time: T = ceil(M/S) * (2 barriers + (M/S)-sized copies); barriers cost a doorbell each way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.transport import Transport
+
+
+def layout_error(transport: Transport) -> str | None:
+    """None when the shared-memory all-reduce can run on ``transport``, else why not."""
+    local = getattr(transport, "local_ranks", ())
+    if len(local) != transport.world_size or not hasattr(transport, "stage"):
+        return ("the shared-memory all-reduce needs every rank on this host and the shared-memory transport "
+                "(GRADSYNC_TRANSPORT=auto or shm)")
+    return None
+
+
+def allreduce_shared(flat: torch.Tensor, transport, *, average: bool = False) -> None:
+    """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves."""
+    op = "all_reduce/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    if n_ranks == 1:
+        return
+    esize = flat.element_size()
+    piece_elems = transport.stage_bytes // esize
+    read_from = [0] * n_ranks  # bytes this rank read out of each rank's staging
+    read_by = [0] * n_ranks    # bytes each rank read out of ours
+    for start in range(0, flat.numel(), piece_elems):
+        piece = flat.narrow(0, start, min(piece_elems, flat.numel() - start))
+        half = transport.next_half()
+        stages = [transport.stage(r, half)[:piece.numel() * esize].view(flat.dtype) for r in range(n_ranks)]
+        chunks = ring_chunks(piece.numel(), n_ranks)
+        # stage
+        stages[rank].copy_(piece)
+        transport.barrier(op)
+        # reduce
+        own = chunks.view(stages[rank], rank)
+        for other in range(n_ranks):
+            if other != rank:
+                own.add_(chunks.view(stages[other], rank))
+        if average:
+            own.div_(n_ranks)
+        transport.barrier(op)
+        # gather
+        for owner in range(n_ranks):
+            chunks.view(piece, owner).copy_(chunks.view(stages[owner], owner))
+        for other in range(n_ranks):
+            if other != rank:
+                read_from[other] += (chunks.sizes[rank] + chunks.sizes[other]) * esize
+                read_by[other] += (chunks.sizes[other] + chunks.sizes[rank]) * esize
+    for other in range(n_ranks):
+        if other != rank:
+            transport.meter.record(peer=other, nbytes=read_from[other], op=op, sent=False)
+            transport.meter.record(peer=other, nbytes=read_by[other], op=op, sent=True)
