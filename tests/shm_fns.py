@@ -71,3 +71,18 @@ def shared_memory_pieces(stage_numel: int):
         gs.all_reduce(x, op="avg", algorithm="shared_memory")
         results.append((x, gs.traffic()["bytes_received"], gs.traffic()["bytes_sent"]))
     return results
+
+
+def detect_death(report_dir: str):
+    """Rank 1 SIGKILLs itself while rank 0 waits in an all-reduce; no launcher is involved (the test
+    pool does not stop the others), so rank 0 must notice by itself. Each side writes its clock."""
+    w = gs.world()
+    if w.rank == 1:
+        time.sleep(0.5)
+        Path(report_dir, "killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        gs.all_reduce(torch.ones(8))
+    except PeerError as exc:
+        Path(report_dir, "noticed").write_text(repr(time.time()) + "\n" + str(exc))
+    return None

@@ -73,3 +73,19 @@ def test_shared_memory_all_reduce_refuses_tcp(monkeypatch):
     monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
     message = gs.spawn(shm_fns.shared_memory_refused, nprocs=2)[0]
     assert "needs every rank on this host and the shared-memory transport" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_peer_is_noticed_within_a_second_without_a_launcher(tmp_path):
+    from world_pool import RankFailure, WorldPool
+
+    pool = WorldPool(2, timeout=30.0)
+    try:
+        with pytest.raises(RankFailure):
+            pool.run(shm_fns.detect_death, str(tmp_path), case_timeout=60)
+    finally:
+        pool.close()
+    killed = float((tmp_path / "killed").read_text())
+    noticed, message = (tmp_path / "noticed").read_text().split("\n", 1)
+    assert "rank 1 (pid" in message and "exited" in message
+    assert float(noticed) - killed < 1.0, "the 30 s timeout must not be what reveals a dead peer"

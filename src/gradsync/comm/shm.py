@@ -481,8 +481,9 @@ class ShmTransport(Transport):
     def _stuck(self, handle: _ShmOp, waited: float, limit: float, what: str) -> PeerError:
         verb = "send to" if handle.sent else "receive from"
         who = "any rank" if handle.peer is None else f"rank {handle.peer}"
+        why = f"; {who} may have died or stalled" if what == "timed out" else ""
         return PeerError(f"rank {self.rank}: {handle.op}: {verb} {who} ({handle.nbytes} bytes, shared memory) {what} "
-                         f"after {waited:.1f} s (timeout {limit:.0f} s); rank {handle.peer} may have died or stalled",
+                         f"after {waited:.1f} s (timeout {limit:.0f} s){why}",
                          rank=self.rank, peer=handle.peer, op=handle.op)
 
     # --- what allreduce_shared.py builds on -----------------------------------------------------
