@@ -86,3 +86,20 @@ def detect_death(report_dir: str):
     except PeerError as exc:
         Path(report_dir, "noticed").write_text(repr(time.time()) + "\n" + str(exc))
     return None
+
+
+def shm_send_while_waiting_on_tcp():
+    """Rank 0 posts a shared-memory send larger than the ring, then waits for a tagged (TCP) message
+    that rank 1 sends only after receiving all of it: the TCP wait must keep the shm send moving."""
+    transport = default_transport()
+    big = torch.arange(1 << 20, dtype=torch.float64)   # 8 MiB through a 2 MiB ring
+    if gs.world().rank == 0:
+        send = transport.isend(big, 1, "test/big")
+        reply = torch.zeros(1, dtype=torch.float64)
+        transport.irecv(reply, 1, "test/reply", tag=5).wait()
+        send.wait()
+        return float(reply)
+    incoming = torch.empty_like(big)
+    transport.irecv(incoming, 0, "test/big").wait()
+    transport.isend(incoming.sum().reshape(1), 0, "test/reply", tag=5).wait()
+    return None

@@ -89,3 +89,9 @@ def test_a_dead_peer_is_noticed_within_a_second_without_a_launcher(tmp_path):
     noticed, message = (tmp_path / "noticed").read_text().split("\n", 1)
     assert "rank 1 (pid" in message and "exited" in message
     assert float(noticed) - killed < 1.0, "the 30 s timeout must not be what reveals a dead peer"
+
+
+@pytest.mark.timeout(120)
+def test_waiting_on_tcp_keeps_shared_memory_sends_moving():
+    total = gs.spawn(shm_fns.shm_send_while_waiting_on_tcp, nprocs=2, timeout=20.0)[0]
+    assert total == float(sum(range(1 << 20)))

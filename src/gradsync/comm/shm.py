@@ -66,6 +66,8 @@ from gradsync.meter import METER, TrafficMeter
 FRAME = 64
 """Frame header and alignment, bytes."""
 MAGIC = 0x6753484D  # "gSHM"
+POLL_SLICE = 0.0005
+"""Longest nap between looks at a torch.distributed transfer while shared-memory work is pending."""
 LIVENESS_SLICE = 0.2
 """Seconds a waiting rank sleeps before checking that its peers are alive."""
 DEFAULT_RING_MB = 2
@@ -174,6 +176,40 @@ class _ShmOp(Handle):
         if not self.finished:
             self.transport._wait_for(self, timeout)
         return self.peer
+
+
+class _Delegated(Handle):
+    """A transfer carried by torch.distributed on behalf of a ShmTransport.
+
+    Waiting for it must not stall this rank's shared-memory traffic: shared-memory sends and
+    receives move only when their rank makes progress, and a flat ring across hosts mixes both
+    (rank 0 blocked on a TCP receive from rank 3 while rank 1 waits for the rest of rank 0's
+    shared-memory send would wait forever). So while shared-memory operations are pending, the
+    wait polls: progress, then a nap of at most POLL_SLICE on the doorbell, then a look at the TCP
+    transfer. With nothing pending it is torch's own blocking wait.
+    """
+
+    __slots__ = ("inner", "transport", "peer", "op")
+
+    def __init__(self, inner: Handle, transport: "ShmTransport", peer, op) -> None:
+        self.inner, self.transport, self.peer, self.op = inner, transport, peer, op
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        t = self.transport
+        limit = t.timeout if timeout is None else timeout
+        started = time.monotonic()
+        while t.has_pending() and not self.inner.done():
+            waited = time.monotonic() - started
+            if waited >= limit:
+                who = "any rank" if self.peer is None else f"rank {self.peer}"
+                raise t._broken_by(PeerError(f"rank {t.rank}: {self.op}: transfer with {who} over torch.distributed "
+                                             f"timed out after {waited:.1f} s (timeout {limit:.0f} s)",
+                                             rank=t.rank, peer=self.peer, op=self.op))
+            t.nap(min(POLL_SLICE, limit - waited))
+        return self.inner.wait(None if timeout is None else max(0.0, limit - (time.monotonic() - started)))
 
 
 class ShmTransport(Transport):
@@ -313,17 +349,17 @@ class ShmTransport(Transport):
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         if not self._routed_here(tensor, dst, tag):
-            return self.tcp.isend(tensor, dst, op, control=control, tag=tag)
+            return _Delegated(self.tcp.isend(tensor, dst, op, control=control, tag=tag), self, dst, op)
         return self._post(tensor, dst, op, True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         if not self._routed_here(tensor, src, tag):
-            return self.tcp.irecv(tensor, src, op, control=control, tag=tag)
+            return _Delegated(self.tcp.irecv(tensor, src, op, control=control, tag=tag), self, src, op)
         return self._post(tensor, src, op, False, control)
 
     def irecv_add(self, tensor, src, op, *, staging):
         if not self._routed_here(tensor, src, 0):
-            return self.tcp.irecv_add(tensor, src, op, staging=staging)
+            return _Delegated(self.tcp.irecv_add(tensor, src, op, staging=staging), self, src, op)
         return self._post(tensor, src, op, False, False, add=True)
 
     # --- progress -------------------------------------------------------------------------------
@@ -439,6 +475,21 @@ class ShmTransport(Transport):
         return handle.offset == handle.nbytes
 
     # --- waiting --------------------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        """True while any shared-memory send or receive of this rank is unfinished."""
+        return (any(self._sends.values()) or any(self._recvs.values()) or bool(self._any)
+                or any(ring.current is not None for ring in self._in.values()))
+
+    def nap(self, seconds: float) -> None:
+        """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            seen = self._bell.read()
+            if self._progress() and self._sleepers:
+                self._bell.ring()
+        self._bell.sleep(seen, seconds)
+
     def _wait_for(self, handle: _ShmOp, timeout: float | None) -> None:
         peers = [handle.peer] if handle.peer is not None else list(self.pids)
         self._wait_until(lambda: handle.finished, timeout, peers,
