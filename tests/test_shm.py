@@ -95,3 +95,18 @@ def test_a_dead_peer_is_noticed_within_a_second_without_a_launcher(tmp_path):
 def test_waiting_on_tcp_keeps_shared_memory_sends_moving():
     total = gs.spawn(shm_fns.shm_send_while_waiting_on_tcp, nprocs=2, timeout=20.0)[0]
     assert total == float(sum(range(1 << 20)))
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_ring_sizes_are_refused():
+    from world_pool import RankFailure, WorldPool
+
+    pool = WorldPool(2, timeout=10.0, rank_env={1: {"GRADSYNC_SHM_RING_MB": "4"}})
+    try:
+        with pytest.raises(RankFailure) as failure:
+            pool.run(shm_fns.transport_and_names)
+    finally:
+        pool.close()
+    text = str(failure.value)
+    assert "rank 1 has 4194304-byte rings" in text or "rank 0 has 2097152-byte rings" in text
+    assert "set GRADSYNC_SHM_RING_MB and GRADSYNC_SHM_STAGE_MB alike on every rank" in text

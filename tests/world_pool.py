@@ -37,7 +37,12 @@ def _serve(rank: int, n: int, port: int, conn, timeout: float, env: dict) -> Non
     torch.set_num_threads(1)
     import gradsync as gs
 
-    gs.init(timeout=timeout)
+    try:
+        gs.init(timeout=timeout)
+    except BaseException as exc:  # noqa: BLE001 - answer the first case with why this rank has no world
+        conn.recv()
+        conn.send(("error", (type(exc).__name__, f"init failed: {exc}")))
+        return
     while True:
         message = conn.recv()
         if message is None:
@@ -53,9 +58,10 @@ def _serve(rank: int, n: int, port: int, conn, timeout: float, env: dict) -> Non
 class WorldPool:
     """N ranks waiting for cases; see module docstring."""
 
-    def __init__(self, n: int, timeout: float = 20.0, env: dict | None = None):
+    def __init__(self, n: int, timeout: float = 20.0, env: dict | None = None, rank_env: dict | None = None):
         self.n = n
         self.env = dict(env or {})
+        self.rank_env = dict(rank_env or {})  # rank -> extra variables for that rank only
         self.timeout = timeout
         self._procs: list = []
         self._conns: list = []
@@ -67,7 +73,8 @@ class WorldPool:
         ctx = mp.get_context("spawn")
         for rank in range(self.n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.n, self._store.port, child, self.timeout, self.env),
+            proc = ctx.Process(target=_serve, args=(rank, self.n, self._store.port, child, self.timeout,
+                                     {**self.env, **self.rank_env.get(rank, {})}),
                                daemon=True)
             proc.start()
             self._procs.append(proc)

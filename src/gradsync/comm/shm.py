@@ -263,12 +263,18 @@ class ShmTransport(Transport):
             self._mappings[self.rank] = mmap.mmap(fd, self._segment_bytes())
             os.close(fd)
             fd = -1
-            store.set(f"{key}/created/{self.rank}", str(os.getpid()))
+            store.set(f"{key}/created/{self.rank}", f"{os.getpid()} {self.capacity} {self.stage_bytes}")
             self.pids = {}
             for peer in self.local_ranks:
                 if peer == self.rank:
                     continue
-                self.pids[peer] = int(self._store_get(store, f"{key}/created/{peer}", wait, peer, "create"))
+                pid, capacity, staging = (int(v) for v in
+                                          self._store_get(store, f"{key}/created/{peer}", wait, peer, "create").split())
+                if (capacity, staging) != (self.capacity, self.stage_bytes):
+                    raise ValueError(f"rank {self.rank}: shared-memory set-up: rank {peer} has {capacity}-byte rings and "
+                                     f"{staging}-byte staging halves, this rank {self.capacity} and {self.stage_bytes}; "
+                                     f"set GRADSYNC_SHM_RING_MB and GRADSYNC_SHM_STAGE_MB alike on every rank")
+                self.pids[peer] = pid
                 peer_fd = os.open(os.path.join(SHM_DIR, f"{segment_prefix(job)}{peer}"), os.O_RDWR)
                 try:
                     self._mappings[peer] = mmap.mmap(peer_fd, self._segment_bytes())
