@@ -7,7 +7,8 @@ One trial:
     3. measure the time from the kill until the whole job has exited, and check:
        clean = the job exited non-zero, its error names the killed rank, every rank process is
        gone (no orphans), and neither the launcher's temporary directory (gradsync-spawn-<its
-       pid>-*) nor a /dev/shm entry named after one of the job's processes is left behind.
+       pid>-*) nor a /dev/shm entry of the job is left behind (named after one of its processes,
+       or the shared-memory segments' gradsync-<launcher pid>x...).
 The job's error is the launcher's one-screen summary (launch.py).
 """
 
