@@ -6,6 +6,10 @@ machine, fits alpha, beta and gamma by least squares and saves them to the calib
 ($GRADSYNC_CALIBRATION, default ~/.cache/gradsync/calibration.json). Without that file the
 built-in ``Link()`` defaults apply, themselves measured on the 2-core CI machine (docs/benchmarks.md).
 
+The fit measures whatever transport carries ranks 0 and 1: on one host that is shared memory,
+where "auto" does not consult the model anyway (every rank on one host uses the shared-memory
+all-reduce). To calibrate the network between hosts, fit with GRADSYNC_TRANSPORT=tcp.
+
 All ranks must pick the same algorithm for the same message, or the collective would mismatch.
 So rank 0 reads the calibration once and publishes it through the rendezvous store; every other
 rank reads rank 0's copy.
