@@ -103,3 +103,16 @@ def shm_send_while_waiting_on_tcp():
     transport.irecv(incoming, 0, "test/big").wait()
     transport.isend(incoming.sum().reshape(1), 0, "test/reply", tag=5).wait()
     return None
+
+
+def reinit_three_times():
+    """shutdown() then init() again inside one job: each world gets fresh keys and a fresh transport."""
+    out = []
+    for generation in range(3):
+        if generation:
+            gs.shutdown()
+            gs.init()
+        x = torch.ones(5) * (gs.world().rank + 1)
+        gs.all_reduce(x)
+        out.append((gs.world().generation, type(default_transport()).__name__, x))
+    return out

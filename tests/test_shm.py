@@ -110,3 +110,12 @@ def test_ranks_with_different_ring_sizes_are_refused():
     text = str(failure.value)
     assert "rank 1 has 4194304-byte rings" in text or "rank 0 has 2097152-byte rings" in text
     assert "set GRADSYNC_SHM_RING_MB and GRADSYNC_SHM_STAGE_MB alike on every rank" in text
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_and_init_again_in_the_same_job():
+    for rank_result in gs.spawn(shm_fns.reinit_three_times, nprocs=3):
+        assert [(g, kind) for g, kind, _ in rank_result] == [(1, "ShmTransport"), (2, "ShmTransport"),
+                                                             (3, "ShmTransport")]
+        for _, _, x in rank_result:
+            assert torch.equal(x, torch.full((5,), 6.0))

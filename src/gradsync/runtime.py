@@ -229,10 +229,13 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
     except Exception as exc:
         raise RuntimeError(f"rank {wanted.rank}: could not reach the rendezvous store at "
                            f"{wanted.master_addr}:{wanted.master_port} within {wanted.timeout:.0f} s: {exc}") from exc
+    # Every init() of this process gets keys of its own: a second init() on the same store (after
+    # shutdown()) would otherwise meet the first one's rendezvous keys and hang.
+    generation = int(store.add(f"gradsync/init/{wanted.rank}", 1))
+    store = dist.PrefixStore(f"gradsync/world{generation}", store)
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
                             world_size=wanted.world_size, timeout=wait)
     try:
-        generation = int(store.add(f"gradsync/init/{wanted.rank}", 1))
         hosts = ((0,),) if wanted.world_size == 1 else _exchange_hosts(
             store, wanted.rank, wanted.world_size, generation, wanted.timeout)
         _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
