@@ -17,6 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gradsync import runtime
+from gradsync.comm.shm import ShmTransport
+from gradsync.comm.transport import default_transport
 from gradsync.train.config import TrainConfig
 
 STRAGGLER_FACTOR = 1.2
@@ -27,6 +30,16 @@ def _human(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def _placement() -> str:
+    """", on H host(s), shared memory inside each" -- how this job's bytes travel (comm/transport.py)."""
+    if not runtime.is_initialized() or runtime.world().world_size == 1:
+        return ""
+    hosts = len(runtime.world().hosts)
+    inside = "shared memory inside each" if hosts > 1 else "shared memory"
+    carrier = inside if isinstance(default_transport(), ShmTransport) else "TCP (torch.distributed)"
+    return f", {hosts} host(s), {carrier}"
 
 
 class Reporter:
@@ -50,7 +63,7 @@ class Reporter:
             return
         c, workers = self.cfg, global_batch // (self.cfg.batch_size * self.cfg.grad_accum)
         self.console.print(f"[bold]gradsync train[/]: {c.model} on {c.dataset}, strategy {c.strategy}, "
-                           f"algorithm {c.algorithm}, {workers} worker(s)")
+                           f"algorithm {c.algorithm}, {workers} worker(s){_placement()}")
         self.console.print(f"batch: {c.batch_size} per worker x {workers} workers x {c.grad_accum} accumulation "
                            f"= {global_batch} global; lr {base_lr:g} x {global_batch // c.batch_size if c.lr_scaling == 'linear' else 1} "
                            f"({c.lr_scaling} scaling) = {peak_lr:g}, warm-up {c.warmup_steps} steps; "
