@@ -51,27 +51,33 @@ def _tx_bytes(namespace: str, link: str) -> int:
     return int(out.stdout.strip())
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
-    port = "29500"   # the namespaces are new and empty, so any port is free there
+def _torchrun_on_both(two_hosts, nproc: int, target: list[str], wait_s: float = 240) -> list[str]:
+    """One `torchrun --nnodes 2` per namespace running ``target``; every node must exit 0; their outputs."""
     procs = []
     for node, (namespace, link) in enumerate(two_hosts):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
         cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-               "--master-addr", HOST_ADDRESSES[0], "--master-port", port,
-               "-m", "gradsync.train", "--steps", "5", "--quiet", "--out", str(tmp_path / f"node{node}")]
+               "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(node),
+               "--master-addr", HOST_ADDRESSES[0], "--master-port", "29500",   # the namespaces are new: any port is free
+               *[arg.replace("{node}", str(node)) for arg in target]]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
+            outputs.append(proc.communicate(timeout=wait_s)[0])
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
     for node, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
+    return outputs
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
+    outputs = _torchrun_on_both(two_hosts, 2, ["-m", "gradsync.train", "--steps", "5", "--quiet",
+                                               "--out", str(tmp_path / "node{node}")])
     assert "4 worker(s)" in outputs[0] and "gradsync train: summary" in outputs[0]
     # each node's two ranks reach the other node's two ranks only through the veth pair
     for namespace, link in two_hosts:
@@ -84,24 +90,7 @@ def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks(two_hosts):
     cross hosts."""
     import json
 
-    procs = []
-    script = os.path.join(os.path.dirname(__file__), "multihost_allreduce.py")
-    for node, (namespace, link) in enumerate(two_hosts):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
-        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-               "--master-addr", HOST_ADDRESSES[0], "--master-port", "29500", script]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for node, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
+    outputs = _torchrun_on_both(two_hosts, 2, [os.path.join(os.path.dirname(__file__), "multihost_allreduce.py")])
     rows = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs for line in out.splitlines()
             if "RESULT " in line]
     assert sorted(row["rank"] for row in rows) == [0, 1, 2, 3]

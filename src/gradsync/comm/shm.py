@@ -84,31 +84,27 @@ sender fills one half while the receiver drains the other."""
 SHM_DIR = "/dev/shm"
 
 
-def ring_bytes() -> int:
-    """Capacity C of every ring, from GRADSYNC_SHM_RING_MB (a positive number), rounded to 64 bytes."""
-    default = DEFAULT_RING_MB
-    value = os.environ.get("GRADSYNC_SHM_RING_MB", str(default))
+def _env_bytes(name: str, what: str, default_mb: float, smallest: int) -> int:
+    """The size in the environment variable ``name`` (MiB, a positive number), rounded down to 64
+    bytes and at least ``smallest``."""
+    value = os.environ.get(name, str(default_mb))
     try:
         megabytes = float(value)
     except ValueError:
         megabytes = -1.0
     if not megabytes > 0:
-        raise ValueError(f"GRADSYNC_SHM_RING_MB={value!r}: give the ring size in MiB, a positive number (default "
-                         f"{default})")
-    return max(FRAME * 4, int(megabytes * (1 << 20)) // FRAME * FRAME)
+        raise ValueError(f"{name}={value!r}: give the {what} size in MiB, a positive number (default {default_mb})")
+    return max(smallest, int(megabytes * (1 << 20)) // FRAME * FRAME)
+
+
+def ring_bytes() -> int:
+    """Capacity C of every ring, from GRADSYNC_SHM_RING_MB."""
+    return _env_bytes("GRADSYNC_SHM_RING_MB", "ring", DEFAULT_RING_MB, FRAME * 4)
 
 
 def stage_bytes() -> int:
-    """Bytes S of each staging half, from GRADSYNC_SHM_STAGE_MB (a positive number), rounded to 64 bytes."""
-    value = os.environ.get("GRADSYNC_SHM_STAGE_MB", str(DEFAULT_STAGE_MB))
-    try:
-        megabytes = float(value)
-    except ValueError:
-        megabytes = -1.0
-    if not megabytes > 0:
-        raise ValueError(f"GRADSYNC_SHM_STAGE_MB={value!r}: give the staging size in MiB, a positive number "
-                         f"(default {DEFAULT_STAGE_MB})")
-    return max(FRAME, int(megabytes * (1 << 20)) // FRAME * FRAME)
+    """Bytes S of each staging half, from GRADSYNC_SHM_STAGE_MB."""
+    return _env_bytes("GRADSYNC_SHM_STAGE_MB", "staging", DEFAULT_STAGE_MB, FRAME)
 
 
 def segment_prefix(job: str) -> str:
