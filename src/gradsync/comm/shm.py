@@ -5,12 +5,8 @@ Vocabulary
                  and PID namespaces; see runtime.host_id); L of them, local index 0..L-1
     segment      one shared mapping per rank, /dev/shm/gradsync-<job>-r<rank>; it holds that rank's
                  doorbell and one inbound ring per local sender
-    ring         a single-producer single-consumer byte ring of C bytes (GRADSYNC_SHM_RING_MB,
-                 default DEFAULT_RING_MB) from one sender to one receiver. head: bytes the sender has written
-                 (only the sender stores it); tail: bytes the receiver has consumed (only the
-                 receiver stores it); free = C - (head - tail)
-    frame        one message in a ring: a 64-byte header (magic, payload bytes, per-pair sequence)
-                 then the payload, padded to 64 bytes so every frame starts aligned
+    ring         a single-producer single-consumer byte ring of C bytes (GRADSYNC_SHM_RING_MB) from
+                 one sender to one receiver; frames, head and tail are in shm_ring.py
     progress     copying what fits: pending sends into peers' rings, available frames out of
                  inbound rings. It runs when an operation is posted and inside wait()/done(); a
                  message larger than C streams through the ring in pieces
@@ -32,8 +28,9 @@ byte twice through the kernel besides the reduction.
 Matching and fallback: messages between one pair are matched in posting order; a receive from any
 rank takes the earliest-posted match among frames waiting at the head of the inbound rings. Tagged
 messages, CUDA tensors and peers on other hosts travel over torch.distributed (TorchTransport), so
-one ShmTransport serves a whole job. A receive from any rank on tag 0 needs every rank on this
-host (it cannot also listen on TCP); otherwise it raises and asks for a tag.
+one ShmTransport serves a whole job; waiting for one of those keeps the shared-memory traffic
+moving (_Delegated). A receive from any rank on tag 0 needs every rank on this host (it cannot
+also listen on TCP); otherwise it raises and asks for a tag.
 
 Cleanup: each rank creates its segment, every local peer maps it, and then the name is unlinked at
 once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
@@ -51,7 +48,6 @@ import ctypes
 import mmap
 import os
 import secrets
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -60,12 +56,10 @@ import torch
 
 from gradsync import runtime
 from gradsync.comm.doorbell import Doorbell
+from gradsync.comm.shm_ring import FRAME, Ring, slot_bytes
 from gradsync.comm.transport import Handle, PeerError, TorchTransport, Transport
 from gradsync.meter import METER, TrafficMeter
 
-FRAME = 64
-"""Frame header and alignment, bytes."""
-MAGIC = 0x6753484D  # "gSHM"
 POLL_SLICE = 0.0005
 """Longest nap between looks at a torch.distributed transfer while shared-memory work is pending."""
 LIVENESS_SLICE = 0.2
@@ -112,10 +106,6 @@ def segment_prefix(job: str) -> str:
     return f"gradsync-{job}-r"
 
 
-def _round_up(nbytes: int) -> int:
-    return (nbytes + FRAME - 1) // FRAME * FRAME
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -123,23 +113,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in (b"Z", b"X")
-
-
-class _Ring:
-    """One ordered pair's ring inside the receiver's segment."""
-
-    def __init__(self, mapping: mmap.mmap, base: int, capacity: int) -> None:
-        self.mapping = mapping
-        self.capacity = capacity
-        self.data_offset = base + 2 * FRAME
-        self.head = ctypes.c_uint64.from_buffer(mapping, base)
-        self.tail = ctypes.c_uint64.from_buffer(mapping, base + FRAME)
-        self.data = torch.frombuffer(mapping, dtype=torch.uint8, count=capacity, offset=self.data_offset)
-        self.sequence = 0
-        self.current: _ShmOp | None = None  # inbound only: the receive consuming the frame at the tail
-
-    def release(self) -> None:
-        self.head = self.tail = self.data = None
 
 
 class _ShmOp(Handle):
@@ -243,10 +216,10 @@ class ShmTransport(Transport):
         return self._stage_offset() + 2 * self.stage_bytes
 
     def _stage_offset(self) -> int:
-        return FRAME + len(self.local_ranks) * (2 * FRAME + self.capacity)
+        return FRAME + len(self.local_ranks) * slot_bytes(self.capacity)
 
     def _slot(self, sender: int) -> int:
-        return FRAME + self.local_index[sender] * (2 * FRAME + self.capacity)
+        return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
 
     def _connect(self, world: runtime.World, job: str) -> None:
         """Create this rank's segment, map every local peer's, then unlink ours (see Cleanup)."""
@@ -289,8 +262,8 @@ class ShmTransport(Transport):
         me = self.local_index[self.rank]
         self._bell = Doorbell(self._mappings[self.rank], 0, me)
         self._bells = {peer: Doorbell(self._mappings[peer], 0, me) for peer in self.pids}
-        self._in = {peer: _Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
-        self._out = {peer: _Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
+        self._in = {peer: Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
+        self._out = {peer: Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
         self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
         self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
                                                offset=self._stage_offset()) for rank in self.local_ranks}
@@ -403,35 +376,14 @@ class ShmTransport(Transport):
 
     def _push(self, handle: _ShmOp) -> bool:
         """Write as much of ``handle`` into the peer's ring as fits; True when all of it is in."""
-        ring = self._out[handle.peer]
-        head = ring.head.value
-        free = ring.capacity - (head - ring.tail.value)
-        start = head
-        if not handle.header_done:
-            if free < FRAME:
-                return False
-            struct.pack_into("qqq", ring.mapping, ring.data_offset + head % ring.capacity, MAGIC, handle.nbytes,
-                             ring.sequence)
-            ring.sequence += 1
-            handle.header_done = True
-            head += FRAME
-            free -= FRAME
-        while handle.offset < handle.nbytes and free > 0:
-            pos = head % ring.capacity
-            take = min(free, handle.nbytes - handle.offset, ring.capacity - pos)
-            ring.data[pos:pos + take].copy_(handle.data[handle.offset:handle.offset + take])
-            handle.offset += take
-            head += _round_up(take)
-            free = ring.capacity - (head - ring.tail.value)
-        if head != start:
-            ring.head.value = head
+        moved, done = self._out[handle.peer].write(handle)
+        if moved:
             self._to_ring.add(handle.peer)
-        return handle.offset == handle.nbytes
+        return done
 
-    def _match(self, peer: int, ring: _Ring) -> bool:
+    def _match(self, peer: int, ring: Ring) -> bool:
         """Give the frame at the tail of ``peer``'s ring to the earliest-posted receive that takes it."""
-        tail = ring.tail.value
-        if ring.head.value - tail < FRAME:
+        if not ring.has_header():
             return False
         mine = self._recvs[peer][0] if self._recvs[peer] else None
         anyone = self._any[0] if self._any else None
@@ -442,39 +394,20 @@ class ShmTransport(Transport):
             handle.peer = peer
         else:
             handle = self._recvs[peer].popleft()
-        magic, nbytes, sequence = struct.unpack_from("qqq", ring.mapping, ring.data_offset + tail % ring.capacity)
-        if magic != MAGIC or sequence != ring.sequence or nbytes != handle.nbytes:
-            found = (f"{nbytes} bytes" if magic == MAGIC and sequence == ring.sequence
-                     else f"a corrupt frame (magic {magic:#x}, sequence {sequence}, expected {ring.sequence})")
+        found = ring.accept(handle)
+        if found is not None:
             raise PeerError(f"rank {self.rank}: {handle.op}: receive from rank {peer} expected {handle.nbytes} bytes, "
                             f"rank {peer} sent {found}. Every rank must post matching sends and receives "
                             f"in the same order", rank=self.rank, peer=peer, op=handle.op)
-        ring.sequence += 1
-        ring.tail.value = tail + FRAME
         self._to_ring.add(peer)
-        ring.current = handle
         return True
 
-    def _pull(self, handle: _ShmOp, ring: _Ring) -> bool:
+    def _pull(self, handle: _ShmOp, ring: Ring) -> bool:
         """Copy (or add) what has arrived of ``handle``'s frame; True when all of it has."""
-        head, tail = ring.head.value, ring.tail.value
-        start = tail
-        while handle.offset < handle.nbytes and head > tail:
-            pos = tail % ring.capacity
-            take = min(head - tail, handle.nbytes - handle.offset, ring.capacity - pos)
-            incoming = ring.data[pos:pos + take]
-            if handle.add_into is not None:
-                size = handle.add_into.element_size()
-                handle.add_into[handle.offset // size:(handle.offset + take) // size].add_(
-                    incoming.view(handle.add_into.dtype))
-            else:
-                handle.data[handle.offset:handle.offset + take].copy_(incoming)
-            handle.offset += take
-            tail += _round_up(take)
-        if tail != start:
-            ring.tail.value = tail
+        moved, done = ring.read(handle)
+        if moved:
             self._to_ring.add(handle.peer)
-        return handle.offset == handle.nbytes
+        return done
 
     # --- waiting --------------------------------------------------------------------------------
     def has_pending(self) -> bool:
