@@ -63,8 +63,8 @@ class World:
     hosts: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
     """Ranks grouped by host (see host_id), each group in rank order, groups by their first rank."""
     generation: int = field(default=0, compare=False, repr=False)
-    """How many times this process has called init() on this store (keys of one init stay apart
-    from the next's)."""
+    """How many times this process has called init() on this store; ``store`` is prefixed with it,
+    so the keys of one init never meet the next's."""
 
     @property
     def host_ranks(self) -> tuple[int, ...]:
@@ -110,9 +110,9 @@ def host_id() -> str:
     return "|".join(parts)
 
 
-def _exchange_hosts(store, rank: int, world_size: int, generation: int, timeout: float) -> tuple[tuple[int, ...], ...]:
+def _exchange_hosts(store, rank: int, world_size: int, timeout: float) -> tuple[tuple[int, ...], ...]:
     """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host."""
-    key = f"gradsync/host/{generation}"
+    key = "gradsync/host"  # the store is this init's own (see init)
     store.set(f"{key}/{rank}", host_id())
     try:
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
@@ -237,7 +237,7 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
                             world_size=wanted.world_size, timeout=wait)
     try:
         hosts = ((0,),) if wanted.world_size == 1 else _exchange_hosts(
-            store, wanted.rank, wanted.world_size, generation, wanted.timeout)
+            store, wanted.rank, wanted.world_size, wanted.timeout)
         _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
         for hook in _ON_INIT:
             hook(_WORLD)

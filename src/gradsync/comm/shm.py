@@ -504,10 +504,10 @@ class ShmTransport(Transport):
 
 def job_token(world: runtime.World) -> str:
     """The name shared by this world's segments: the launcher's GRADSYNC_JOB_ID (or one rank 0 draws),
-    then this process's init count, so a second init() in the same job never meets the first's keys."""
+    then this process's init count, so a second init() in the same job never meets the first's names."""
     token = os.environ.get("GRADSYNC_JOB_ID")
     if not token:
-        key = f"gradsync/shm/token/{world.generation}"
+        key = "gradsync/shm/token"  # world.store is this init's own
         if world.rank == 0:
             world.store.set(key, f"{os.getpid()}x{secrets.token_hex(4)}")
         world.store.wait([key], timedelta(seconds=world.timeout))

@@ -13,7 +13,10 @@ post the same sequence of sends and receives never need tags. A ``tag`` keeps tw
 A failed or timed-out wait raises PeerError naming this rank, the peer, the operation and the byte
 count; nothing waits forever.
 
-TorchTransport carries the bytes with torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
+TorchTransport carries the bytes with torch.distributed point-to-point (gloo on CPU, NCCL on GPU);
+ShmTransport (shm.py) carries them through shared memory between ranks of one host and hands the
+rest to a TorchTransport. init() builds the world's transport (default_transport), chosen by
+GRADSYNC_TRANSPORT (see TRANSPORTS).
 Completed transfers are reported to the process-wide TrafficMeter; ``control=True`` marks small
 headers, counted apart from payload.
 """
