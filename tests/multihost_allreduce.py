@@ -2,6 +2,7 @@
 hierarchical all-reduce against its closed form, and where its bytes went. Prints one JSON line."""
 
 import json
+import os
 
 import torch
 
@@ -22,6 +23,8 @@ for algorithm in ("hierarchical", "auto", "ring"):
         "off_host_sent": sum(c["sent"] for p, c in per_peer.items() if p not in w.host_ranks),
         "on_host_sent": sum(c["sent"] for p, c in per_peer.items() if p in w.host_ranks),
     }
-print("RESULT " + json.dumps({"rank": w.rank, "hosts": w.hosts, "transport": type(default_transport()).__name__,
-                              "results": results}), flush=True)
+line = "RESULT " + json.dumps({"rank": w.rank, "hosts": w.hosts, "transport": type(default_transport()).__name__,
+                              "results": results}) + "\n"
+os.write(1, line.encode())  # one write: the node's ranks share the pipe, and a print() may be split
+
 gs.shutdown()

@@ -91,8 +91,8 @@ def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks(two_hosts):
     import json
 
     outputs = _torchrun_on_both(two_hosts, 2, [os.path.join(os.path.dirname(__file__), "multihost_allreduce.py")])
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs for line in out.splitlines()
-            if "RESULT " in line]
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part)[0] for out in outputs for part in out.split("RESULT ")[1:]]
     assert sorted(row["rank"] for row in rows) == [0, 1, 2, 3]
     m = (1 << 20) * 8
     for row in rows:
