@@ -56,8 +56,9 @@ def allreduce_shared(flat: torch.Tensor, transport, *, average: bool = False) ->
         return
     esize = flat.element_size()
     piece_elems = transport.stage_bytes // esize
-    read_from = [0] * n_ranks  # bytes this rank read out of each rank's staging
-    read_by = [0] * n_ranks    # bytes each rank read out of ours
+    # bytes this rank reads out of each other rank's staging; by symmetry, also what that rank reads
+    # out of ours (slice r of theirs and slice j of ours, against slice j of ours and slice r of theirs)
+    exchanged = [0] * n_ranks
     for start in range(0, flat.numel(), piece_elems):
         piece = flat.narrow(0, start, min(piece_elems, flat.numel() - start))
         half = transport.next_half()
@@ -78,10 +79,8 @@ def allreduce_shared(flat: torch.Tensor, transport, *, average: bool = False) ->
         for owner in range(n_ranks):
             chunks.view(piece, owner).copy_(chunks.view(stages[owner], owner))
         for other in range(n_ranks):
-            if other != rank:
-                read_from[other] += (chunks.sizes[rank] + chunks.sizes[other]) * esize
-                read_by[other] += (chunks.sizes[other] + chunks.sizes[rank]) * esize
+            exchanged[other] += (chunks.sizes[rank] + chunks.sizes[other]) * esize
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=read_from[other], op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=read_by[other], op=op, sent=True)
+            transport.meter.record(peer=other, nbytes=exchanged[other], op=op, sent=False)
+            transport.meter.record(peer=other, nbytes=exchanged[other], op=op, sent=True)

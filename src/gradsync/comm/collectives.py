@@ -88,15 +88,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     transport = default_transport()
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
-    shared_ok = not flat.is_cuda and shared_layout_error(transport) is None
+    shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
     if algorithm == "auto":
         algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
-                                  shared_memory=shared_ok)
-    elif algorithm == "hierarchical" and layout_error(w.hosts):
-        raise RuntimeError(f"all_reduce: {layout_error(w.hosts)}; use another algorithm")
-    elif algorithm == "shared_memory" and not shared_ok:
-        raise RuntimeError(f"all_reduce: {shared_layout_error(transport) or 'the shared-memory all-reduce takes CPU tensors'}; "
-                           f"use another algorithm")
+                                  shared_memory=shared_problem is None)
+    problem = (layout_error(w.hosts) if algorithm == "hierarchical"
+               else shared_problem if algorithm == "shared_memory" else None)
+    if problem:
+        raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
     _agree(transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
     if flat.numel() > 0:
         if algorithm == "native":

@@ -340,9 +340,17 @@ class ShmTransport(Transport):
     # --- progress -------------------------------------------------------------------------------
     def _progress_locked(self) -> None:
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            self._progress()
+            self._advance()
+
+    def _advance(self) -> int:
+        """Lock held: fail if broken, move what can move, wake our other sleeping threads; returns the
+        doorbell value read before moving anything (what a following sleep must compare against)."""
+        if self._broken is not None:
+            raise self._broken
+        seen = self._bell.read()
+        if self._progress() and self._sleepers:
+            self._bell.ring()  # another thread sleeps on our bell and its operation may be done
+        return seen
 
     def _progress(self) -> int:
         """Move every byte that can move now; returns how many operations finished. Lock held."""
@@ -418,11 +426,7 @@ class ShmTransport(Transport):
     def nap(self, seconds: float) -> None:
         """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            seen = self._bell.read()
-            if self._progress() and self._sleepers:
-                self._bell.ring()
+            seen = self._advance()
         self._bell.sleep(seen, seconds)
 
     def _wait_for(self, handle: _ShmOp, timeout: float | None) -> None:
@@ -437,11 +441,7 @@ class ShmTransport(Transport):
         started = time.monotonic()
         while True:
             with self._lock:
-                if self._broken is not None:
-                    raise self._broken
-                seen = self._bell.read()
-                if self._progress() and self._sleepers:
-                    self._bell.ring()  # another thread sleeps on our bell and its operation may be done
+                seen = self._advance()
                 if is_done():
                     return
                 self._sleepers += 1
