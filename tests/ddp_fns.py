@@ -156,7 +156,7 @@ def torch_ddp_vs_ours(steps, local_batch, bucket_cap_mb):
             opt.step()
         results[which] = {n: p.detach().clone() for n, p in model.named_parameters()}
         if which == "ours":
-            results["buckets"] = len(wrapped.buckets)
+            results["buckets"] = [bucket.names for bucket in wrapped.buckets]
     return results
 
 

@@ -32,16 +32,22 @@ def test_n_ranks_equal_one_process_with_global_batch(world_of, world_size, model
         assert all(torch.equal(params[n], results[0][0][n]) for n in params), "replicas not bit-identical"
 
 
+# The MLP's parameters in the order backward produces them, with their float32 bytes:
+# net.4.bias 16, net.4.weight 256, net.2.bias 64, net.2.weight 1024, net.0.bias 64, net.0.weight 512.
+REVERSED_MLP = ["net.4.bias", "net.4.weight", "net.2.bias", "net.2.weight", "net.0.bias", "net.0.weight"]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bucket_cap_mb", [100, 0.0006, 0.00001])  # one bucket, many, smaller than one parameter
-def test_matches_torch_ddp(world_of, bucket_cap_mb):
+@pytest.mark.parametrize("bucket_cap_mb, layout", [
+    (100, [REVERSED_MLP]),                                           # everything fits one bucket
+    (0.0006, [REVERSED_MLP[:3], REVERSED_MLP[3:4], REVERSED_MLP[4:]]),  # 629 B: 16+256+64 | 1024 alone | 64+512
+    (0.00001, [[name] for name in REVERSED_MLP]),                    # 10 B, smaller than any parameter: one each
+])
+def test_matches_torch_ddp(world_of, bucket_cap_mb, layout):
     results = world_of(2).run(ddp_fns.torch_ddp_vs_ours, 4, 8, bucket_cap_mb)
     for r in results:
         assert_close(r["ours"], r["torch"], 1e-6, f"vs torch DDP, cap {bucket_cap_mb} MiB")
-    n_params = len(results[0]["ours"])
-    assert (results[0]["buckets"] == 1) if bucket_cap_mb == 100 else (results[0]["buckets"] > 1)
-    if bucket_cap_mb == 0.0001:
-        assert results[0]["buckets"] == n_params
+        assert r["buckets"] == layout, f"cap {bucket_cap_mb} MiB"
 
 
 @pytest.mark.timeout(300)
