@@ -1,55 +1,72 @@
-"""ZeRO-1 against independent oracles: gradsync DDP + the full optimizer, the ring traffic formula,
-the unsharded optimizer's state size, and a plain torch optimizer loading the gathered state."""
+"""ZeRO-1 against independent oracles: one process with the global batch and a plain torch optimizer
+(parameters and the gathered optimizer state), the ring traffic formula, and the unsharded
+optimizer's state size."""
 
 import pytest
 import torch
-from torch import nn
 
 import ddp_fns
 import zero_fns
 from test_ps import relative_error
 
 
+def assert_state_dict_close(ours: dict, oracle: dict, rel: float):
+    """``ours`` (ShardedOptimizer.state_dict()) against a plain torch optimizer's state_dict(): the same
+    groups and entries; per-element tensors within ``rel`` of the oracle's largest element, scalars equal."""
+    assert ours["param_groups"] == oracle["param_groups"]
+    assert ours["state"].keys() == oracle["state"].keys()
+    for index, expected in oracle["state"].items():
+        got = ours["state"][index]
+        assert got.keys() == expected.keys(), f"parameter {index}"
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert got[key].shape == value.shape and got[key].dtype == value.dtype, f"parameter {index} {key}"
+                err = ((got[key] - value).abs().max() / value.abs().max().clamp_min(1e-30)).item()
+                assert err <= rel, f"parameter {index} {key} differs by {err:.3g} relative"
+            else:
+                assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), f"parameter {index} {key}"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam", "adamw"])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.001])
-def test_zero1_equals_ddp_with_full_optimizer(world_of, world_size, optimizer, bucket_cap_mb):
-    results = world_of(world_size).run(zero_fns.zero_vs_ddp, optimizer, 3, 4, bucket_cap_mb)
-    for zero, ddp, sent, expected, state, full_state, n_buckets, sizes in results:
-        assert relative_error(zero, ddp) <= 1e-12
-        assert sent == expected, "reduce-scatter + all-gather must send exactly one ring all-reduce's bytes"
+def test_zero1_equals_one_process_with_full_optimizer(world_of, world_size, optimizer, bucket_cap_mb):
+    steps, local_batch = 3, 4
+    results = world_of(world_size).run(zero_fns.zero_train, optimizer, steps, local_batch, bucket_cap_mb)
+    model, opt = zero_fns.one_process(optimizer, *ddp_fns.global_data(steps, world_size, local_batch, torch.float64))
+    oracle = {n: p.detach() for n, p in model.named_parameters()}
+    # the gathered state (m and v, or the momentum buffer, and the step count) is the oracle's
+    assert_state_dict_close(results[0]["state_dict"], opt.state_dict(), 1e-12)
+    assert all(r["state_dict"] is None for r in results[1:]), "only rank 0 holds the gathered state"
+    full_state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor) and t.dim() > 0)
+    for r in results:
+        assert relative_error(r["params"], oracle) <= 1e-12
+        assert r["sent"] == r["ring_bytes"], "reduce-scatter + all-gather must send exactly one ring all-reduce's bytes"
         # state is 1/N of the unsharded state, up to one element per bucket and state tensor
-        per_element = full_state / sum(p.numel() for p in ddp.values())
-        assert abs(state - full_state / world_size) <= n_buckets * per_element, (state, full_state)
-        for chunk_sizes in sizes:
-            assert max(chunk_sizes) - min(chunk_sizes) <= 1
-    assert len({r[6] for r in results}) == 1
+        per_element = full_state / sum(p.numel() for p in oracle.values())
+        assert abs(r["state_bytes"] - full_state / world_size) <= r["buckets"] * per_element, (r["state_bytes"], full_state)
+        for shard_sizes in r["shard_sizes"]:
+            assert max(shard_sizes) - min(shard_sizes) <= 1
+    assert len({r["buckets"] for r in results}) == 1
     if bucket_cap_mb < 1:
-        assert results[0][6] > 1, "a tiny cap must give several buckets"
+        assert results[0]["buckets"] > 1, "a tiny cap must give several buckets"
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 3), (3, 2), (2, 2)])
 def test_state_dict_reshards_onto_another_world_size(world_of, saved_by, loaded_by):
-    saved = world_of(saved_by).run(zero_fns.save_state, 3, 4)
-    full_state, params = saved[0]
-    assert all(r[0] is None for r in saved[1:]), "only rank 0 holds the gathered state"
+    saved = world_of(saved_by).run(zero_fns.zero_train, "adam", 3, 4, 0.001)
+    full_state, params = saved[0]["state_dict"], saved[0]["params"]
+    # oracle: one process, a plain Adam over the same global batches, before and after the resume
+    model, adam = zero_fns.one_process("adam", *ddp_fns.global_data(3, saved_by, 4, torch.float64))
+    assert_state_dict_close(full_state, adam.state_dict(), 1e-12)
+    # loading keeps each rank's slices of the saved state: gathered again (other buckets, other N), it is the same
+    regathered = world_of(loaded_by).run(zero_fns.round_trip, full_state)
+    assert_state_dict_close(regathered[0], full_state, 0.0)
     resumed = world_of(loaded_by).run(zero_fns.load_and_continue, full_state, params, 2)
-    # oracle: one process, a plain Adam loading the same full state, the same global batches
-    model = ddp_fns.make_model("mlp", torch.float64)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(params[n])
-    adam = torch.optim.Adam(model.parameters(), lr=0.01)
-    adam.load_state_dict(full_state)
-    g = torch.Generator().manual_seed(5)
-    xs = torch.randn(2, 12, 8, generator=g, dtype=torch.float64)
-    ys = torch.randint(0, 4, (2, 12), generator=g)
-    for step in range(2):
-        adam.zero_grad()
-        nn.CrossEntropyLoss()(model(xs[step]), ys[step]).backward()
-        adam.step()
+    zero_fns.one_process_steps(model, adam, *zero_fns.resume_data(2))
     oracle = {n: p.detach() for n, p in model.named_parameters()}
     for params_after in resumed:
         assert relative_error(params_after, oracle) <= 1e-12

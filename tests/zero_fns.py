@@ -1,4 +1,5 @@
-"""Rank functions for the ZeRO-1 tests (module level so ranks can import them)."""
+"""Rank functions for the ZeRO-1 tests (module level so ranks can import them), and the one-process
+oracle they are compared with."""
 
 import torch
 from torch import nn
@@ -13,63 +14,56 @@ OPTIMIZERS = {"momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1))}
 
 
-def _train(model, step_fn, steps, local_batch, dtype):
-    w = gs.world()
-    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, dtype)
-    for step in range(steps):
-        x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-        step_fn(x, y)
+def resume_data(steps):
+    """The global batches (12 rows) of the steps after a resume."""
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(steps, 12, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (steps, 12), generator=g))
 
 
-def zero_vs_ddp(opt_kind, steps, local_batch, bucket_cap_mb):
-    """The same steps with ShardedOptimizer and with gradsync DDP + the full optimizer."""
+def one_process_steps(model, opt, xs, ys):
+    """The oracle's loop: one process, a plain torch optimizer, the whole global batch each step
+    (the mean over N*b rows is the mean of the N ranks' means over b rows)."""
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+
+
+def one_process(opt_kind, xs, ys):
+    """A fresh float64 MLP and a plain ``opt_kind`` optimizer after one_process_steps; returns both."""
     cls, kwargs = OPTIMIZERS[opt_kind]
     model = ddp_fns.make_model("mlp", torch.float64)
+    opt = cls(model.parameters(), **kwargs)
+    one_process_steps(model, opt, xs, ys)
+    return model, opt
+
+
+def zero_train(opt_kind, steps, local_batch, bucket_cap_mb):
+    """ShardedOptimizer on this rank's slice of ddp_fns.global_data. Returns the parameters, the
+    gathered state_dict (rank 0; None elsewhere), bytes sent and the ring formula's bytes, this
+    rank's optimizer-state bytes, the number of buckets and every bucket's shard sizes."""
+    cls, kwargs = OPTIMIZERS[opt_kind]
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64, seed=w.rank)   # the constructor's broadcast makes them equal
     opt = gs.ShardedOptimizer(model.parameters(), cls, bucket_cap_mb=bucket_cap_mb, **kwargs)
     loss_fn = nn.CrossEntropyLoss()
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
     gs.traffic_reset()
-
-    def zero_step(x, y):
+    for step in range(steps):
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        loss_fn(model(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
         opt.step()
-    _train(model, zero_step, steps, local_batch, torch.float64)
-    traffic = gs.traffic()
-    reference = ddp_fns.make_model("mlp", torch.float64)
-    ddp = gs.DistributedDataParallel(reference)
-    full_opt = cls(reference.parameters(), **kwargs)
-
-    def ddp_step(x, y):
-        full_opt.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        full_opt.step()
-    _train(reference, ddp_step, steps, local_batch, torch.float64)
-    w = gs.world()
+    sent = gs.traffic()["bytes_sent"]
     expected = steps * sum(ring_bytes_sent(b.numel, w.world_size, w.rank, 8) for b in opt.buckets)
-    full_state = sum(t.numel() * t.element_size() for s in full_opt.state.values() for t in s.values()
-                     if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return ({n: p.detach().clone() for n, p in model.named_parameters()},
-            {n: p.detach().clone() for n, p in reference.named_parameters()},
-            traffic["bytes_sent"], expected, opt.state_bytes(), full_state, len(opt.buckets),
-            [b.chunks.sizes for b in opt.buckets])
-
-
-def save_state(steps, local_batch):
-    """Train a few steps with Adam, return the full state dict (rank 0) and the parameters."""
-    model = ddp_fns.make_model("mlp", torch.float64)
-    opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, bucket_cap_mb=0.001, lr=0.01)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    _train(model, step, steps, local_batch, torch.float64)
-    return opt.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state_dict": opt.state_dict(), "sent": sent, "ring_bytes": expected,
+            "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets),
+            "shard_sizes": [b.chunks.sizes for b in opt.buckets]}
 
 
 def load_and_continue(full_state, params, steps):
-    """Load params + a full state saved by any world size, train more; returns params."""
+    """Load params + a full state saved by any world size, train ``steps`` more on resume_data; returns params."""
     model = ddp_fns.make_model("mlp", torch.float64)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -78,9 +72,7 @@ def load_and_continue(full_state, params, steps):
     opt.load_state_dict(full_state)
     loss_fn = nn.CrossEntropyLoss()
     w = gs.world()
-    g = torch.Generator().manual_seed(5)
-    xs = torch.randn(steps, 12, 8, generator=g, dtype=torch.float64)
-    ys = torch.randint(0, 4, (steps, 12), generator=g)
+    xs, ys = resume_data(steps)
     for step in range(steps):
         opt.zero_grad()
         loss_fn(model(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
@@ -88,7 +80,8 @@ def load_and_continue(full_state, params, steps):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def round_trip(full_state, params):
+def round_trip(full_state):
+    """load_state_dict then state_dict on this world, with buckets unlike the saver's: rank 0's gathered dict."""
     model = ddp_fns.make_model("mlp", torch.float64)
     opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, bucket_cap_mb=0.002, lr=0.01)
     opt.load_state_dict(full_state)
