@@ -15,7 +15,8 @@ def test_parse_size():
 
 
 @pytest.mark.timeout(180)
-def test_bench_collectives_rows(tmp_path, capsys):
+def test_bench_collectives_rows(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GRADSYNC_TRANSPORT", raising=False)   # --transport tcp,shm would contradict a pinned one
     out = tmp_path / "rows.json"
     assert main(["bench", "collectives", "--workers", "3", "--sizes", "4K,96K", "--reps", "2", "--transport", "tcp,shm",
                  "--json", str(out)]) == 0
@@ -26,6 +27,8 @@ def test_bench_collectives_rows(tmp_path, capsys):
     assert by_transport == {"gloo": {"native"}, "tcp": {"ring", "halving_doubling", "tree", "naive"},
                             "shm": {"ring", "halving_doubling", "tree", "naive", "shared_memory"}}
     for r in rows:
+        # the same untimed warm-up on both sides; each call reduces fresh ones, so the last result is N
+        assert r["warmup_calls"] == 1 and r["result_correct"], r
         if r["algorithm"] == "native":
             assert r["bytes_per_rank"] is None and r["ratio_vs_native"] == 1.0
         elif r["algorithm"] in ("ring", "naive"):  # exact for sizes divisible by N
@@ -34,6 +37,45 @@ def test_bench_collectives_rows(tmp_path, capsys):
             assert r["bytes_per_rank"] == r["formula_bytes"] == 2 * 2 / 3 * r["size"]
     printed = capsys.readouterr().out
     assert "native" in printed and "ring" in printed and "memory copy on this host" in printed
+
+
+@pytest.mark.timeout(180)
+def test_bench_collectives_measures_the_transport_gradsync_transport_names(tmp_path, monkeypatch):
+    """GRADSYNC_TRANSPORT=tcp gradsync bench collectives (the documented TCP command) measures TCP."""
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    out = tmp_path / "rows.json"
+    assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["algorithm"], r["transport"]) for r in rows} == {
+        ("native", "gloo"), ("ring", "tcp"), ("halving_doubling", "tcp"), ("tree", "tcp"), ("naive", "tcp")}
+
+
+@pytest.mark.timeout(60)
+def test_bench_collectives_refuses_a_transport_that_contradicts_gradsync_transport(monkeypatch, capsys):
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "1", "--transport", "tcp,shm"]) == 2
+    assert "--transport shm contradicts GRADSYNC_TRANSPORT=tcp" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_simulate_check_measures_every_row_over_one_transport(monkeypatch):
+    from gradsync.bench import predict
+    from gradsync.sim.cost import Link
+
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    result = predict.run(Link(), [2], [4096], reps=1, batch=2)
+    assert [(r["what"], r["transport"]) for r in result["rows"]] == [
+        ("ring all-reduce", "tcp"), ("DDP step (mlp, 25 MiB)", "tcp")]
+
+
+@pytest.mark.timeout(60)
+def test_simulate_check_refuses_a_calibration_of_another_transport(tmp_path, monkeypatch, capsys):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"alpha": 1e-5, "beta": 1e-10, "gamma": 1e-11, "transport": "shm"}))
+    monkeypatch.setenv("GRADSYNC_CALIBRATION", str(calibration))
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    assert main(["simulate", "--params", "1", "--workers", "2", "--calibrated", "--check", "2"]) == 2
+    assert "fitted over shm but this check measures tcp" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(180)
@@ -55,10 +97,14 @@ def test_bench_ps_rows_and_exact_link_bytes(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["impl"], r["straggler"]) for r in rows] == [
         (impl, straggler) for straggler in (False, True) for impl in ("ps-sync", "ssp s=2", "ps-async", "ring DDP")]
+    delays = {r["delay_s"] for r in rows if r["straggler"]}
+    assert len(delays) == 1 and delays.pop() > 0   # every strategy's straggler is delayed the same
+    assert {r["delay_s"] for r in rows if not r["straggler"]} == {0.0}
     for r in rows:
         # measured by the meter on the server (PS: pushes in + pulls out) or the rank (ring: sent)
         assert r["link_bytes_per_step"] == pytest.approx(r["formula_bytes"], rel=1e-12), r
         assert r["samples_per_s"] > 0
+        assert r["transport"] == "tcp" if r["impl"] != "ring DDP" else r["transport"] in ("tcp", "shm")
     server_link = rows[0]["link_bytes_per_step"]
     ring_rank = rows[3]["link_bytes_per_step"]
     assert server_link == 4 * ring_rank   # W=2: 2*W*M = 4M against 2(W-1)/W*M = M

@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(shared_memory only on the shm transport)")
     coll.add_argument("--reps", type=_positive_int, default=10, help="timed calls per size and algorithm (median)")
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    coll.add_argument("--transport", type=_transports, default=["auto"],
-                      help="comma-separated: auto, tcp, shm (GRADSYNC_TRANSPORT); one run each, e.g. tcp,shm")
+    coll.add_argument("--transport", type=_transports, default=None,
+                      help="comma-separated: auto, tcp, shm; one run each, e.g. tcp,shm (default: GRADSYNC_TRANSPORT, "
+                           "else auto; a value that contradicts a set GRADSYNC_TRANSPORT is an error)")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
     ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
@@ -244,12 +245,15 @@ def _bench_collectives(args) -> int:
     from gradsync.comm import select
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    transports = [collectives.resolve_transport(t) for t in (args.transport or [None])]  # checked before any run
+    if args.fit and len(transports) > 1:
+        raise ValueError(f"--fit calibrates one transport; got --transport {','.join(transports)}: pick one")
     console = Console()
     ceiling = collectives.memory_copy_bandwidth()
     console.print(f"memory copy on this host (one thread, 64 MiB): {ceiling / 1e9:.1f} GB/s -- the ceiling for "
                   f"moving bytes between local ranks")
     result = {"rows": [], "fit": None, "memory_copy_GBps": ceiling / 1e9}
-    for transport in args.transport:
+    for transport in transports:
         one = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit,
                               transport=transport)
         result["rows"] += one["rows"]
@@ -265,15 +269,20 @@ def _bench_collectives(args) -> int:
                       "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
                       "1.00 (baseline)" if r["algorithm"] == "native" else f"{r['ratio_vs_native']:.2f}x")
     Console(width=max(130, console.width)).print(table)
+    wrong = sorted({f"{r['algorithm']} at {collectives.human_bytes(r['size'])}" for r in result["rows"]
+                    if not r["result_correct"]})
+    if wrong:
+        console.print(f"[red]wrong all-reduce result (expected N everywhere): {', '.join(wrong)}[/]")
     if result["fit"]:
         link = collectives.fitted_link(result["fit"])
-        path = select.save_calibration(link, {"measured_with": f"gradsync bench collectives --workers {args.workers} --fit"})
-        console.print(f"fitted link: alpha={link.alpha * 1e6:.1f} us, bandwidth={1 / link.beta / 1e9:.2f} GB/s, "
-                      f"reduce={1 / link.gamma / 1e9:.2f} GB/s -> saved to {path}")
+        path = select.save_calibration(link, {"measured_with": f"gradsync bench collectives --workers {args.workers} --fit",
+                                              "transport": result["fit"]["transport"]})
+        console.print(f"fitted link ({result['fit']['transport']}): alpha={link.alpha * 1e6:.1f} us, "
+                      f"bandwidth={1 / link.beta / 1e9:.2f} GB/s, reduce={1 / link.gamma / 1e9:.2f} GB/s -> saved to {path}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
+    return 1 if wrong else 0
 
 
 def _bench_ddp(args) -> int:
@@ -284,8 +293,9 @@ def _bench_ddp(args) -> int:
     except ValueError:
         raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
     rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps)
+    ours = next(r["transport"] for r in rows if r["impl"].startswith("gradsync"))
     table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
-                        f"batch {args.batch_size}/rank, median of {args.steps}")
+                        f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo")
     for column in ("implementation", "buckets", "step (ms)", "ours/torch", "overlap", "bytes/rank/step"):
         table.add_column(column, justify="right")
     for r in rows:
@@ -301,16 +311,18 @@ def _bench_ps(args) -> int:
     from gradsync.bench import ps
 
     rows = ps.run(args.workers, args.batch_size, args.steps)
+    delay_ms = max(r["delay_s"] for r in rows) * 1e3
     table = Table(title=f"parameter server (1 server) vs ring DDP: MLP {rows[0]['model_bytes'] / 4e6:.2f}M params, "
-                        f"batch {args.batch_size}/worker, {args.steps} steps; bytes: server link (in+out) for PS, "
-                        f"sent per rank for ring")
-    for column in ("W", "straggler", "strategy", "samples/s", "vs ring", "step ms", "MiB/step", "formula",
+                        f"batch {args.batch_size}/worker, {args.steps} steps; the straggler sleeps {delay_ms:.1f} ms "
+                        f"after each backward; bytes: server link (in+out) for PS, sent per rank for ring")
+    for column in ("W", "straggler", "strategy", "transport", "samples/s", "vs ring", "step ms", "MiB/step", "formula",
                    "max stale"):
         table.add_column(column, justify="right")
     for r in rows:
         ring = next(q for q in rows if q["impl"] == "ring DDP" and q["workers"] == r["workers"]
                     and q["straggler"] == r["straggler"])
-        table.add_row(str(r["workers"]), "yes" if r["straggler"] else "no", r["impl"], f"{r['samples_per_s']:,.0f}",
+        table.add_row(str(r["workers"]), "yes" if r["straggler"] else "no", r["impl"], r["transport"],
+                      f"{r['samples_per_s']:,.0f}",
                       f"{r['samples_per_s'] / ring['samples_per_s']:.2f}x", f"{r['step_ms']:.1f}",
                       f"{r['link_bytes_per_step'] / 2**20:.2f}", f"{r['formula_bytes'] / 2**20:.2f}",
                       str(r["staleness_max"]))
@@ -372,15 +384,21 @@ def _simulate(args) -> int:
 def _simulate_check(args, link) -> int:
     from gradsync.bench import predict
     from gradsync.bench.collectives import human_bytes
+    from gradsync.comm import select
 
-    result = predict.run(link, args.check, [1 << 20, 16 << 20, 64 << 20])
-    table = Table(title=f"calibrated model vs this machine: alpha {link.alpha * 1e6:.1f} us, "
+    try:   # which transport the saved fit measured (files written before it was recorded do not say)
+        calibrated_over = json.loads(select.calibration_path().read_text()).get("transport")
+    except (OSError, ValueError, AttributeError):
+        calibrated_over = None
+    result = predict.run(link, args.check, [1 << 20, 16 << 20, 64 << 20], calibrated_over=calibrated_over)
+    table = Table(title=f"calibrated model ({calibrated_over or 'transport not recorded'}) vs this machine over "
+                        f"{result['transport']}: alpha {link.alpha * 1e6:.1f} us, "
                         f"{1 / link.beta / 1e9:.2f} GB/s, reduce {1 / link.gamma / 1e9:.1f} GB/s")
-    for column in ("what", "N", "size", "measured (ms)", "predicted (ms)", "error"):
+    for column in ("what", "N", "size", "transport", "measured (ms)", "predicted (ms)", "error"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
-        table.add_row(r["what"], str(r["workers"]), human_bytes(r["size"]), f"{r['measured_s'] * 1e3:.2f}",
-                      f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}")
+        table.add_row(r["what"], str(r["workers"]), human_bytes(r["size"]), r["transport"],
+                      f"{r['measured_s'] * 1e3:.2f}", f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}")
     _show(table, result, args.json)
     return 0
 

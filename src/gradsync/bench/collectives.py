@@ -1,18 +1,24 @@
 """gradsync bench collectives: an nccl-tests style table, ours beside torch.distributed in one run.
 
-For every message size and algorithm, each rank times ``reps`` calls (after a warm-up), each call
+For every message size and algorithm, each rank times ``reps`` calls after ``warmup`` untimed
+calls (the same number for ours and native; ours are metered on the last of them), each call
 preceded by a barrier; a call's time is the slowest rank's (an all-reduce of the per-rank times
 with MAX), and the table shows the median over calls. Algorithms are interleaved within each
-repetition so machine noise hits them alike.
+repetition so machine noise hits them alike. Every call, timed or not, starts from the same input
+(reset outside the timed region: reducing one tensor in place again and again would multiply it
+by N per call and reach inf in float32), and the last call's result is checked against the closed
+form (every rank contributes ones, so every element is N).
 
     algbw = M / t                     (M: message bytes, t: median seconds)
     busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
     ratio = busbw(ours) / busbw(native) from the same run
 
 "transport" is what carried our algorithms' bytes: shm (comm/shm.py, ranks of one host) or tcp
-(torch.distributed point-to-point over gloo); torch's own all_reduce always runs on gloo. The
-memory-copy bandwidth printed above the table is the ceiling every transport on this host works
-under (``memory_copy_bandwidth``).
+(torch.distributed point-to-point over gloo); torch's own all_reduce always runs on gloo. Which one
+is GRADSYNC_TRANSPORT's choice unless ``transport`` names one; naming one that contradicts a set
+GRADSYNC_TRANSPORT is an error (``resolve_transport``), so a run never measures another transport
+than the one its environment pins. The memory-copy bandwidth printed above the table is the
+ceiling every transport on this host works under (``memory_copy_bandwidth``).
 
 "bytes/rank" is what the TrafficMeter measured on the busiest rank in one call; "formula" is
 the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
@@ -28,6 +34,7 @@ then under-predicts ring all-reduce times by 60%.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -38,7 +45,7 @@ import torch.distributed as dist
 import gradsync as gs
 from gradsync.comm.allreduce_ring import ring_bytes_sent
 from gradsync.comm.shm import ShmTransport
-from gradsync.comm.transport import TRANSPORTS, default_transport
+from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
 OURS = ("ring", "halving_doubling", "tree", "naive", "shared_memory")
@@ -65,7 +72,8 @@ def human_bytes(nbytes: float) -> str:
     return f"{nbytes:g}"
 
 
-def _timed(fn) -> float:
+def _timed(fn, tensor: torch.Tensor, source: torch.Tensor) -> float:
+    tensor.copy_(source)   # every call reduces the same input; the copy is not timed
     dist.barrier()
     started = time.perf_counter()
     fn()
@@ -78,27 +86,31 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
     w = gs.world()
     rows = []
     for nbytes in sizes:
-        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        source = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        tensor = torch.empty_like(source)
         runners = {"native": lambda: dist.all_reduce(tensor)}
         runners.update({a: (lambda a=a: gs.all_reduce(tensor, algorithm=a)) for a in algorithms})
         measured_bytes = {}
         for name, run in runners.items():
-            for _ in range(warmup):
-                run()
+            for call in range(warmup):
+                if call == warmup - 1:   # meter ours on the last warm-up call, so no side gets an extra one
+                    gs.traffic_reset()
+                _timed(run, tensor, source)
             if name != "native":
-                gs.traffic_reset()
-                run()
                 sent = torch.tensor([gs.traffic()["bytes_sent"]], dtype=torch.int64)
                 dist.all_reduce(sent, op=dist.ReduceOp.MAX)
                 measured_bytes[name] = int(sent)
         times = {name: [] for name in runners}
+        correct = {}
         for _ in range(reps):
             for name, run in runners.items():
-                times[name].append(_timed(run))
+                times[name].append(_timed(run, tensor, source))
+                correct[name] = bool(torch.all(tensor == w.world_size))   # ones from N ranks: N
         for name in runners:
             rows.append({"size": tensor.numel() * 4, "workers": w.world_size, "algorithm": name,
                          "time_s": statistics.median(times[name]), "times_s": times[name],
-                         "bytes_per_rank": measured_bytes.get(name)})
+                         "bytes_per_rank": measured_bytes.get(name), "warmup_calls": warmup,
+                         "result_correct": correct[name]})
     return rows
 
 
@@ -156,29 +168,56 @@ def memory_copy_bandwidth(nbytes: int = 64 << 20, reps: int = 7) -> float:
     return nbytes / statistics.median(times)
 
 
+def resolve_transport(requested: str | None) -> str:
+    """The transport a run measures: ``requested``, or GRADSYNC_TRANSPORT's choice when None.
+
+    Raises ValueError when ``requested`` contradicts a set GRADSYNC_TRANSPORT (a table labelled with
+    one transport must not be measured on another)."""
+    pinned = os.environ.get("GRADSYNC_TRANSPORT", "").strip()
+    chosen = transport_choice()   # checks the variable's value
+    if requested is None:
+        return chosen
+    if requested not in TRANSPORTS:
+        raise ValueError(f"unknown transport {requested!r}; choose from {', '.join(TRANSPORTS)}")
+    if pinned and requested != chosen:
+        raise ValueError(f"--transport {requested} contradicts GRADSYNC_TRANSPORT={pinned}: unset the variable "
+                         f"or drop --transport (it defaults to the variable)")
+    return requested
+
+
+@contextlib.contextmanager
+def pinned_transport(transport: str):
+    """GRADSYNC_TRANSPORT=``transport`` while the block runs (ranks spawned in it choose their
+    transport from the variable), restored afterwards."""
+    saved = os.environ.get("GRADSYNC_TRANSPORT")
+    os.environ["GRADSYNC_TRANSPORT"] = transport
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["GRADSYNC_TRANSPORT"]
+        else:
+            os.environ["GRADSYNC_TRANSPORT"] = saved
+
+
 def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, reps: int = 5,
-        warmup: int = 1, fit: bool = False, transport: str = "auto") -> dict:
-    """Run the benchmark on ``workers`` local ranks over ``transport`` (GRADSYNC_TRANSPORT's values);
-    returns {"rows": [...], "fit": {...} | None}; every row names the transport that carried it."""
+        warmup: int = 1, fit: bool = False, transport: str | None = None) -> dict:
+    """Run the benchmark on ``workers`` local ranks over ``transport`` (one of TRANSPORTS; None:
+    GRADSYNC_TRANSPORT's choice, see ``resolve_transport``); returns {"rows": [...], "fit": {...} | None};
+    every row names the transport that carried it."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1 (ours are metered on the last warm-up call), got {warmup}")
+    transport = resolve_transport(transport)
     algorithms = list(algorithms or OURS)
     unknown = set(algorithms) - set(OURS)
     if unknown:
         raise ValueError(f"unknown algorithm(s) {sorted(unknown)}; choose from {', '.join(OURS)}")
     if transport == "tcp":
         algorithms = [a for a in algorithms if a not in SHARED_ONLY]
-    saved = os.environ.get("GRADSYNC_TRANSPORT")
-    os.environ["GRADSYNC_TRANSPORT"] = transport
-    try:
+    with pinned_transport(transport):
         results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
-    finally:
-        if saved is None:
-            del os.environ["GRADSYNC_TRANSPORT"]
-        else:
-            os.environ["GRADSYNC_TRANSPORT"] = saved
     rows, fitted = results[0]
     native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
@@ -199,13 +238,20 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
 
+def carrier() -> str:
+    """What carries our bytes in the current world: "shm" or "tcp" (see the module docstring)."""
+    return "shm" if isinstance(default_transport(), ShmTransport) else "tcp"
+
+
 def _bench_job(sizes, algorithms, reps, warmup, fit):
     torch.set_num_threads(1)
     rows = _bench_rank(sizes, algorithms, reps, warmup)
-    carrier = "shm" if isinstance(default_transport(), ShmTransport) else "tcp"
+    ours = carrier()
     for r in rows:
-        r["transport"] = "gloo" if r["algorithm"] == "native" else carrier
+        r["transport"] = "gloo" if r["algorithm"] == "native" else ours
     fitted = _fit_rank() if fit and gs.world().world_size >= 2 else None
+    if fitted is not None:
+        fitted["transport"] = ours
     return rows, fitted
 
 

@@ -11,6 +11,7 @@ shows medians. One intra-op thread per rank.
                   the floor, so step - floor is what communication costs each implementation
     overlap     = share of our bucket communication that ran before backward ended (trace.py)
     bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
+    transport   = what carried our buckets (shm or tcp, GRADSYNC_TRANSPORT's choice); torch DDP: gloo
 
 The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank.
 """
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
+from gradsync.bench.collectives import carrier
 from gradsync.train.models import MLP, CharLM, DigitsCNN
 
 BENCH_MODELS = ("mlp", "cnn", "charlm")
@@ -96,6 +98,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
                 bytes_per_step[label] = gs.traffic()["bytes_sent"]
                 overlaps[label].append(runners[label][0].last_overlap or 0.0)
     n_params = sum(p.numel() for p in runners[NO_COMM][0].parameters())
+    ours = carrier()
     rows = []
     for label in runners:
         wrapped = runners[label][0]
@@ -103,7 +106,8 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
                      "step_s": statistics.median(times[label]), "times_s": times[label],
                      "buckets": len(wrapped.buckets) if label not in ("torch DDP", NO_COMM) else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
-                     "bytes_per_step": bytes_per_step.get(label)})
+                     "bytes_per_step": bytes_per_step.get(label),
+                     "transport": {"torch DDP": "gloo", NO_COMM: None}.get(label, ours)})
     return rows
 
 

@@ -3,24 +3,31 @@
 For each W (workers that train) and with or without one straggler:
     ps-sync, ssp (bound 2), ps-async   W workers + 1 server (W + 1 processes), pull -> compute -> push
     ring DDP                           W processes, gradsync DDP with algorithm="ring"
-A straggler is the last worker: after its backward it sleeps as long as that backward took, so it
-computes at half speed. Throughput = W x batch x steps / wall, wall = the slowest worker's time from
+A straggler is the last worker: after every backward it sleeps ``delay_s``, the same fixed time in
+every strategy: one forward + backward of the bare model, measured once in the parent process before
+the runs (one thread, no communication), so it computes at about half speed. (Sleeping as long as
+that step's own backward took would delay the ring's straggler more: DDP's all-reduce runs inside
+backward, so its backward includes the wait for the other ranks.) Throughput = W x batch x steps / wall, wall = the slowest worker's time from
 a common barrier to its last step (the async/SSP workers that finish early do not hide a late one).
 
 Traffic per step, measured by the TrafficMeter beside the closed forms (M = model bytes):
     server link (in + out)    2 * W * M              every worker pushes M and pulls M
     ring rank (sent)          2 * (W-1)/W * M        reduce-scatter + all-gather
+"transport" says what carried each row's bytes: the parameter server's messages are tagged and
+always travel over torch.distributed (tcp); ring DDP uses GRADSYNC_TRANSPORT's choice (shm or tcp).
 The model is an MLP 256 -> 1024 -> 1024 -> 10 (1.33M float32 parameters), batch 64 per worker.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 from torch import nn
 
 import gradsync as gs
+from gradsync.bench.collectives import carrier
 from gradsync.train.models import MLP
 
 PS_MODES = (("ps-sync", "sync", 0), ("ssp s=2", "ssp", 2), ("ps-async", "async", 0))
@@ -33,18 +40,34 @@ def _model_and_batch(batch: int):
     return model, torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _compute(model, x, y, straggling: bool) -> None:
-    started = time.perf_counter()
+def straggler_delay(batch: int, reps: int = 5) -> float:
+    """Seconds of one forward + backward of the benchmark model here: one thread, no communication
+    (median of ``reps`` after one untimed step). The straggler sleeps this long every step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, x, y = _model_and_batch(batch)
+        times = []
+        for _ in range(reps + 1):
+            started = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[1:])
+
+
+def _compute(model, x, y, delay_s: float) -> None:
     nn.functional.cross_entropy(model(x), y).backward()
-    if straggling:
-        time.sleep(time.perf_counter() - started)
+    if delay_s:
+        time.sleep(delay_s)
 
 
 def _slowest(seconds: float) -> float:
     return float(gs.all_gather(torch.tensor([seconds], dtype=torch.float64)).max())
 
 
-def _ps_rank(batch: int, steps: int, straggler: bool) -> list[dict]:
+def _ps_rank(batch: int, steps: int, delay_s: float) -> list[dict]:
     torch.set_num_threads(1)
     w = gs.world()
     workers = w.world_size - 1
@@ -62,7 +85,7 @@ def _ps_rank(batch: int, steps: int, straggler: bool) -> list[dict]:
         else:
             for _ in range(steps):
                 ps.pull()
-                _compute(model, x, y, straggler and w.rank == w.world_size - 1)
+                _compute(model, x, y, delay_s if w.rank == w.world_size - 1 else 0.0)
                 ps.push()
             wall = time.perf_counter() - started
             ps.close()
@@ -70,15 +93,16 @@ def _ps_rank(batch: int, steps: int, straggler: bool) -> list[dict]:
         stats = ps.stats()
         if ps.is_server:
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            rows.append({"impl": label, "workers": workers, "straggler": straggler, "wall_s": wall,
+            rows.append({"impl": label, "workers": workers, "straggler": delay_s > 0, "delay_s": delay_s, "wall_s": wall,
                          "samples_per_s": workers * batch * steps / wall, "step_ms": wall / steps * 1e3,
                          "link_bytes_per_step": (stats["bytes_in"] + stats["bytes_out"]) / steps,
                          "formula_bytes": 2 * workers * model_bytes, "model_bytes": model_bytes,
-                         "staleness_max": max(stats["staleness_histogram"], default=0)})
+                         "staleness_max": max(stats["staleness_histogram"], default=0),
+                         "transport": "tcp"})   # PS messages are tagged: torch.distributed on any transport
     return rows
 
 
-def _ring_rank(batch: int, steps: int, straggler: bool) -> dict:
+def _ring_rank(batch: int, steps: int, delay_s: float) -> dict:
     torch.set_num_threads(1)
     w = gs.world()
     model, x, y = _model_and_batch(batch)
@@ -89,28 +113,26 @@ def _ring_rank(batch: int, steps: int, straggler: bool) -> dict:
     started = time.perf_counter()
     for _ in range(steps):
         optimizer.zero_grad()
-        started_compute = time.perf_counter()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        if straggler and w.rank == w.world_size - 1:
-            time.sleep(time.perf_counter() - started_compute)
+        _compute(ddp, x, y, delay_s if w.rank == w.world_size - 1 else 0.0)
         optimizer.step()
     sent = gs.traffic()["bytes_sent"]
     wall = _slowest(time.perf_counter() - started)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"impl": "ring DDP", "workers": w.world_size, "straggler": straggler, "wall_s": wall,
+    return {"impl": "ring DDP", "workers": w.world_size, "straggler": delay_s > 0, "delay_s": delay_s, "wall_s": wall,
             "samples_per_s": w.world_size * batch * steps / wall, "step_ms": wall / steps * 1e3,
             "link_bytes_per_step": sent / steps,
             "formula_bytes": 2 * (w.world_size - 1) / w.world_size * model_bytes, "model_bytes": model_bytes,
-            "staleness_max": 0}
+            "staleness_max": 0, "transport": carrier()}
 
 
 def run(workers: list[int], batch: int = 64, steps: int = 20) -> list[dict]:
     """Rows for every W in ``workers``, without and with a straggler (see module docstring)."""
     if any(w < 2 for w in workers):
         raise ValueError(f"--workers: each W must be >= 2 (a straggler needs a peer), got {workers}")
+    delay_s = straggler_delay(batch)
     rows = []
     for w in workers:
-        for straggler in (False, True):
-            rows += gs.spawn(_ps_rank, nprocs=w + 1, args=(batch, steps, straggler))[0]
-            rows.append(gs.spawn(_ring_rank, nprocs=w, args=(batch, steps, straggler))[0])
+        for delay in (0.0, delay_s):
+            rows += gs.spawn(_ps_rank, nprocs=w + 1, args=(batch, steps, delay))[0]
+            rows.append(gs.spawn(_ring_rank, nprocs=w, args=(batch, steps, delay))[0])
     return rows
