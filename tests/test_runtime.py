@@ -65,12 +65,14 @@ def test_bad_collective_arguments_in_a_world_of_one():
     gs.init(timeout=5)
     with pytest.raises(ValueError, match="unknown algorithm 'fastest'; choose one of auto, ring"):
         gs.all_reduce(torch.ones(3), algorithm="fastest")
-    with pytest.raises(ValueError, match="unknown op 'max'; choose one of sum, avg"):
-        gs.all_reduce(torch.ones(3), op="max")
+    with pytest.raises(ValueError, match="unknown op 'mean'; choose one of sum, avg, product, max, min, band, bor, bxor"):
+        gs.all_reduce(torch.ones(3), op="mean")
     with pytest.raises(TypeError, match="op='avg' needs a floating dtype"):
         gs.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
-    with pytest.raises(TypeError, match="dtype uint8 is not supported"):
-        gs.all_reduce(torch.ones(3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="op='bxor' is a bitwise operation and needs an integer or bool dtype, got float32"):
+        gs.all_reduce(torch.ones(3), op="bxor")
+    with pytest.raises(TypeError, match="dtype complex64 is not supported; use one of float32, .*, bool, uint8, int8"):
+        gs.all_reduce(torch.ones(3, dtype=torch.complex64))
     with pytest.raises(TypeError, match="needs a torch.Tensor"):
         gs.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="src must be a rank in 0..0"):

@@ -29,9 +29,9 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
-            w = runtime.world()
-            num_replicas = w.world_size if num_replicas is None else num_replicas
-            rank = w.rank if rank is None else rank
+            my_rank, n_ranks = runtime.rank_and_size()  # a program's own world is read, not joined
+            num_replicas = n_ranks if num_replicas is None else num_replicas
+            rank = my_rank if rank is None else rank
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:

@@ -14,6 +14,13 @@ Where the values come from, first match wins:
        MASTER_PORT;
     3. nothing set at all: a world of one (rank 0 of 1) on a free loopback port.
 
+Joining a world the program already made: when torch.distributed is initialised before init() (a
+script's own init_process_group, torchrun + Lightning, Accelerate), init() joins that world
+instead of making one (join.py): rank, world size, timeout and the rendezvous store come from
+torch's default group, which gradsync never destroys. The public entry points (the collectives,
+DistributedDataParallel, ShardedOptimizer, ParameterServer) call world(), which joins on first
+use; joining is collective, like init_process_group itself.
+
 Backend: gloo when CUDA is absent; with CUDA, "cpu:gloo,cuda:nccl" so CPU tensors travel over gloo
 and CUDA tensors over NCCL. The rendezvous store is a torch TCPStore on MASTER_ADDR:MASTER_PORT,
 hosted by rank 0 unless the launcher already hosts it (gs.spawn sets GRADSYNC_EXTERNAL_STORE=1;
@@ -22,6 +29,7 @@ torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE=True).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass, field
@@ -65,6 +73,14 @@ class World:
     generation: int = field(default=0, compare=False, repr=False)
     """How many times this process has called init() on this store; ``store`` is prefixed with it,
     so the keys of one init never meet the next's."""
+    group_key: str | None = field(default=None, compare=False, repr=False)
+    """Which torch ProcessGroup carries gradsync's point-to-point transfers between hosts and the
+    "native" baseline (transfer_group): None for torch's default group (gradsync made it), else the
+    key of a private gloo group of gradsync's own (it joined the program's world, and its messages
+    must never meet the program's)."""
+    joined: bool = field(default=False, compare=False, repr=False)
+    """True when the program made torch's default group and gradsync joined it (shutdown() then
+    leaves that group alone)."""
 
     @property
     def host_ranks(self) -> tuple[int, ...]:
@@ -80,6 +96,36 @@ class World:
 _WORLD: World | None = None
 _ON_INIT: list[Callable[[World], None]] = []
 _ON_SHUTDOWN: list[Callable[[], None]] = []
+
+
+_PRIVATE_GROUPS: dict[str, dist.ProcessGroup] = {}
+"""Private groups by World.group_key. Only this table holds them: a group still referenced when the
+interpreter exits is destroyed after its threads are gone and aborts the process, so the table is
+emptied by shutdown() and at exit."""
+
+
+def register_group(key: str, group: dist.ProcessGroup) -> None:
+    _PRIVATE_GROUPS[key] = group
+
+
+def release_group(key: str | None) -> None:
+    if key is not None:
+        _PRIVATE_GROUPS.pop(key, None)
+
+
+atexit.register(_PRIVATE_GROUPS.clear)
+
+
+def transfer_group(w: World) -> dist.ProcessGroup:
+    """The torch ProcessGroup that carries ``w``'s transfers (see World.group_key). Looked up on
+    every use, never kept, for the reason given at _PRIVATE_GROUPS."""
+    if w.group_key is None:
+        return dist.distributed_c10d._get_default_group()
+    group = _PRIVATE_GROUPS.get(w.group_key)
+    if group is None:
+        raise RuntimeError(f"rank {w.rank}: gradsync's process group {w.group_key!r} was released "
+                           f"(gradsync.shutdown()); call gradsync.init() again")
+    return group
 
 
 def on_init(hook: Callable[[World], None]) -> None:
@@ -110,7 +156,7 @@ def host_id() -> str:
     return "|".join(parts)
 
 
-def _exchange_hosts(store, rank: int, world_size: int, timeout: float) -> tuple[tuple[int, ...], ...]:
+def exchange_hosts(store, rank: int, world_size: int, timeout: float) -> tuple[tuple[int, ...], ...]:
     """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host."""
     key = "gradsync/host"  # the store is this init's own (see init)
     store.set(f"{key}/{rank}", host_id())
@@ -191,18 +237,36 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
                  debug=bool(debug))
 
 
-def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None = None,
+DEFAULT_TIMEOUT = 60.0
+"""Seconds, when init() is given no timeout and there is no existing group to take one from."""
+
+
+def init(backend: str | None = None, timeout: float | None = None, *, rank: int | None = None,
          world_size: int | None = None, local_rank: int | None = None,
          local_world_size: int | None = None, master_addr: str | None = None,
          master_port: int | None = None, debug: bool | None = None) -> World:
     """Join the job and return this rank's World; see the module docstring for where values come from.
 
+    ``timeout``: seconds any single wait may block; None means DEFAULT_TIMEOUT in a world of
+    gradsync's own and the existing group's timeout when joining one.
     Calling init() again with the same settings returns the same World; with different settings it
     raises, because two process groups with different shapes cannot both be right.
     """
     global _WORLD
-    wanted = _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
-                      master_addr, master_port, debug)
+    if _WORLD is None and dist.is_initialized():
+        from gradsync import join
+
+        _WORLD = join.join_default_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size,
+                                         local_rank=local_rank, local_world_size=local_world_size, debug=debug)
+        _connect_or_undo(_WORLD)
+        return _WORLD
+    if _WORLD is not None and _WORLD.joined:
+        from gradsync import join
+
+        join.check_same(_WORLD, backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+        return _WORLD
+    wanted = _resolve(backend, DEFAULT_TIMEOUT if timeout is None else timeout, rank, world_size, local_rank,
+                      local_world_size, master_addr, master_port, debug)
     if _WORLD is not None:
         explicit_port = master_port is not None or "MASTER_PORT" in os.environ
         same = wanted.settings() == _WORLD.settings() or (
@@ -212,9 +276,6 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
             return _WORLD
         raise RuntimeError(f"gradsync.init() was already called with {_describe(_WORLD)}; "
                            f"now called with {_describe(wanted)}. Call gradsync.shutdown() first.")
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised outside gradsync; "
-                           "call torch.distributed.destroy_process_group() first or let gradsync.init() create it")
 
     # torchrun's agent already hosts the store on MASTER_PORT; its workers join it as clients under
     # a per-restart prefix, exactly as torch's own env:// rendezvous does.
@@ -236,17 +297,30 @@ def init(backend: str | None = None, timeout: float = 60.0, *, rank: int | None 
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
                             world_size=wanted.world_size, timeout=wait)
     try:
-        hosts = ((0,),) if wanted.world_size == 1 else _exchange_hosts(
+        hosts = ((0,),) if wanted.world_size == 1 else exchange_hosts(
             store, wanted.rank, wanted.world_size, wanted.timeout)
-        _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
-        for hook in _ON_INIT:
-            hook(_WORLD)
     except BaseException:
-        _WORLD = None
         dist.destroy_process_group()
         raise
-    stall.start(_WORLD)
+    _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
+    _connect_or_undo(_WORLD)
     return _WORLD
+
+
+def _connect_or_undo(new: World) -> None:
+    """Run the init hooks (the transport connects) and start the stall inspector; on failure leave
+    nothing behind: no World, and no default group if gradsync made it."""
+    global _WORLD
+    try:
+        for hook in _ON_INIT:
+            hook(new)
+    except BaseException:
+        _WORLD = None
+        release_group(new.group_key)
+        if not new.joined and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    stall.start(new)
 
 
 def _describe(w: World) -> str:
@@ -255,10 +329,22 @@ def _describe(w: World) -> str:
 
 
 def world() -> World:
-    """This rank's World; raises if init() has not been called."""
+    """This rank's World. Where torch.distributed is initialised but gradsync is not, joins it
+    (init(); collective: every rank must get here); otherwise raises if init() has not been called."""
     if _WORLD is None:
-        raise RuntimeError("gradsync is not initialised: call gradsync.init() (or run under gradsync.spawn / torchrun) first")
+        if dist.is_initialized():
+            return init()
+        raise RuntimeError("gradsync is not initialised: call gradsync.init() (or run under gradsync.spawn / torchrun), "
+                           "or torch.distributed.init_process_group(), first")
     return _WORLD
+
+
+def rank_and_size() -> tuple[int, int]:
+    """(rank, world_size) without joining anything: gradsync's world, else torch's default group."""
+    if _WORLD is None and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    w = world()
+    return w.rank, w.world_size
 
 
 def is_initialized() -> bool:
@@ -267,13 +353,16 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process group. Safe to call when not initialised."""
+    """Leave the job: close gradsync's transport and threads, and destroy torch's default group if
+    gradsync made it (a joined program's group stays, for its own destroy_process_group()). Safe to
+    call when not initialised."""
     global _WORLD
     if _WORLD is None:
         return
-    _WORLD = None
+    leaving, _WORLD = _WORLD, None
     stall.stop()
     for hook in _ON_SHUTDOWN:
         hook()
-    if dist.is_initialized():
+    release_group(leaving.group_key)
+    if not leaving.joined and dist.is_initialized():
         dist.destroy_process_group()

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.comm.reduce_ops import DTYPES
+from gradsync.comm.reduce_ops import OPS as REDUCE_OPS
 from gradsync.comm.transport import Transport
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-OPS = ("sum", "avg", "none")
+OPS = ("none",) + REDUCE_OPS
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory")
 
 

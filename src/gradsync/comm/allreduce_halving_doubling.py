@@ -27,21 +27,23 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.scratch import scratch
-from gradsync.comm.transport import Transport
+from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport import Combine, Transport
 
 
 def _exchange(transport: Transport, send: torch.Tensor, recv: torch.Tensor, peer: int, op: str,
-              staging: torch.Tensor | None = None) -> None:
-    """Send ``send`` to ``peer`` while receiving into ``recv`` (added into it when ``staging`` is given)."""
+              staging: torch.Tensor | None = None, combine: Combine = torch.Tensor.add_) -> None:
+    """Send ``send`` to ``peer`` while receiving into ``recv`` (reduced into it with ``combine`` when
+    ``staging`` is given)."""
     handle_out = transport.isend(send, peer, op)
     if staging is None:
         transport.irecv(recv, peer, op).wait()
     else:
-        transport.irecv_add(recv, peer, op, staging=staging).wait()
+        transport.irecv_reduce(recv, peer, op, staging=staging, combine=combine).wait()
     handle_out.wait()
 
 
-def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, average: bool = False) -> None:
+def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM) -> None:
     """In-place all-reduce of a 1-D contiguous tensor by recursive halving then doubling."""
     op = "all_reduce/halving_doubling"
     n_ranks, rank = transport.world_size, transport.rank
@@ -56,7 +58,8 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
             transport.isend(flat, rank + 1, op).wait()
             transport.irecv(flat, rank + 1, op).wait()  # unfold, seen from the folded rank
             return
-        transport.irecv_add(flat, rank - 1, op, staging=scratch(flat.numel(), flat.dtype, flat.device)).wait()
+        transport.irecv_reduce(flat, rank - 1, op, staging=scratch(flat.numel(), flat.dtype, flat.device),
+                               combine=reduction.combine).wait()
         newrank = rank // 2
     else:
         newrank = rank - extra
@@ -74,12 +77,11 @@ def allreduce_halving_doubling(flat: torch.Tensor, transport: Transport, *, aver
         keep_low = not (newrank & mask)
         keep, give = ((lo, mid), (mid, hi)) if keep_low else ((mid, hi), (lo, mid))
         _exchange(transport, flat[give[0]:give[1]], flat[keep[0]:keep[1]], real_rank(newrank ^ mask), op,
-                  staging=half.narrow(0, 0, keep[1] - keep[0]))
+                  staging=half.narrow(0, 0, keep[1] - keep[0]), combine=reduction.combine)
         levels.append((mask, lo, hi))
         lo, hi = keep
         mask >>= 1
-    if average:
-        flat[lo:hi].div_(n_ranks)
+    reduction.finish(flat[lo:hi], n_ranks)
 
     # all-gather (recursive doubling)
     for mask, parent_lo, parent_hi in reversed(levels):

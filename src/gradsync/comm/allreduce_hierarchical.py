@@ -24,9 +24,12 @@ says why a layout does not qualify.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gradsync.comm.allreduce_ring import all_gather_ring, allreduce_ring, reduce_scatter_ring
+from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Handle, Transport
 
 
@@ -46,8 +49,8 @@ class GroupTransport(Transport):
     def irecv(self, tensor, src, op, *, control=False, tag=0) -> Handle:
         return self.base.irecv(tensor, None if src is None else self.members[src], op, control=control, tag=tag)
 
-    def irecv_add(self, tensor, src, op, *, staging) -> Handle:
-        return self.base.irecv_add(tensor, self.members[src], op, staging=staging)
+    def irecv_reduce(self, tensor, src, op, *, staging, combine=torch.Tensor.add_) -> Handle:
+        return self.base.irecv_reduce(tensor, self.members[src], op, staging=staging, combine=combine)
 
 
 def layout_error(hosts: tuple[tuple[int, ...], ...]) -> str | None:
@@ -59,7 +62,7 @@ def layout_error(hosts: tuple[tuple[int, ...], ...]) -> str | None:
     return None
 
 
-def allreduce_hierarchical(flat: torch.Tensor, transport: Transport, *, average: bool = False) -> None:
+def allreduce_hierarchical(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM) -> None:
     """In-place all-reduce of a 1-D contiguous tensor over the host layout ``transport.hosts``."""
     op = "all_reduce/hierarchical"
     hosts = transport.hosts
@@ -70,12 +73,11 @@ def allreduce_hierarchical(flat: torch.Tensor, transport: Transport, *, average:
     local = GroupTransport(transport, host, transport.segment_bytes)  # shared memory where available
     rail = GroupTransport(transport, tuple(group[local.rank] for group in hosts))
     # reduce-scatter (host ring)
-    chunks = reduce_scatter_ring(flat, local, op)
+    chunks = reduce_scatter_ring(flat, local, op, combine=reduction.combine)
     shard = chunks.view(flat, local.rank)
     # all-reduce (rail): one rank per host, shard local.rank
     if rail.world_size > 1 and shard.numel() > 0:
-        allreduce_ring(shard, rail, op=op)
-    if average:
-        shard.div_(transport.world_size)
+        allreduce_ring(shard, rail, op=op, reduction=replace(reduction, average=False))
+    reduction.finish(shard, transport.world_size)
     # all-gather (host ring)
     all_gather_ring(flat, chunks, local, op)

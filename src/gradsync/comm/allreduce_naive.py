@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.scratch import scratch
+from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport, wait_all
 
 
-def allreduce_naive(flat: torch.Tensor, transport: Transport, *, average: bool = False) -> None:
+def allreduce_naive(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM) -> None:
     """In-place all-reduce of a 1-D contiguous tensor through rank 0."""
     op = "all_reduce/naive"
     n_ranks, rank = transport.world_size, transport.rank
@@ -33,8 +34,7 @@ def allreduce_naive(flat: torch.Tensor, transport: Transport, *, average: bool =
     # reduce, in rank order
     for peer in range(1, n_ranks):
         handles[peer].wait()
-        flat.add_(incoming[peer])
-    if average:
-        flat.div_(n_ranks)
+        reduction.combine(flat, incoming[peer])
+    reduction.finish(flat, n_ranks)
     # broadcast, one copy per rank
     wait_all([transport.isend(flat, peer, op) for peer in range(1, n_ranks)])

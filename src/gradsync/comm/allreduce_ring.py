@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.comm.scratch import scratch
-from gradsync.comm.transport import Transport, wait_all
+from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport import Combine, Transport, wait_all
 
 DEFAULT_SEGMENT_BYTES = 4 << 20
 """Wire unit of the pipeline. 4 MiB: on this machine 1-4 MiB segments tie and 256 KiB loses 10-25%
@@ -87,8 +88,9 @@ def _segments(length: int, segment_elems: int) -> list[tuple[int, int]]:
 
 
 def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
-                        segment_bytes: int | None = None) -> Chunks:
-    """Sum ``flat`` across ranks so that chunk ``rank`` holds the total; other chunks are scratch.
+                        segment_bytes: int | None = None, combine: Combine = torch.Tensor.add_) -> Chunks:
+    """Reduce ``flat`` across ranks (``combine``: reduce_ops.py; default sum) so that chunk ``rank``
+    holds the result; other chunks are scratch.
 
     ``flat`` must be 1-D and contiguous. ``segment_bytes``: small values exercise the pipelined path
     in fast tests; None takes the transport's preference (``_segment_elems``).
@@ -104,12 +106,13 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
     buffers = [scratch(max(chunks.sizes), flat.dtype, flat.device, slot) for slot in range(min(2, n_ranks - 1))]
 
     def post_recvs(step: int):
-        # Each incoming segment is added into our copy of its chunk: in place on shared memory,
-        # through buffers[step % 2] on TCP (irecv_add).
+        # Each incoming segment is reduced into our copy of its chunk: in place on shared memory,
+        # through buffers[step % 2] on TCP (irecv_reduce).
         recv_chunk = (rank - step - 2) % n_ranks
         target, buf = chunks.view(flat, recv_chunk), buffers[step % 2]
-        return recv_chunk, [(start, length, transport.irecv_add(target.narrow(0, start, length), left, op,
-                                                                staging=buf.narrow(0, start, length)))
+        return recv_chunk, [(start, length, transport.irecv_reduce(target.narrow(0, start, length), left, op,
+                                                                   staging=buf.narrow(0, start, length),
+                                                                   combine=combine))
                             for start, length in _segments(chunks.sizes[recv_chunk], seg_elems)]
 
     # reduce-scatter
@@ -161,11 +164,10 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
     wait_all(sends)
 
 
-def allreduce_ring(flat: torch.Tensor, transport: Transport, *, average: bool = False,
+def allreduce_ring(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM,
                    segment_bytes: int | None = None, op: str = "all_reduce/ring") -> None:
-    """In-place all-reduce of a 1-D contiguous tensor; ``average`` divides the owned chunk by N
-    before the all-gather, so every rank ends with bit-identical values."""
-    chunks = reduce_scatter_ring(flat, transport, op, segment_bytes)
-    if average:
-        chunks.view(flat, transport.rank).div_(transport.world_size)
+    """In-place all-reduce of a 1-D contiguous tensor; the owner of each chunk finishes it (avg:
+    divides by N) before the all-gather, so every rank ends with bit-identical values."""
+    chunks = reduce_scatter_ring(flat, transport, op, segment_bytes, reduction.combine)
+    reduction.finish(chunks.view(flat, transport.rank), transport.world_size)
     all_gather_ring(flat, chunks, transport, op, segment_bytes)

@@ -15,9 +15,9 @@ Vocabulary
 Phases, per piece
     stage     rank r copies its piece into its staging half
     barrier   every piece is staged
-    reduce    rank r adds slice r of every other rank's staging into slice r of its own (in rank
-              order, starting from its own: the sum is computed once, by its owner, so every rank
-              ends bit-identical); average divides it by N
+    reduce    rank r combines slice r of every other rank's staging into slice r of its own (adds,
+              for op sum; reduce_ops.py), in rank order, starting from its own: the result is
+              computed once, by its owner, so every rank ends bit-identical; avg divides it by N
     barrier   every slice is reduced
     gather    rank r copies slice j of rank j's staging into its tensor, for every j
 No third barrier: the next piece uses the other half, and the next piece's first barrier is only
@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 
 
@@ -48,7 +49,7 @@ def layout_error(transport: Transport) -> str | None:
     return None
 
 
-def allreduce_shared(flat: torch.Tensor, transport, *, average: bool = False) -> None:
+def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
@@ -71,9 +72,8 @@ def allreduce_shared(flat: torch.Tensor, transport, *, average: bool = False) ->
         own = chunks.view(stages[rank], rank)
         for other in range(n_ranks):
             if other != rank:
-                own.add_(chunks.view(stages[other], rank))
-        if average:
-            own.div_(n_ranks)
+                reduction.combine(own, chunks.view(stages[other], rank))
+        reduction.finish(own, n_ranks)
         transport.barrier(op)
         # gather
         for owner in range(n_ranks):

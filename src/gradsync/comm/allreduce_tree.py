@@ -21,10 +21,11 @@ import torch
 
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.scratch import scratch
+from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 
 
-def allreduce_tree(flat: torch.Tensor, transport: Transport, *, average: bool = False) -> None:
+def allreduce_tree(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM) -> None:
     """In-place all-reduce of a 1-D contiguous tensor; rank 0 reduces, then broadcasts."""
     op = "all_reduce/tree"
     n_ranks, rank = transport.world_size, transport.rank
@@ -38,9 +39,9 @@ def allreduce_tree(flat: torch.Tensor, transport: Transport, *, average: bool = 
             transport.isend(flat, rank - mask, op).wait()
             break
         if rank + mask < n_ranks:
-            transport.irecv_add(flat, rank + mask, op, staging=incoming).wait()
+            transport.irecv_reduce(flat, rank + mask, op, staging=incoming, combine=reduction.combine).wait()
         mask <<= 1
-    if rank == 0 and average:
-        flat.div_(n_ranks)
+    if rank == 0:
+        reduction.finish(flat, n_ranks)
     # broadcast
     broadcast_binomial(flat, 0, transport, op)

@@ -7,9 +7,12 @@
                                                  (any shard sizes; the inverse of reduce_scatter)
     broadcast(t, src=0)                          in place; returns t
 
-Accepted: dtypes float32, float64, float16, bfloat16, int32, int64; any shape, including 0
-elements; non-contiguous tensors (reduced through a contiguous copy written back). op="avg" needs a
-floating dtype. Reductions run in the tensor's own dtype, as torch.distributed does.
+Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
+including 0 elements; non-contiguous tensors (reduced through a contiguous copy written back).
+op: "sum" | "avg" | "product" | "max" | "min" | "band" | "bor" | "bxor" (reduce_ops.py: "avg" needs
+a floating dtype, the bitwise ones an integer or bool dtype). Reductions run in the tensor's own
+dtype with torch's elementwise semantics, as torch.distributed's gloo does, and every rank ends with
+bit-identical values.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from gradsync.comm.allreduce_shared import allreduce_shared
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.allreduce_tree import allreduce_tree
+from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.transport import Transport, default_transport
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
-OPS = ("sum", "avg")
 
 _IMPLEMENTATIONS = {
     "ring": allreduce_ring,
@@ -48,18 +51,16 @@ def _check_tensor(tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
-        raise TypeError(f"{what}: dtype {str(tensor.dtype).replace('torch.', '')} is not supported; use one of {names}")
+        names = ", ".join(dtype_name(d) for d in DTYPES)
+        raise TypeError(f"{what}: dtype {dtype_name(tensor.dtype)} is not supported; use one of {names}")
     if tensor.is_cuda and "nccl" not in runtime.world().backend:
         raise RuntimeError(f"{what}: CUDA tensors need the NCCL backend; this world uses {runtime.world().backend!r}")
 
 
-def _check_op(op: str, tensor: torch.Tensor, what: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"{what}: unknown op {op!r}; choose one of {', '.join(OPS)}")
-    if op == "avg" and not tensor.is_floating_point():
-        raise TypeError(f"{what}: op='avg' needs a floating dtype, got {str(tensor.dtype).replace('torch.', '')}; "
-                        f"use op='sum' and divide")
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND,
+               "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+assert set(_NATIVE_OPS) == set(OPS)
 
 
 def _agree(transport: Transport, fingerprint: Fingerprint) -> None:
@@ -75,11 +76,24 @@ def _next_sequence(transport: Transport) -> int:
     return transport.sequence
 
 
+def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
+    """torch.distributed's own all-reduce on gradsync's process group (the benchmarks' baseline)."""
+    group = dist.distributed_c10d._get_default_group() if flat.is_cuda and w.joined else runtime.transfer_group(w)
+    group.allreduce([flat], _allreduce_options(_NATIVE_OPS[chosen.name])).wait()
+    chosen.finish(flat, w.world_size)
+
+
+def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
 @stall.tracked
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
-    """Reduce ``tensor`` across all ranks in place (op "sum" or "avg") and return it."""
+    """Reduce ``tensor`` across all ranks in place (op: see the module docstring) and return it."""
     _check_tensor(tensor, "all_reduce")
-    _check_op(op, tensor, "all_reduce")
+    chosen = reduction(op, tensor.dtype, "all_reduce")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     w = runtime.world()
@@ -99,11 +113,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     _agree(transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
     if flat.numel() > 0:
         if algorithm == "native":
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            if op == "avg":
-                flat.div_(w.world_size)
+            _native_all_reduce(flat, chosen, w)
         else:
-            _IMPLEMENTATIONS[algorithm](flat, transport, average=(op == "avg"))
+            _IMPLEMENTATIONS[algorithm](flat, transport, reduction=chosen)
     if flat.data_ptr() != target.data_ptr() or not target.is_contiguous():
         target.copy_(flat.view_as(target))
     return tensor
@@ -117,17 +129,16 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     ceil(n/N) elements, the rest floor(n/N). ``tensor`` itself is left unchanged.
     """
     _check_tensor(tensor, "reduce_scatter")
-    _check_op(op, tensor, "reduce_scatter")
+    chosen = reduction(op, tensor.dtype, "reduce_scatter")
     w = runtime.world()
     work = tensor.detach().reshape(-1).clone()
     if w.world_size == 1:
         return work
     transport = default_transport()
     _agree(transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
-    chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring")
+    chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
     shard = chunks.view(work, w.rank)
-    if op == "avg":
-        shard.div_(w.world_size)
+    chosen.finish(shard, w.world_size)
     return shard.clone()
 
 

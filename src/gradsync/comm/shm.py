@@ -21,7 +21,7 @@ Segment layout (rank d's segment; slot i is the ring from local rank i to d)
                                      reads every rank's memory directly (allreduce_shared.py)
 
 Bytes copied: a send copies the payload once into the receiver's ring; a receive copies it once
-out (irecv) or adds it straight from the ring into its target (irecv_add: the reduction reads the
+out (irecv) or reduces it straight from the ring into its target (irecv_reduce: the reduction reads the
 shared segment, so a reduced byte is written once, not copied then added). TCP loopback copies each
 byte twice through the kernel besides the reduction.
 
@@ -118,17 +118,18 @@ def _alive(pid: int) -> bool:
 class _ShmOp(Handle):
     """A posted shared-memory send or receive; progress is made by the transport."""
 
-    __slots__ = ("transport", "peer", "op", "nbytes", "data", "add_into", "control", "sent", "order",
+    __slots__ = ("transport", "peer", "op", "nbytes", "data", "reduce_into", "combine", "control", "sent", "order",
                  "header_done", "offset", "finished")
 
-    def __init__(self, transport, peer, op, tensor, sent, control, order, add=False):
+    def __init__(self, transport, peer, op, tensor, sent, control, order, combine=None):
         self.transport = transport
         self.peer = peer
         self.op = op
         self.nbytes = tensor.numel() * tensor.element_size()
         flat = tensor.reshape(-1)
         self.data = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-        self.add_into = flat if add else None
+        self.reduce_into = flat if combine is not None else None
+        self.combine = combine
         self.sent = sent
         self.control = control
         self.order = order
@@ -306,13 +307,13 @@ class ShmTransport(Transport):
             return True
         return peer in self._sends
 
-    def _post(self, tensor, peer, op, sent, control, add=False) -> _ShmOp:
+    def _post(self, tensor, peer, op, sent, control, combine=None) -> _ShmOp:
         self.tcp._check(tensor, peer, op)
         with self._lock:
             if self._broken is not None:
                 raise self._broken
             self._order += 1
-            handle = _ShmOp(self, peer, op, tensor, sent, control, self._order, add)
+            handle = _ShmOp(self, peer, op, tensor, sent, control, self._order, combine)
             if sent:
                 self._sends[peer].append(handle)
             elif peer is None:
@@ -332,10 +333,10 @@ class ShmTransport(Transport):
             return _Delegated(self.tcp.irecv(tensor, src, op, control=control, tag=tag), self, src, op)
         return self._post(tensor, src, op, False, control)
 
-    def irecv_add(self, tensor, src, op, *, staging):
+    def irecv_reduce(self, tensor, src, op, *, staging, combine=torch.Tensor.add_):
         if not self._routed_here(tensor, src, 0):
-            return _Delegated(self.tcp.irecv_add(tensor, src, op, staging=staging), self, src, op)
-        return self._post(tensor, src, op, False, False, add=True)
+            return _Delegated(self.tcp.irecv_reduce(tensor, src, op, staging=staging, combine=combine), self, src, op)
+        return self._post(tensor, src, op, False, False, combine=combine)
 
     # --- progress -------------------------------------------------------------------------------
     def _progress_locked(self) -> None:

@@ -48,8 +48,8 @@ class Ring:
     """One ordered pair's ring at offset ``base`` of the receiver's segment ``mapping``.
 
     A message being moved is any object with ``nbytes``, ``offset`` (bytes moved so far),
-    ``header_done``, ``data`` (its bytes, uint8) and ``add_into`` (None, or the tensor to add the
-    payload into instead of copying it).
+    ``header_done``, ``data`` (its bytes, uint8), ``reduce_into`` (None, or the tensor to reduce the
+    payload into instead of copying it) and ``combine`` (how: reduce_ops.py).
     """
 
     def __init__(self, mapping: mmap.mmap, base: int, capacity: int) -> None:
@@ -117,10 +117,10 @@ class Ring:
             pos = tail % self.capacity
             take = min(head - tail, message.nbytes - message.offset, self.capacity - pos)
             incoming = self.data[pos:pos + take]
-            if message.add_into is not None:
-                size = message.add_into.element_size()
-                message.add_into[message.offset // size:(message.offset + take) // size].add_(
-                    incoming.view(message.add_into.dtype))
+            if message.reduce_into is not None:
+                size = message.reduce_into.element_size()
+                message.combine(message.reduce_into[message.offset // size:(message.offset + take) // size],
+                                incoming.view(message.reduce_into.dtype))
             else:
                 message.data[message.offset:message.offset + take].copy_(incoming)
             message.offset += take

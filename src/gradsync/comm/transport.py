@@ -13,7 +13,8 @@ post the same sequence of sends and receives never need tags. A ``tag`` keeps tw
 A failed or timed-out wait raises PeerError naming this rank, the peer, the operation and the byte
 count; nothing waits forever.
 
-TorchTransport carries the bytes with torch.distributed point-to-point (gloo on CPU, NCCL on GPU);
+TorchTransport carries the bytes with torch.distributed point-to-point on the world's group
+(runtime.transfer_group: gloo on CPU, NCCL on GPU);
 ShmTransport (shm.py) carries them through shared memory between ranks of one host and hands the
 rest to a TorchTransport. init() builds the world's transport (default_transport), chosen by
 GRADSYNC_TRANSPORT (see TRANSPORTS).
@@ -26,12 +27,16 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.meter import METER, TrafficMeter
+
+Combine = Callable[[torch.Tensor, torch.Tensor], None]
+"""acc <- acc (op) incoming, in place (see reduce_ops.py)."""
 
 
 class PeerError(RuntimeError):
@@ -71,18 +76,20 @@ class Transport:
               tag: int = 0) -> Handle:
         raise NotImplementedError
 
-    def irecv_add(self, tensor: torch.Tensor, src: int, op: str, *, staging: torch.Tensor) -> Handle:
-        """Receive a message shaped like ``tensor`` from ``src`` and add it into ``tensor``; done when
-        ``wait()`` returns. Here: receive into ``staging`` (same size, the caller's reusable buffer),
-        add on wait. A transport that can read the incoming bytes in place (shm.py) skips the copy."""
-        return _AddOnWait(self.irecv(staging, src, op), tensor, staging)
+    def irecv_reduce(self, tensor: torch.Tensor, src: int, op: str, *, staging: torch.Tensor,
+                     combine: Combine = torch.Tensor.add_) -> Handle:
+        """Receive a message shaped like ``tensor`` from ``src`` and reduce it into ``tensor`` with
+        ``combine(tensor, incoming)`` (reduce_ops.py; default: add); done when ``wait()`` returns.
+        Here: receive into ``staging`` (same size, the caller's reusable buffer), combine on wait. A
+        transport that can read the incoming bytes in place (shm.py) skips the copy."""
+        return _ReduceOnWait(self.irecv(staging, src, op), tensor, staging, combine)
 
 
-class _AddOnWait(Handle):
-    __slots__ = ("_inner", "_target", "_staging", "_peer")
+class _ReduceOnWait(Handle):
+    __slots__ = ("_inner", "_target", "_staging", "_combine", "_peer")
 
-    def __init__(self, inner: Handle, target: torch.Tensor, staging: torch.Tensor) -> None:
-        self._inner, self._target, self._staging, self._peer = inner, target, staging, None
+    def __init__(self, inner: Handle, target: torch.Tensor, staging: torch.Tensor, combine: Combine) -> None:
+        self._inner, self._target, self._staging, self._combine, self._peer = inner, target, staging, combine, None
 
     def done(self) -> bool:
         return self._peer is not None or self._inner.done()
@@ -90,7 +97,7 @@ class _AddOnWait(Handle):
     def wait(self, timeout: float | None = None) -> int:
         if self._peer is None:
             peer = self._inner.wait(timeout)
-            self._target.add_(self._staging)
+            self._combine(self._target, self._staging)
             self._peer = peer
         return self._peer
 
@@ -137,7 +144,8 @@ class _TorchHandle(Handle):
 
 
 class TorchTransport(Transport):
-    """Transport over torch.distributed isend/irecv of the default process group."""
+    """Transport over torch.distributed send/recv of the world's process group (runtime.transfer_group;
+    CUDA tensors of a joined world over the program's default group, which has NCCL where it was set up)."""
 
     def __init__(self, world: runtime.World, meter: TrafficMeter = METER) -> None:
         self.rank = world.rank
@@ -146,6 +154,12 @@ class TorchTransport(Transport):
         self.timeout = world.timeout
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
+        self.world = world
+
+    def _group(self, tensor: torch.Tensor) -> dist.ProcessGroup:
+        if tensor.is_cuda and self.world.joined:
+            return dist.distributed_c10d._get_default_group()
+        return runtime.transfer_group(self.world)
 
     def _check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
         if not tensor.is_contiguous():
@@ -156,12 +170,13 @@ class TorchTransport(Transport):
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         self._check(tensor, dst, op)
-        work = dist.isend(tensor, dst, tag=tag)
+        work = self._group(tensor).send([tensor], dst, tag)
         return _TorchHandle(work, self, dst, op, tensor.numel() * tensor.element_size(), True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         self._check(tensor, src, op)
-        work = dist.irecv(tensor, src, tag=tag)
+        group = self._group(tensor)
+        work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
         return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
 
 

@@ -5,6 +5,11 @@
                                        comm_hook=None)
     loss = loss_fn(model(x), y); loss.backward(); optimizer.step()
 
+torch DDP's keyword arguments (device_ids, output_device, dim, process_group,
+gradient_as_bucket_view, static_graph, init_sync, ...) are accepted too, so a program changes
+only the class name; ddp/torch_arguments.py says what each means here. In a program that set up
+torch.distributed itself the wrapper joins that world (runtime.world()).
+
 Construction, as a recipe
     verify_same_model     every rank lists the same parameters (name, shape, dtype) in the same
                           order; otherwise a clear error naming the rank and the first difference
@@ -26,6 +31,7 @@ from torch import nn
 
 from gradsync import runtime, trace
 from gradsync.comm.collectives import ALGORITHMS
+from gradsync.ddp import torch_arguments
 from gradsync.ddp.buckets import build_buckets
 from gradsync.ddp.hooks import BUILTIN
 from gradsync.ddp.reducer import Reducer
@@ -37,11 +43,19 @@ __all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper; see the module docstring."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, algorithm: str = "auto",
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True, comm_hook=None) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25, algorithm: str = "auto",
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True, comm_hook=None, *,
+                 device_ids=None, output_device=None, dim: int = 0, process_group=None,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, init_sync: bool = True,
+                 check_reduction: bool = False, **unsupported) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        unknown = sorted(set(unsupported) - set(torch_arguments.UNSUPPORTED))
+        if unknown:
+            raise TypeError(f"DistributedDataParallel got unexpected keyword arguments {', '.join(unknown)}")
+        if bucket_cap_mb is None:  # torch's default
+            bucket_cap_mb = 25
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         if algorithm not in ALGORITHMS:
@@ -54,14 +68,19 @@ class DistributedDataParallel(nn.Module):
             raise TypeError("comm_hook must be None, 'fp16', 'bf16', 'none' or a callable hook(flat, algorithm)")
         self.module = module
         self.world = runtime.world()
+        torch_arguments.check(module, device_ids=device_ids, output_device=output_device,
+                              process_group=process_group, world_size=self.world.world_size, unsupported=unsupported)
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires grad")
         self._param_names = [n for n, _ in named]
-        self._verify_same_model()
-        self._broadcast_state()
+        if init_sync:
+            self._verify_same_model()
+            self._broadcast_state()
         self._has_buffers = any(b.numel() for b in module.buffers())
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self.buckets = build_buckets([p for _, p in named], self._param_names, self.bucket_cap_bytes)

@@ -1,0 +1,97 @@
+"""Reduction operators: what "reduce" means inside every all-reduce algorithm, and where it applies.
+
+Vocabulary
+    acc        the partial result a rank holds (its own contribution, then more added in)
+    incoming   another rank's contribution (or partial result), the same size and dtype as acc
+    combine    acc <- acc (op) incoming, in place, elementwise; every algorithm calls it wherever
+               it used to add
+    finish     what the rank that owns a finished piece does once before sharing it: divide by N
+               for "avg", nothing for the others
+
+The operators, with torch's own elementwise semantics (so results equal torch.distributed's gloo):
+
+    op        combine                        dtypes
+    sum       acc += incoming                every dtype (bool: logical or; integers wrap around)
+    avg       sum, then finish divides by N  floating dtypes
+    product   acc *= incoming                every dtype (bool: logical and; integers wrap around)
+    max       acc = maximum(acc, incoming)   every dtype (bool: or)
+    min       acc = minimum(acc, incoming)   every dtype (bool: and)
+    band      acc &= incoming                integer and bool dtypes
+    bor       acc |= incoming                integer and bool dtypes
+    bxor      acc ^= incoming                integer and bool dtypes
+
+Every algorithm computes each element of the result on exactly one rank (the owner of its chunk,
+or the root) and then copies it to the others, so all ranks hold bit-identical values even where
+the operator is not associative in floating point (sum, product): the order only decides the last
+bits, and it is the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.bool, torch.uint8, torch.int8)
+"""Every dtype the collectives take: those torch.distributed's gloo reduces."""
+
+
+def _maximum(acc: torch.Tensor, incoming: torch.Tensor) -> None:
+    torch.maximum(acc, incoming, out=acc)
+
+
+def _minimum(acc: torch.Tensor, incoming: torch.Tensor) -> None:
+    torch.minimum(acc, incoming, out=acc)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction operator (see the module docstring for the table)."""
+
+    name: str
+    """The user's name for it: "sum", "avg", "product", "max", "min", "band", "bor" or "bxor"."""
+    combine: Callable[[torch.Tensor, torch.Tensor], None]
+    """acc <- acc (op) incoming, in place."""
+    average: bool = False
+    """Divide the finished result by the number of ranks (only "avg")."""
+    bitwise: bool = False
+    """Only defined on integer and bool dtypes."""
+
+    def finish(self, owned: torch.Tensor, n_ranks: int) -> None:
+        """Called once on each finished piece by the rank that computed it, before it is shared."""
+        if self.average:
+            owned.div_(n_ranks)
+
+
+SUM = Reduction("sum", torch.Tensor.add_)
+REDUCTIONS = {r.name: r for r in (
+    SUM,
+    Reduction("avg", torch.Tensor.add_, average=True),
+    Reduction("product", torch.Tensor.mul_),
+    Reduction("max", _maximum),
+    Reduction("min", _minimum),
+    Reduction("band", torch.Tensor.bitwise_and_, bitwise=True),
+    Reduction("bor", torch.Tensor.bitwise_or_, bitwise=True),
+    Reduction("bxor", torch.Tensor.bitwise_xor_, bitwise=True),
+)}
+OPS = tuple(REDUCTIONS)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def reduction(op: str, dtype: torch.dtype, what: str) -> Reduction:
+    """The Reduction called ``op``, checked against ``dtype``; ``what`` names the caller in errors."""
+    if op not in REDUCTIONS:
+        raise ValueError(f"{what}: unknown op {op!r}; choose one of {', '.join(OPS)}")
+    chosen = REDUCTIONS[op]
+    if chosen.average and not dtype.is_floating_point:
+        raise TypeError(f"{what}: op='avg' needs a floating dtype, got {dtype_name(dtype)}; "
+                        f"use op='sum' and divide")
+    if chosen.bitwise and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{what}: op={op!r} is a bitwise operation and needs an integer or bool dtype, got "
+                        f"{dtype_name(dtype)}; for floating tensors use one of sum, avg, product, max, min")
+    return chosen
