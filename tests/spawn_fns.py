@@ -50,11 +50,19 @@ def stall_fail_and_wait():
 
 
 def soak(calls, warmup, seed):
-    """``calls`` collectives of random sizes and algorithms; private RSS and open fds after warm-up and at the end."""
+    """``calls`` collectives drawn from one seeded sequence (the same on every rank): all_reduce with
+    each of collectives.ALGORITHMS ("auto" and "shared_memory" included), broadcast from a rotating
+    root, and reduce_scatter followed by all_gather of its shard; 0, 1, 7, 1000 or 1..65,536 float32
+    elements. Rank r holds i + r at element i, and every result is compared whole with its closed
+    form (all sums are integers below 2^24, exact in float32 in any order). Returns the transport's
+    class, private RSS and open fds after warm-up and at the end, and the calls per (kind, algorithm)."""
     import random
+    from collections import Counter
 
-    rng = random.Random(seed)   # the same sequence on every rank
-    algorithms = ("ring", "halving_doubling", "tree", "naive", "native")
+    from gradsync.comm.collectives import ALGORITHMS
+    from gradsync.comm.transport import default_transport
+
+    rng = random.Random(seed)
     page = os.sysconf("SC_PAGE_SIZE")
 
     def rss_and_fds():
@@ -64,26 +72,43 @@ def soak(calls, warmup, seed):
             resident, shared = (int(v) for v in f.read().split()[1:3])
         return (resident - shared) * page, len(os.listdir("/proc/self/fd"))
 
+    def check(got, expected, call, what):
+        if got.shape != expected.shape:
+            raise AssertionError(f"call {call}: {what}: {got.numel()} elements, expected {expected.numel()}")
+        if not torch.equal(got, expected):
+            k = (got != expected).nonzero()[0].item()
+            raise AssertionError(f"call {call}: {what}: element {k} is {got[k].item()}, expected {expected[k].item()}")
+
     w = gs.world()
-    marks = {}
+    n, rank = w.world_size, w.rank
+    marks, counts = {}, Counter()
     for call in range(calls):
         if call == warmup:
             marks["after_warmup"] = rss_and_fds()
         numel = rng.choice((0, 1, 7, 1000, rng.randint(1, 1 << 16)))
-        algorithm = rng.choice(algorithms)
+        algorithm = rng.choice(ALGORITHMS)
         kind = rng.choice(("all_reduce", "all_reduce", "broadcast", "reduce_scatter"))
-        t = torch.full((numel,), float(w.rank + 1))
+        index = torch.arange(numel, dtype=torch.float32)
+        t = index + rank
+        total = n * index + n * (n - 1) // 2                  # sum over ranks r of (i + r)
         if kind == "all_reduce":
             gs.all_reduce(t, algorithm=algorithm)
-            expected = w.world_size * (w.world_size + 1) / 2
-            assert numel == 0 or float(t[0]) == expected
+            check(t, total, call, f"all_reduce ({algorithm}) of {numel}")
+            counts[kind, algorithm] += 1
         elif kind == "broadcast":
-            gs.broadcast(t, src=call % w.world_size)
-            assert numel == 0 or float(t[0]) == call % w.world_size + 1
+            root = call % n
+            gs.broadcast(t, src=root)
+            check(t, index + root, call, f"broadcast from rank {root} of {numel}")
+            counts[kind, ""] += 1
         else:
-            gs.reduce_scatter(t)
+            shard = gs.reduce_scatter(t)
+            base, extra = divmod(numel, n)                     # the first numel mod N ranks hold one more
+            start, size = rank * base + min(rank, extra), base + (rank < extra)
+            check(shard, total[start:start + size], call, f"reduce_scatter of {numel}, rank {rank}'s shard")
+            check(gs.all_gather(shard), total, call, f"all_gather of reduce_scatter's shards of {numel}")
+            counts[kind, ""] += 1
     marks["end"] = rss_and_fds()
-    return marks
+    return type(default_transport()).__name__, marks, dict(counts)
 
 
 def late_rank(late, seconds):

@@ -29,12 +29,17 @@ def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
 @pytest.mark.timeout(600)
 def test_soak_2000_collectives_without_growth(world_of):
     import spawn_fns
+    from gradsync.comm.collectives import ALGORITHMS
 
-    marks = world_of(4).run(spawn_fns.soak, 2000, 300, 11, case_timeout=500)
-    for rank, m in enumerate(marks):
-        (rss_warm, fds_warm), (rss_end, fds_end) = m["after_warmup"], m["end"]
+    results = world_of(4).run(spawn_fns.soak, 2000, 300, 11, case_timeout=500)
+    for rank, (transport, marks, counts) in enumerate(results):
+        assert transport == "ShmTransport", "the soak runs on the default one-host transport"
+        (rss_warm, fds_warm), (rss_end, fds_end) = marks["after_warmup"], marks["end"]
         assert fds_end == fds_warm, f"rank {rank}: open file descriptors went from {fds_warm} to {fds_end}"
         assert rss_end - rss_warm < 16 << 20, f"rank {rank}: RSS grew by {(rss_end - rss_warm) >> 20} MiB"
+    counts = results[0][2]
+    assert all(counts.get(("all_reduce", a), 0) >= 50 for a in ALGORITHMS), counts
+    assert counts[("broadcast", "")] >= 50 and counts[("reduce_scatter", "")] >= 50, counts
 
 
 @pytest.mark.timeout(600)
