@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,6 +66,58 @@ def train(mode, opt_kind, steps, local_batch, num_servers, staleness=0, straggle
     traffic = gs.traffic()
     ps.close()
     return "worker", {n: p.detach().clone() for n, p in model.named_parameters()}, ps.stats(), traffic
+
+
+def _mark(sync_dir, rank, clock):
+    Path(sync_dir, f"{rank}.pull{clock}").touch()
+
+
+def _wait_for_marks(sync_dir, ranks, clock, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in ranks if not Path(sync_dir, f"{r}.pull{clock}").exists()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers {missing} did not reach their pull at clock {clock} within {timeout:.0f} s")
+        time.sleep(0.002)
+
+
+def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
+    """One server (rank 0), SGD; the straggler's pace set by the others' progress, not by sleeps.
+
+    Every worker marks (a file in ``sync_dir``) that it is entering its pull at clock c. Before its
+    push k, the straggler waits until every other worker has entered its pull at clock
+    min(k + lead, steps), then ``grace_s`` more, so that a pull the server answers too early has been
+    answered before the push starts. Workers record, on the monotonic clock (one clock for every
+    process of the host), when each pull returned and when each push started.
+
+    Returns ("server", stats, traffic) or ("worker", rank, pull_returned, push_started)."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode, staleness=staleness)
+    gs.traffic_reset()
+    if ps.is_server:
+        ps.serve()
+        return "server", ps.stats(), gs.traffic()
+    others = [r for r in range(1, w.world_size) if r != w.rank]
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    pull_returned, push_started = [], []
+    for step in range(steps):
+        _mark(sync_dir, w.rank, step)
+        ps.pull()
+        pull_returned.append(time.monotonic())
+        nn.functional.cross_entropy(model(x), y).backward()
+        if w.rank == straggler:
+            _wait_for_marks(sync_dir, others, min(step + lead, steps))
+            time.sleep(grace_s)
+        push_started.append(time.monotonic())
+        ps.push()
+    _mark(sync_dir, w.rank, steps)
+    ps.pull()
+    pull_returned.append(time.monotonic())
+    ps.close()
+    return "worker", w.rank, pull_returned, push_started
 
 
 def dead_worker(victim, steps_before_death):
