@@ -199,27 +199,72 @@ def diverged_replicas():
 
 
 def compressed_grads(hook, numel):
-    """One bucket's average through a compression hook, next to the exact float64 average."""
+    """One bucket's average through a compression hook, next to the exact float64 average of every
+    rank's local values (each rank draws them all from the same seeds; no collective involved)."""
     from gradsync.ddp.hooks import BUILTIN
     w = gs.world()
-    g = torch.Generator().manual_seed(100 + w.rank)
-    local = torch.randn(numel, generator=g, dtype=torch.float64) * 10
-    exact = gs.all_reduce(local.clone(), op="avg")
-    flat = local.to(torch.float32)
+
+    def local_of(rank):
+        return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64) * 10
+    exact = torch.stack([local_of(r) for r in range(w.world_size)]).mean(dim=0)
+    flat = local_of(w.rank).to(torch.float32)
     BUILTIN[hook](flat, "ring")
     return flat.double(), exact
 
 
+class _HoldBackward(torch.autograd.Function):
+    """Identity whose backward waits (up to 30 s) until ``started`` is set."""
+
+    @staticmethod
+    def forward(ctx, x, started):
+        ctx.started = started
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.started.wait(30.0):
+            raise RuntimeError("no bucket's all-reduce started while backward was running")
+        return grad, None
+
+
+class HeldStack(nn.Module):
+    """Eight 512x512 layers; backward stops between the first two until ``started`` is set."""
+
+    def __init__(self, started):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+        self.started = started
+
+    def forward(self, x):
+        x = _HoldBackward.apply(self.layers[0](x), self.started)
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return x
+
+
 def traced_overlap(steps):
+    """DDP with the trace on. The comm hook (the default average) first signals that a bucket's
+    reduction has started, and backward cannot finish before that signal: on a busy machine the
+    communication thread may be scheduled late, but the reduction must still start during backward,
+    or backward fails after 30 s."""
+    import threading
+
+    from gradsync.ddp.hooks import allreduce_avg
     w = gs.world()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
-    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=1)
+    started = threading.Event()
+    model = HeldStack(started)
+
+    def signal_then_average(flat, algorithm):
+        started.set()
+        allreduce_avg(flat, algorithm)
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=1, comm_hook=signal_then_average)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     tracer = trace.enable(w.rank)
     x = torch.randn(256, 512)
     for _ in range(steps):
         opt.zero_grad()
+        started.clear()
         ddp(x).pow(2).mean().backward()
         with trace.span("optimizer", "compute"):
             opt.step()

@@ -128,7 +128,8 @@ def test_timeline_shows_communication_during_backward(world_of, tmp_path):
         ends = [e["ts"] for e in rank_events if e["name"] == "backward end"]
         comm = [e for e in rank_events if e["name"].startswith("all_reduce bucket")]
         assert len(comm) == 3 * n_buckets
-        # in the last iteration, the first bucket's reduction started before backward ended
+        # in the last iteration, the first bucket's reduction started before backward ended (backward
+        # waits for it to start: ddp_fns.traced_overlap), so some communication time overlaps backward
         first_bucket = [e for e in comm if e["args"]["bucket"] == 0][-1]
         assert first_bucket["ts"] < ends[-1]
         assert overlap is not None and 0.0 < overlap <= 1.0
