@@ -94,3 +94,121 @@ def transport_kind() -> str:
     """The class of the transport this rank's collectives use."""
     from gradsync.comm.transport import default_transport
     return type(default_transport()).__name__
+
+
+# --- every op x dtype x algorithm (test_collectives.py) -------------------------------------------
+
+WIDE_BASE = {torch.float64: 2 ** 40, torch.float32: 2 ** 14, torch.float16: 2 ** 5, torch.bfloat16: 2 ** 3,
+             torch.int64: 2 ** 33, torch.int32: 2 ** 17, torch.uint8: 4, torch.int8: 4}
+"""B per dtype for wide_contribution: every sum over up to 8 ranks stays exact in the dtype, while the
+values need more bits than the next narrower dtype has (float64 ones need > 24 mantissa bits, so a
+float64 -> float32 downcast anywhere changes them; int64 ones need > 32 bits; float32 ones > 11)."""
+
+FOLD = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
+        "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+"""The single-process oracle: torch's own elementwise op for each reduce op."""
+
+NATIVE = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "max": "MAX", "min": "MIN", "band": "BAND",
+          "bor": "BOR", "bxor": "BXOR"}
+
+
+def wide_contribution(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank r contributes (r+1)*B + (1 + i mod 3) at element i (B: WIDE_BASE); bool: (i + r) mod 3 == 0.
+    Integers wrap around in int8/uint8 sums and products, identically in every implementation."""
+    i = torch.arange(numel)
+    if dtype == torch.bool:
+        return (i + rank) % 3 == 0
+    return ((rank + 1) * WIDE_BASE[dtype] + 1 + i % 3).to(dtype)
+
+
+def folded(world_size: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """The reduction over every rank's wide_contribution, folded in rank order in one process."""
+    acc = wide_contribution(0, numel, dtype)
+    for rank in range(1, world_size):
+        acc = FOLD[op](acc, wide_contribution(rank, numel, dtype))
+    return acc.div(world_size) if op == "avg" else acc
+
+
+def product_rtol(dtype: torch.dtype, world_size: int) -> float:
+    """How far two orders of N-1 float multiplications may drift apart: each rounds by up to eps/2."""
+    return 2 * world_size * torch.finfo(dtype).eps
+
+
+def _agrees(ours: torch.Tensor, reference: torch.Tensor, exact: bool, world_size: int) -> bool:
+    if ours.dtype != reference.dtype or ours.shape != reference.shape:
+        return False
+    if exact:
+        return torch.equal(ours, reference)
+    return torch.allclose(ours.double(), reference.double(), rtol=product_rtol(ours.dtype, world_size), atol=0.0,
+                          equal_nan=True)
+
+
+def op_dtype_algorithm_cases(cases: list) -> list:
+    """Run each (algorithm, dtype, op, numel) twice through gs.all_reduce and once through
+    torch.distributed's gloo on the same input; compare with folded() and with gloo here and return,
+    per case, (problem or None, digest of our result) so the test can check every rank agrees
+    bit for bit without shipping the tensors back. Float products are compared within product_rtol
+    (their rounding depends on the reduction order); everything else exactly."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    w = gs.world()
+    answers = []
+    for algorithm, dtype, op, numel in cases:
+        exact = not (op == "product" and dtype.is_floating_point)
+        closed = folded(w.world_size, numel, dtype, op)
+        native = wide_contribution(w.rank, numel, dtype)
+        if w.world_size > 1 and numel > 0:
+            dist.all_reduce(native, op=getattr(dist.ReduceOp, NATIVE[op]))
+        else:
+            native = closed
+        problem, results = None, []
+        for call in range(2):  # twice in a row: both calls right
+            t = wide_contribution(w.rank, numel, dtype)
+            gs.all_reduce(t, op=op, algorithm=algorithm)
+            results.append(t)
+            if not _agrees(t, closed, exact, w.world_size):
+                problem = f"call {call + 1} differs from the single-process fold"
+            elif not _agrees(t, native, exact, w.world_size):
+                problem = f"call {call + 1} differs from torch.distributed (gloo)"
+        if not torch.equal(results[0], results[1]):
+            problem = problem or "two calls on the same input differ"
+        answers.append((problem, hashlib.sha1(results[0].view(torch.uint8).numpy().tobytes()).hexdigest()))
+    return answers
+
+
+def segmented_case(numel: int, dtype: torch.dtype, op: str, segment_bytes: int):
+    """Ring all-reduce and ring reduce-scatter + all-gather with ``segment_bytes`` on the wire, so one
+    chunk crosses many segments (the pipelined path), against folded()."""
+    from gradsync.comm.allreduce_ring import all_gather_ring, allreduce_ring, reduce_scatter_ring
+    from gradsync.comm.reduce_ops import REDUCTIONS
+    from gradsync.comm.transport import default_transport
+
+    w, transport = gs.world(), default_transport()
+    reduction = REDUCTIONS[op]
+    t = wide_contribution(w.rank, numel, dtype)
+    allreduce_ring(t, transport, reduction=reduction, segment_bytes=segment_bytes)
+    halves = wide_contribution(w.rank, numel, dtype)
+    chunks = reduce_scatter_ring(halves, transport, "test/segmented", segment_bytes, reduction.combine)
+    reduction.finish(chunks.view(halves, w.rank), w.world_size)
+    shard = chunks.view(halves, w.rank).clone()
+    all_gather_ring(halves, chunks, transport, "test/segmented", segment_bytes)
+    return t, shard, halves
+
+
+def scatter_gather_closed_cases(cases: list) -> list:
+    """For each (dtype, op, numel): gs.reduce_scatter then gs.all_gather, beside torch.distributed's
+    all-reduce of the same input."""
+    import torch.distributed as dist
+
+    w = gs.world()
+    answers = []
+    for dtype, op, numel in cases:
+        shard = gs.reduce_scatter(wide_contribution(w.rank, numel, dtype), op=op)
+        full = gs.all_gather(shard)
+        native = wide_contribution(w.rank, numel, dtype)
+        if w.world_size > 1 and numel > 0:
+            dist.all_reduce(native, op=getattr(dist.ReduceOp, NATIVE[op]))
+        answers.append((shard, full, native))
+    return answers

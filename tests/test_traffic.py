@@ -19,7 +19,7 @@ def test_ring_chunks_worked_examples():
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
 def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
     pool = world_of(world_size)
-    numel = 1024 * world_size * 3  # divisible by N; 3 ring segments at the default segment size... and more
+    numel = 1024 * world_size * 3  # divisible by N (each chunk fits one segment; test_collectives crosses many)
     for dtype in (torch.float32, torch.float16):
         m_bytes = numel * torch.tensor([], dtype=dtype).element_size()
         for rank, t in enumerate(pool.run(cases.traffic_case, numel, dtype, "ring")):
