@@ -37,17 +37,17 @@ def size_mismatch():
 
 
 def killed_mid_collective():
-    """Rank 1 SIGKILLs itself inside a run of all-reduces; rank 0 reports how long it took to notice."""
+    """Rank 1 SIGKILLs itself inside a run of all-reduces. A rank that notices by itself before the
+    launcher stops it returns quietly: the launcher's error is what the test checks."""
     w = gs.world()
     x = torch.ones(1 << 20)
     for step in range(1000):
         if w.rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGKILL)
-        started = time.monotonic()
         try:
             gs.all_reduce(x, op="avg")
-        except PeerError as exc:
-            return time.monotonic() - started, str(exc), job_names()
+        except PeerError:
+            return None
     return None
 
 
@@ -74,17 +74,58 @@ def shared_memory_pieces(stage_numel: int):
 
 
 def detect_death(report_dir: str):
-    """Rank 1 SIGKILLs itself while rank 0 waits in an all-reduce; no launcher is involved (the test
-    pool does not stop the others), so rank 0 must notice by itself. Each side writes its clock."""
+    """Rank 0 waits in an all-reduce that rank 1 never joins; once rank 0 has checked at least once
+    that rank 1 is alive (so it is waiting), a thread of rank 0 SIGKILLs rank 1 and records when
+    /proc first shows it dead. No launcher is involved (the test pool does not stop the others), so
+    rank 0 must notice by itself. Rank 0 writes report.json: every liveness check of rank 1's pid
+    (monotonic start time, result), when the death became observable, when the error came, and the
+    error. Rank 1 writes its pid and sleeps until killed."""
+    import json
+    import threading
+
+    from gradsync.comm import shm
+
     w = gs.world()
     if w.rank == 1:
-        time.sleep(0.5)
-        Path(report_dir, "killed").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        Path(report_dir, "pid").write_text(str(os.getpid()))
+        time.sleep(60)
+        return None
+    pid_file = Path(report_dir, "pid")
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.01)
+    victim = int(pid_file.read_text())
+    checks, observable = [], []
+    real_alive = shm._alive
+
+    def recorded_alive(pid):
+        started = time.monotonic()
+        alive = real_alive(pid)
+        if pid == victim:
+            checks.append((started, alive))
+        return alive
+
+    def kill_once_waiting():
+        while not checks:
+            time.sleep(0.005)
+        os.kill(victim, signal.SIGKILL)
+        while real_alive(victim):
+            time.sleep(0.001)
+        observable.append(time.monotonic())
+
+    shm._alive = recorded_alive
+    killer = threading.Thread(target=kill_once_waiting, daemon=True)
+    killer.start()
     try:
         gs.all_reduce(torch.ones(8))
+        error, error_at = "no error", time.monotonic()
     except PeerError as exc:
-        Path(report_dir, "noticed").write_text(repr(time.time()) + "\n" + str(exc))
+        error, error_at = str(exc), time.monotonic()
+    finally:
+        shm._alive = real_alive
+    killer.join(10)
+    Path(report_dir, "report.json").write_text(json.dumps(
+        {"pid": victim, "checks": checks, "observable": observable[0] if observable else None,
+         "error_at": error_at, "error": error}))
     return None
 
 
