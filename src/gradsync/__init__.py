@@ -1,19 +1,42 @@
-"""gradsync: data-parallel training for PyTorch, from parameter server to ring all-reduce."""
+"""gradsync: data-parallel training for PyTorch, from parameter server to ring all-reduce.
 
-from gradsync.comm.collectives import all_gather, all_reduce, broadcast, reduce_scatter
-from gradsync.data import DistributedSampler
-from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
-from gradsync.launch import SpawnError, spawn
-from gradsync.meter import traffic, traffic_reset
-from gradsync.ps import ParameterServer
-from gradsync.runtime import World, init, shutdown, world
-from gradsync.zero import ShardedOptimizer
+The public names are loaded on first use (PEP 562), all together: torch imports gradsync.c10d
+when torch itself is imported (the "torch.backends" entry point that registers the
+torch.distributed backend "gradsync"), and that must stay cheap.
+"""
+
+import importlib
+
+from gradsync.c10d import register as _register_backend
+
+_register_backend()  # torch.distributed.init_process_group("gradsync") works after `import gradsync`
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init", "shutdown", "world", "World", "spawn", "SpawnError",
-    "DistributedDataParallel", "ReplicaMismatchError", "DistributedSampler", "ParameterServer",
-    "ShardedOptimizer",
-    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "traffic", "traffic_reset",
-]
+_SOURCES = {
+    "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "world": "gradsync.runtime",
+    "World": "gradsync.runtime", "spawn": "gradsync.launch", "SpawnError": "gradsync.launch",
+    "DistributedDataParallel": "gradsync.ddp.wrapper", "ReplicaMismatchError": "gradsync.ddp.wrapper",
+    "DistributedSampler": "gradsync.data", "ParameterServer": "gradsync.ps", "ShardedOptimizer": "gradsync.zero",
+    "all_reduce": "gradsync.comm.collectives", "reduce_scatter": "gradsync.comm.collectives",
+    "all_gather": "gradsync.comm.collectives", "broadcast": "gradsync.comm.collectives",
+    "traffic": "gradsync.meter", "traffic_reset": "gradsync.meter",
+}
+
+__all__ = list(_SOURCES)
+
+
+def _load_public_names() -> None:
+    for name, module in _SOURCES.items():
+        globals()[name] = getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    _load_public_names()
+    return globals()[name]
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

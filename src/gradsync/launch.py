@@ -227,6 +227,12 @@ def _where(stack_path: Path) -> str | None:
     return " <- ".join(frames[:4]) + (" <- ..." if len(frames) > 4 else "")
 
 
+def _first_line(traceback_text: str) -> str:
+    # A rank stopped while writing its error file leaves it empty or partial.
+    lines = traceback_text.strip().splitlines()
+    return lines[0] if lines else "an error (its report was cut short when the rank was stopped)"
+
+
 def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -> SpawnError:
     if failed == -1:
         return SpawnError("spawn: the ranks did not finish within join_timeout; all were stopped", -1, {})
@@ -236,10 +242,10 @@ def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) 
     died = [r for r, code in exit_codes.items() if code not in (None, 0) and r not in tracebacks]
     primary = failed if failed not in tracebacks or not died else died[0]
     if primary in tracebacks:
-        what = f"rank {primary} raised {tracebacks[primary].splitlines()[0]}"
+        what = f"rank {primary} raised {_first_line(tracebacks[primary])}"
     else:
         what = f"rank {primary} {_describe_exit(exit_codes[primary])}"
-    others = [f"  rank {r}: {tb.splitlines()[0]}" for r, tb in sorted(tracebacks.items()) if r != primary]
+    others = [f"  rank {r}: {_first_line(tb)}" for r, tb in sorted(tracebacks.items()) if r != primary]
     message = f"spawn: {what}; the other ranks were stopped."
     if others:
         message += "\nother ranks reported:\n" + "\n".join(others)

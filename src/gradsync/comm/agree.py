@@ -26,9 +26,11 @@ from gradsync.comm.reduce_ops import DTYPES
 from gradsync.comm.reduce_ops import OPS as REDUCE_OPS
 from gradsync.comm.transport import Transport
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+         "barrier")
 OPS = ("none",) + REDUCE_OPS
-ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory")
+ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory",
+              "linear", "pairwise")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -58,7 +60,7 @@ class Fingerprint:
         return Fingerprint(KINDS[k], seq, numel, DTYPES[dt], OPS[op], ALGORITHMS[algo], root)
 
     def describe(self) -> str:
-        extra = f", root={self.root}" if self.kind == "broadcast" else ""
+        extra = f", root={self.root}" if self.kind in ("broadcast", "reduce", "gather", "scatter") else ""
         return (f"{self.kind} #{self.sequence} of {self.numel} {str(self.dtype).replace('torch.', '')} "
                 f"elements (op={self.op}, algorithm={self.algorithm}{extra})")
 

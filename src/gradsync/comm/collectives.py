@@ -13,9 +13,16 @@ op: "sum" | "avg" | "product" | "max" | "min" | "band" | "bor" | "bxor" (reduce_
 a floating dtype, the bitwise ones an integer or bool dtype). Reductions run in the tensor's own
 dtype with torch's elementwise semantics, as torch.distributed's gloo does, and every rank ends with
 bit-identical values.
+
+Each public function runs on gradsync's world (runtime.world(), joined on first use where the
+program made torch.distributed's world). Its ``*_in(place, ...)`` twin runs on any Place (a World
+and the transport between its ranks): the torch.distributed backend (c10d/) runs one per process
+group.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,14 +54,27 @@ _IMPLEMENTATIONS = {
 }
 
 
-def _check_tensor(tensor, what: str) -> None:
+@dataclass(frozen=True)
+class Place:
+    """Where a collective runs: the ranks (a World) and the transport that connects them."""
+
+    world: runtime.World
+    transport: Transport
+
+
+def here() -> Place:
+    """gradsync's own world and its transport."""
+    return Place(runtime.world(), default_transport())
+
+
+def _check_tensor(tensor, what: str, w: runtime.World) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPES:
         names = ", ".join(dtype_name(d) for d in DTYPES)
         raise TypeError(f"{what}: dtype {dtype_name(tensor.dtype)} is not supported; use one of {names}")
-    if tensor.is_cuda and "nccl" not in runtime.world().backend:
-        raise RuntimeError(f"{what}: CUDA tensors need the NCCL backend; this world uses {runtime.world().backend!r}")
+    if tensor.is_cuda and "nccl" not in w.backend:
+        raise RuntimeError(f"{what}: CUDA tensors need the NCCL backend; this world uses {w.backend!r}")
 
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
@@ -63,9 +83,19 @@ _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": di
 assert set(_NATIVE_OPS) == set(OPS)
 
 
-def _agree(transport: Transport, fingerprint: Fingerprint) -> None:
+def agree_in(place: Place, fingerprint: Fingerprint) -> None:
+    """Compare ``fingerprint`` with the other ranks of ``place`` before a collective (agree.py)."""
+    _agree(place.world, place.transport, fingerprint)
+
+
+def next_sequence(place: Place) -> int:
+    """The sequence number of the next collective on ``place``."""
+    return _next_sequence(place.transport)
+
+
+def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
     stall.entered(fingerprint)
-    if runtime.world().debug:
+    if w.debug:
         check_everyone(transport, fingerprint)
     else:
         check_neighbours(transport, fingerprint)
@@ -92,25 +122,30 @@ def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
 @stall.tracked
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` across all ranks in place (op: see the module docstring) and return it."""
-    _check_tensor(tensor, "all_reduce")
+    return all_reduce_in(here(), tensor, op, algorithm)
+
+
+def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+    """all_reduce on ``place``."""
+    w, transport = place.world, place.transport
+    _check_tensor(tensor, "all_reduce", w)
     chosen = reduction(op, tensor.dtype, "all_reduce")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    w = runtime.world()
     if w.world_size == 1:
         return tensor
-    transport = default_transport()
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
     shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
     if algorithm == "auto":
         algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
-                                  shared_memory=shared_problem is None)
+                                  shared_memory=shared_problem is None,
+                                  link=None if shared_problem is None else select.shared_link(w))
     problem = (layout_error(w.hosts) if algorithm == "hierarchical"
                else shared_problem if algorithm == "shared_memory" else None)
     if problem:
         raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
-    _agree(transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
+    _agree(w, transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
     if flat.numel() > 0:
         if algorithm == "native":
             _native_all_reduce(flat, chosen, w)
@@ -128,14 +163,18 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     Chunk sizes follow ``ring_chunks``: n elements over N ranks, the first n mod N ranks get
     ceil(n/N) elements, the rest floor(n/N). ``tensor`` itself is left unchanged.
     """
-    _check_tensor(tensor, "reduce_scatter")
+    return reduce_scatter_in(here(), tensor, op)
+
+
+def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """reduce_scatter on ``place``."""
+    w, transport = place.world, place.transport
+    _check_tensor(tensor, "reduce_scatter", w)
     chosen = reduction(op, tensor.dtype, "reduce_scatter")
-    w = runtime.world()
     work = tensor.detach().reshape(-1).clone()
     if w.world_size == 1:
         return work
-    transport = default_transport()
-    _agree(transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
+    _agree(w, transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
     shard = chunks.view(work, w.rank)
     chosen.finish(shard, w.world_size)
@@ -148,12 +187,16 @@ def all_gather(shard: torch.Tensor) -> torch.Tensor:
 
     Shards may differ in size (reduce_scatter's uneven chunks do); they must agree in dtype.
     """
-    _check_tensor(shard, "all_gather")
-    w = runtime.world()
+    return all_gather_in(here(), shard)
+
+
+def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
+    """all_gather on ``place``."""
+    w, transport = place.world, place.transport
+    _check_tensor(shard, "all_gather", w)
     flat_shard = shard.detach().reshape(-1)
     if w.world_size == 1:
         return flat_shard.clone()
-    transport = default_transport()
     mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")
@@ -174,16 +217,20 @@ def all_gather(shard: torch.Tensor) -> torch.Tensor:
 @stall.tracked
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with its value on rank ``src``, in place; returns it."""
-    _check_tensor(tensor, "broadcast")
-    w = runtime.world()
+    return broadcast_in(here(), tensor, src)
+
+
+def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """broadcast on ``place``."""
+    w, transport = place.world, place.transport
+    _check_tensor(tensor, "broadcast", w)
     if not isinstance(src, int) or not 0 <= src < w.world_size:
         raise ValueError(f"broadcast: src must be a rank in 0..{w.world_size - 1}, got {src!r}")
     if w.world_size == 1:
         return tensor
-    transport = default_transport()
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
-    _agree(transport, Fingerprint("broadcast", _next_sequence(transport), flat.numel(), flat.dtype,
+    _agree(w, transport, Fingerprint("broadcast", _next_sequence(transport), flat.numel(), flat.dtype,
                                   "none", "binomial", root=src))
     if flat.numel() > 0:
         broadcast_binomial(flat, src, transport)

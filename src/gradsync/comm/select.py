@@ -58,9 +58,9 @@ def save_calibration(link: Link, extra: dict | None = None) -> Path:
     return path
 
 
-def shared_link() -> Link:
-    """Rank 0's calibration, identical on every rank of the current world."""
-    w = runtime.world()
+def shared_link(w: runtime.World | None = None) -> Link:
+    """Rank 0's calibration, identical on every rank of ``w`` (default: the current world)."""
+    w = w or runtime.world()
     link = _SHARED.get(id(w))
     if link is None:
         if w.world_size == 1 or w.store is None:

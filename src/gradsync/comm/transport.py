@@ -197,7 +197,8 @@ def transport_choice() -> str:
     return choice
 
 
-def _build(world: runtime.World) -> Transport:
+def build(world: runtime.World) -> Transport:
+    """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS)."""
     from gradsync.comm import doorbell, shm  # shm builds on this module
 
     choice = transport_choice()
@@ -217,7 +218,7 @@ def _build(world: runtime.World) -> Transport:
 
 def _connect(world: runtime.World) -> None:
     _disconnect()
-    _TRANSPORTS[id(world)] = _build(world)
+    _TRANSPORTS[id(world)] = build(world)
 
 
 def _disconnect() -> None:

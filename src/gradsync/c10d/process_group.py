@@ -1,0 +1,335 @@
+"""GradsyncProcessGroup: torch.distributed's ProcessGroup interface on gradsync's collectives.
+
+A thin adapter: each method takes torch's arguments (tensor lists, an options object), checks
+them, and queues one gradsync collective on the group's communication thread (work.py), which
+torch sees as a Work. The mapping:
+
+    torch method                         gradsync
+    allreduce, allreduce_coalesced       all_reduce_in (algorithm auto, or GRADSYNC_ALGORITHM)
+    broadcast                            broadcast_in (binomial tree)
+    allgather, _allgather_base,          all_gather_in (ring), split into torch's outputs
+      allgather_into_tensor_coalesced
+    reduce_scatter, _reduce_scatter_base reduce_scatter_in (ring); torch's equal pieces are the
+                                         ring's chunks
+    reduce                               all_reduce_in on a copy; the root keeps the result
+    gather, scatter                      gather_linear, scatter_linear (comm/rooted.py)
+    alltoall_base                        alltoall_pairwise (comm/rooted.py)
+    barrier                              all_reduce_in of one element
+    send, recv, recv_anysource           the transport's tagged messages (torch.distributed's gloo
+                                         on a private group): posted at once on the caller's
+                                         thread, so send/recv pairs in any order never deadlock
+
+Every collective first compares fingerprints with the other ranks (a mismatch names both ranks),
+every wait has the group's timeout, a dead rank on the same host is noticed within a fraction of
+a second, and every byte is counted by gradsync.traffic(). The group's ranks on one host talk
+through shared memory, exactly as in a world of gradsync's own.
+
+ReduceOps: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR on the dtypes reduce_ops.py lists
+(PREMUL_SUM is NCCL-only in torch and refused here). CUDA tensors need the
+"cpu:gradsync,cuda:nccl" backend string; they then go to an NCCL group on the same store.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradsync import runtime
+from gradsync.c10d.work import CommThread, TransferWork
+from gradsync.comm import transport as transports
+from gradsync.comm.agree import Fingerprint
+from gradsync.comm.collectives import (ALGORITHMS, Place, agree_in, all_gather_in, all_reduce_in, broadcast_in,
+                                       next_sequence, reduce_scatter_in)
+from gradsync.comm.reduce_ops import dtype_name
+from gradsync.comm.rooted import alltoall_pairwise, gather_linear, scatter_linear
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
+        dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
+        dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
+P2P_TAG_OFFSET = 1
+"""torch's tag t travels as tag t+1: tagged messages go over TCP (transport.py), tag 0 is the
+collectives' own, so a program's sends never meet a collective's bytes."""
+
+
+def _op_name(op) -> str:
+    kind = getattr(op, "op", op)  # a ReduceOp object or its RedOpType
+    for known, name in _OPS.items():
+        if kind == known or kind == getattr(known, "op", known):
+            return name
+    raise ValueError(f"gradsync backend: ReduceOp {op} is not supported on CPU; choose one of "
+                     f"SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR (PREMUL_SUM is NCCL-only)")
+
+
+def _algorithm() -> str:
+    algorithm = os.environ.get("GRADSYNC_ALGORITHM", "auto")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"GRADSYNC_ALGORITHM={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+def create(options) -> "GradsyncProcessGroup":
+    """Build the group torch asked for: this rank's World inside it, its transport, its thread."""
+    rank, size = options.group_rank, options.group_size
+    timeout = options.timeout.total_seconds()
+    store = dist.PrefixStore("gradsync", options.store)
+    name = str(options.group_id or "default")
+    hosts = ((0,),) if size == 1 else runtime.exchange_hosts(store, rank, size, timeout)
+    host = next(group for group in hosts if rank in group)
+    group_key = f"c10d/{name}/{id(options)}"
+    runtime.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
+                                                            timedelta(seconds=timeout)))
+    world = runtime.World(
+        rank=rank, world_size=size, local_rank=host.index(rank), local_world_size=len(host), backend="gradsync",
+        timeout=timeout, master_addr="", master_port=0,
+        debug=os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False"), store=store, hosts=hosts,
+        # the shared-memory segments' names carry this number: one per group, the same on every rank
+        generation=zlib.crc32(name.encode()) + (1 << 32), group_key=group_key, joined=True)
+    return GradsyncProcessGroup(world, transports.build(world), options.store)
+
+
+class GradsyncProcessGroup(dist.ProcessGroup):
+    """See the module docstring; every method returns a torch Work at once."""
+
+    def __init__(self, world: runtime.World, transport, torch_store) -> None:
+        super().__init__(world.rank, world.world_size)
+        self.place = Place(world, transport)
+        self._thread = CommThread(f"gradsync-c10d-r{world.rank}")
+        self._torch_store = torch_store
+        self._nccl = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "gradsync"
+
+    @property
+    def _world(self) -> runtime.World:
+        return self.place.world
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _run(self, what: str, tensors: list[torch.Tensor], operation):
+        """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``."""
+        for t in tensors:
+            if t.is_cuda:
+                raise RuntimeError(f"gradsync backend: {what} got a CUDA tensor; the 'gradsync' backend "
+                                   f"reduces CPU tensors: use init_process_group('cpu:gradsync,cuda:nccl') so "
+                                   f"CUDA tensors go to NCCL")
+            if t.is_sparse:
+                raise RuntimeError(f"gradsync backend: {what} got a sparse tensor ({dtype_name(t.dtype)}); "
+                                   f"sparse collectives are not supported, densify it first")
+
+        def run():
+            operation()
+            return tensors
+        return self._thread.submit(run)
+
+    def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0) -> None:
+        agree_in(self.place, Fingerprint(kind, next_sequence(self.place), numel, dtype, "none", algorithm, root))
+
+    # -- all-reduce ---------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        """See torch.distributed.all_reduce."""
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        algorithm = _algorithm()
+        return self._run("allreduce", tensors,
+                         lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """See torch.distributed.all_reduce_coalesced: one all-reduce per dtype over the tensors
+        flattened together."""
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        algorithm = _algorithm()
+
+        def run():
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                all_reduce_in(self.place, flat, op, algorithm)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        return self._run("allreduce_coalesced", tensors, run)
+
+    def reduce(self, tensors, opts):
+        """See torch.distributed.reduce: an all-reduce of a copy; only the root's tensor changes."""
+        op, root = _op_name(opts.reduceOp), opts.rootRank
+
+        def run():
+            for t in tensors:
+                result = all_reduce_in(self.place, t.detach().clone(), op, _algorithm())
+                if self.place.world.rank == root:
+                    t.copy_(result)
+        return self._run("reduce", tensors, run)
+
+    # -- broadcast, gathers, scatters -----------------------------------------------------------
+    def broadcast(self, tensors, opts):
+        """See torch.distributed.broadcast."""
+        return self._run("broadcast", tensors, lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors])
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """See torch.distributed.all_gather: output_tensors[0][r] <- rank r's input_tensors[0]."""
+        def run():
+            for outputs, tensor in zip(output_tensors, input_tensors):
+                full = all_gather_in(self.place, tensor)
+                offset = 0
+                for out in outputs:
+                    out.copy_(full[offset:offset + out.numel()].view_as(out))
+                    offset += out.numel()
+        flat = [t for outputs in output_tensors for t in outputs]
+        return self._run("allgather", flat + list(input_tensors), run)
+
+    def _allgather_base(self, output, input, opts=None):
+        """See torch.distributed.all_gather_into_tensor."""
+        return self._run("_allgather_base", [output, input],
+                         lambda: output.copy_(all_gather_in(self.place, input).view_as(output)))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """See torch.distributed.all_gather_into_tensor, for several pairs in one call."""
+        return self._run("allgather_into_tensor_coalesced", list(outputs) + list(inputs),
+                         lambda: [out.copy_(all_gather_in(self.place, inp).view_as(out))
+                                  for out, inp in zip(outputs, inputs)])
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        """See torch.distributed.reduce_scatter_tensor: input holds N equal pieces, output one."""
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        self._check_pieces("reduce_scatter_tensor", input.numel(), output.numel())
+        return self._run("_reduce_scatter_base", [output, input],
+                         lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """See torch.distributed.reduce_scatter: output_tensors[0] <- reduction of every rank's
+        input_tensors[0][rank]."""
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run():
+            for output, pieces in zip(output_tensors, input_tensors):
+                for piece in pieces:
+                    self._check_pieces("reduce_scatter", piece.numel() * len(pieces), output.numel())
+                flat = torch.cat([piece.reshape(-1) for piece in pieces])
+                output.copy_(reduce_scatter_in(self.place, flat, op).view_as(output))
+        flat = [t for pieces in input_tensors for t in pieces]
+        return self._run("reduce_scatter", list(output_tensors) + flat, run)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """See torch.distributed.reduce_scatter_tensor, for several pairs in one call."""
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for out, inp in zip(outputs, inputs):
+            self._check_pieces("reduce_scatter_tensor", inp.numel(), out.numel())
+        return self._run("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs),
+                         lambda: [out.copy_(reduce_scatter_in(self.place, inp, op).view_as(out))
+                                  for out, inp in zip(outputs, inputs)])
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """See torch.distributed.all_gather_coalesced: one allgather per input."""
+        return self.allgather(output_lists, input_tensors, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """See torch.distributed.all_to_all: output_tensors[r] <- rank r's input_tensors[this rank]."""
+        def run():
+            self._fingerprint("all_to_all", 0, input_tensors[0].dtype, "pairwise")
+            received = [t if t.is_contiguous() else t.contiguous() for t in output_tensors]
+            alltoall_pairwise(received, [t.contiguous() for t in input_tensors], self.place.transport)
+            for out, got in zip(output_tensors, received):
+                if out is not got:
+                    out.copy_(got)
+        return self._run("alltoall", list(output_tensors) + list(input_tensors), run)
+
+    # torch 2.13's Python API calls these names; its C++ callers (DDP, FSDP) the older ones above
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _check_pieces(self, what: str, total: int, piece: int) -> None:
+        if total != piece * self.place.world.world_size:
+            raise ValueError(f"gradsync backend: {what} needs the input to hold world_size="
+                             f"{self.place.world.world_size} pieces of the output's {piece} elements, got {total}")
+
+    def gather(self, output_tensors, input_tensors, opts):
+        """See torch.distributed.gather: the root's output_tensors[0][r] <- rank r's input."""
+        root, w = opts.rootRank, self.place.world
+
+        def run():
+            piece = input_tensors[0].contiguous()
+            self._fingerprint("gather", piece.numel(), piece.dtype, "linear", root)
+            outputs = output_tensors[0] if w.rank == root else None
+            staging = [o if o.is_contiguous() else o.contiguous() for o in outputs] if outputs else None
+            gather_linear(piece, staging, root, self.place.transport)
+            if outputs:
+                for o, s in zip(outputs, staging):
+                    if o is not s:
+                        o.copy_(s)
+        return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        """See torch.distributed.scatter: output_tensors[0] <- the root's input_tensors[0][rank]."""
+        root, w = opts.rootRank, self.place.world
+
+        def run():
+            out = output_tensors[0]
+            target = out if out.is_contiguous() else out.contiguous()
+            self._fingerprint("scatter", target.numel(), target.dtype, "linear", root)
+            pieces = [p.contiguous() for p in input_tensors[0]] if w.rank == root else None
+            scatter_linear(target, pieces, root, self.place.transport)
+            if target is not out:
+                out.copy_(target)
+        return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """See torch.distributed.all_to_all_single (splits along dim 0; empty lists: equal splits)."""
+        n_ranks = self.place.world.world_size
+
+        def splits(tensor, sizes):
+            rows = list(sizes) if len(sizes) else [tensor.shape[0] // n_ranks] * n_ranks
+            if len(rows) != n_ranks or sum(rows) != tensor.shape[0]:
+                raise ValueError(f"gradsync backend: all_to_all_single split sizes {rows} do not cover the "
+                                 f"{tensor.shape[0]} rows of a tensor in {n_ranks} parts")
+            return [piece.contiguous() for piece in torch.split(tensor, rows)]
+
+        def run():
+            self._fingerprint("all_to_all", 0, input.dtype, "pairwise")
+            received = splits(output, output_split_sizes)
+            alltoall_pairwise(received, splits(input, input_split_sizes), self.place.transport)
+            output.copy_(torch.cat(received).view_as(output))
+        return self._run("alltoall_base", [output, input], run)
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts=None):
+        """See torch.distributed.barrier: a one-element all-reduce."""
+        return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"))
+
+    # -- point-to-point -------------------------------------------------------------------------
+    def send(self, tensors, dst, tag):
+        """See torch.distributed.send (posted at once; the Work completes when the bytes are gone)."""
+        handles = [self.place.transport.isend(t.contiguous(), dst, "p2p/send", tag=tag + P2P_TAG_OFFSET)
+                   for t in tensors]
+        return TransferWork(handles, tensors)
+
+    def recv(self, tensors, src, tag):
+        """See torch.distributed.recv."""
+        return self._receive(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag):
+        """See torch.distributed.recv with src=None; work._source_rank() names the sender."""
+        return self._receive(tensors, None, tag)
+
+    def _receive(self, tensors, src, tag):
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError("gradsync backend: recv needs a contiguous tensor")
+        handles = [self.place.transport.irecv(t, src, "p2p/recv", tag=tag + P2P_TAG_OFFSET) for t in tensors]
+        return TransferWork(handles, tensors)
+
+    def shutdown(self) -> None:
+        """Stop the thread and close the transport (torch calls it when the group is destroyed)."""
+        self._thread.close()
+        close = getattr(self.place.transport, "close", None)
+        if close is not None:
+            close()
+        runtime.release_group(self.place.world.group_key)

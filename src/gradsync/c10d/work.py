@@ -1,0 +1,95 @@
+"""The one place where gradsync work becomes a torch Work: a FIFO thread per process group.
+
+torch's DDP launches a bucket's all-reduce from inside backward and waits for it later, so every
+operation of the backend must return at once and finish off the caller's thread. Each process
+group owns one communication thread; operations run on it one at a time in issue order (every
+rank issues the same collectives in the same order, so that order is also the order on the
+wire). A result or an exception completes a torch.futures.Future, and torch's Work is made from
+it: ``work.wait()`` returns when the data is ready and raises the operation's exception, and
+``work.get_future()`` is what DDP's communication hooks chain on. Every operation below has a
+timeout of its own (the transport's), so no Work waits forever.
+
+Point-to-point transfers are not queued: send and recv are posted at once on the caller's thread
+(a program may post a receive before the send it pairs with), and their TransferWork waits on the
+transport's handles when the program waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+
+class CommThread:
+    """One thread running a process group's operations in the order they were issued."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._closed = threading.Event()
+
+    def submit(self, operation: Callable[[], object]):
+        """Run ``operation()`` on the thread; a torch Work whose future's value is its return value."""
+        if self._closed.is_set():
+            raise RuntimeError("this gradsync process group was shut down; create a new one")
+        future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                result = operation()
+            except BaseException as exc:  # crosses to the waiting thread as the Work's error
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self._executor.submit(run)
+        return _create_work_from_future(future)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class TransferWork(dist.Work):
+    """A torch Work over posted transport handles (send, recv, recv from any rank)."""
+
+    def __init__(self, handles: list, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._handles = handles
+        self._tensors = tensors
+        self._source: int | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout=None) -> bool:
+        seconds = timeout.total_seconds() if timeout else None
+        with self._lock:
+            for handle in self._handles:
+                self._source = handle.wait(seconds or None)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(handle.done() for handle in self._handles)
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def _source_rank(self) -> int:
+        if self._source is None:
+            self.wait()
+        return self._source
+
+    def result(self) -> list[torch.Tensor]:
+        return self._tensors
+
+    def get_future(self):
+        future = torch.futures.Future()
+        try:
+            self.wait()
+            future.set_result(self._tensors)
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
