@@ -90,8 +90,10 @@ def detect_death(report_dir: str):
         Path(report_dir, "pid").write_text(str(os.getpid()))
         time.sleep(60)
         return None
-    pid_file = Path(report_dir, "pid")
+    pid_file, deadline = Path(report_dir, "pid"), time.monotonic() + 30.0
     while not pid_file.exists() or not pid_file.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 1 wrote no pid within 30 s")
         time.sleep(0.01)
     victim = int(pid_file.read_text())
     checks, observable = [], []
@@ -105,7 +107,9 @@ def detect_death(report_dir: str):
         return alive
 
     def kill_once_waiting():
-        while not checks:
+        while not checks:   # no liveness check within the wait: never killed, and the test fails
+            if time.monotonic() > deadline + 30.0:
+                return
             time.sleep(0.005)
         os.kill(victim, signal.SIGKILL)
         while real_alive(victim):

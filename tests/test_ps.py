@@ -112,7 +112,7 @@ def largest_gap_seen_by_workers(results) -> int:
 def test_ssp_never_exceeds_its_bound(world_of, tmp_path, bound):
     steps = 8
     # the straggler (rank 3) pushes step k only once the two other workers wait in their pull at
-    # clock k + bound + 1, which the bound must hold back; so the gap reaches the bound every step
+    # clock k + bound + 1, which the bound must hold back; so the workers see the gap reach the bound
     results = world_of(4).run(ps_fns.paced, "ssp", bound, steps, 3, bound + 1, str(tmp_path))
     gap = largest_gap_seen_by_workers(results)
     assert gap == bound, f"the workers saw a pull answered {gap} clocks ahead of the slowest worker (bound {bound})"
