@@ -88,14 +88,15 @@ def create(options) -> "GradsyncProcessGroup":
         debug=os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False"), store=store, hosts=hosts,
         # the shared-memory segments' names carry this number: one per group, the same on every rank
         generation=zlib.crc32(name.encode()) + (1 << 32), group_key=group_key, joined=True)
-    return GradsyncProcessGroup(world, transports.build(world), options.store)
+    return GradsyncProcessGroup(world, transports.build(world), options.store, name)
 
 
 class GradsyncProcessGroup(dist.ProcessGroup):
     """See the module docstring; every method returns a torch Work at once."""
 
-    def __init__(self, world: runtime.World, transport, torch_store) -> None:
+    def __init__(self, world: runtime.World, transport, torch_store, name: str = "") -> None:
         super().__init__(world.rank, world.world_size)
+        self._group_name, self._group_desc = name, ""
         self.place = Place(world, transport)
         self._thread = CommThread(f"gradsync-c10d-r{world.rank}")
         self._torch_store = torch_store
@@ -103,6 +104,22 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "gradsync"
+
+    # torch keeps a group's name and description on its C++ backends, which a Python group has
+    # none of; DeviceMesh and the group registry read them back through these.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     @property
     def _world(self) -> runtime.World:

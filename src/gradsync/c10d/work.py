@@ -5,8 +5,8 @@ operation of the backend must return at once and finish off the caller's thread.
 group owns one communication thread; operations run on it one at a time in issue order (every
 rank issues the same collectives in the same order, so that order is also the order on the
 wire). A result or an exception completes a torch.futures.Future, and torch's Work is made from
-it: ``work.wait()`` returns when the data is ready and raises the operation's exception, and
-``work.get_future()`` is what DDP's communication hooks chain on. Every operation below has a
+it (FutureWork): ``work.wait()`` returns when the data is ready and raises the operation's
+exception, and ``work.get_future()`` is what DDP's communication hooks chain on. Every operation below has a
 timeout of its own (the transport's), so no Work waits forever.
 
 Point-to-point transfers are not queued: send and recv are posted at once on the caller's thread
@@ -22,7 +22,23 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+
+
+class _Failure:
+    """An operation's exception, carried as a value (see _unwrap)."""
+
+    def __init__(self, exception: BaseException) -> None:
+        self.exception = exception
+
+
+def _unwrap(done: torch.futures.Future):
+    # Raising inside a callback is the one way from Python to a future that C++ sees as failed.
+    # Future.set_exception only stores a Python object that raises when Python reads it: torch's
+    # C++ DDP would take that object for the result and crash.
+    value = done.value()
+    if isinstance(value, _Failure):
+        raise value.exception
+    return value
 
 
 class CommThread:
@@ -36,22 +52,51 @@ class CommThread:
         """Run ``operation()`` on the thread; a torch Work whose future's value is its return value."""
         if self._closed.is_set():
             raise RuntimeError("this gradsync process group was shut down; create a new one")
-        future = torch.futures.Future()
+        outcome = torch.futures.Future()
 
         def run() -> None:
             try:
-                result = operation()
+                outcome.set_result(operation())
             except BaseException as exc:  # crosses to the waiting thread as the Work's error
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                outcome.set_result(_Failure(exc))
 
         self._executor.submit(run)
-        return _create_work_from_future(future)
+        return FutureWork(outcome.then(_unwrap))
 
     def close(self) -> None:
         self._closed.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class FutureWork(dist.Work):
+    """A torch Work over a torch.futures.Future. (torch's own _create_work_from_future returns a
+    Work whose wait() succeeds even when the future holds an error; this one raises it.)"""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()  # raises the operation's exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:
+            return False
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._future.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 class TransferWork(dist.Work):

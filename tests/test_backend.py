@@ -1,0 +1,105 @@
+"""The torch.distributed backend "gradsync" under torch's own API (c10d/).
+
+backend_script.py runs under torchrun with 4 ranks and compares everything with a gloo group over
+the same ranks in the same run (see its docstring); backend_kill_script.py SIGKILLs a rank of a
+torch DDP job. The registration tests run fresh interpreters, as a user's script would.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from gradsync.runtime import free_port
+
+HERE = Path(__file__).parent
+DOUBLE = 1e-12
+FP16_ON_THE_WIRE = 5e-3  # a few fp16 epsilons (9.8e-4), normwise, after 4 steps with momentum
+
+
+def _results(stdout: str) -> list[dict]:
+    decoder = json.JSONDecoder()
+    return sorted((decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:]), key=lambda row: row["rank"])
+
+
+@pytest.mark.timeout(300)
+def test_torch_programs_on_the_gradsync_backend_match_gloo():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(HERE / "backend_script.py")], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    rows = _results(out.stdout)
+    assert [row["rank"] for row in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert row["backend"] == "gradsync"
+        assert row["problems"] == [], row["problems"]
+        assert row["cases"] == 40
+        ddp = row["ddp"]
+        assert max(ddp["no_sync"], ddp["unused"], ddp["static"]) <= DOUBLE, ddp
+        assert ddp["fp16_hook"] <= FP16_ON_THE_WIRE, ddp
+        assert row["zero"] <= DOUBLE
+        rank, mismatch = row["rank"], row["mismatch"]
+        assert mismatch is not None and "collective mismatch between rank" in mismatch, mismatch
+        assert f"rank {rank} called all_reduce" in mismatch and f"of {10 + rank} float32 elements" in mismatch
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_of_a_torch_ddp_job_is_named_well_before_the_timeout(tmp_path):
+    n, timeout = 3, 60.0
+    port = free_port()
+    stamp = tmp_path / "killed_at"
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "KILL_TEST_TIMEOUT": str(timeout), "KILL_TEST_STAMP": str(stamp)}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "backend_kill_script.py")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [proc.communicate(timeout=100) for proc in procs]
+    assert procs[-1].returncode == -9  # the victim really died by SIGKILL
+    killed_at = float(stamp.read_text())
+    survivors = _results("".join(out for out, _ in outputs[:-1]))
+    assert [row["rank"] for row in survivors] == list(range(n - 1)), [err[-2000:] for _, err in outputs]
+    for row in survivors:
+        assert row["error"] is not None and f"rank {n - 1}" in row["error"], row["error"]
+        # gloo would wait out the whole timeout; gradsync sees the process gone (measured in
+        # `gradsync bench faults`; here only "far inside the timeout", robust on a busy machine)
+        assert row["raised_at"] - killed_at < timeout / 3, row
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def test_torch_finds_the_backend_by_itself_and_import_gradsync_registers_it():
+    found = _python("import torch.distributed as d; print('gradsync' in d.Backend.backend_list)")
+    assert found.stdout.strip() == "True", found.stderr
+    off = _python("import torch.distributed as d; a = 'gradsync' in d.Backend.backend_list; import gradsync; "
+                  "print(a, 'gradsync' in d.Backend.backend_list)", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert off.stdout.split() == ["False", "True"], off.stderr
+    light = _python("import sys, torch; print(sorted(m for m in sys.modules if m.startswith('gradsync')))")
+    assert light.stdout.strip() == "['gradsync', 'gradsync.c10d']", light.stdout  # registration only
+
+
+def test_init_without_a_store_or_environment_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "import torch.distributed as d; d.init_process_group('gradsync')"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0 and time.monotonic() - started < 30
+    assert "environment variable" in out.stderr and ("RANK" in out.stderr or "MASTER_ADDR" in out.stderr)
+
+
+def test_unsupported_reduce_op_names_the_alternatives():
+    from gradsync.c10d.process_group import _op_name
+
+    premul = dist._make_nccl_premul_sum(2.0)
+    with pytest.raises(ValueError, match="not supported on CPU; choose one of SUM, AVG"):
+        _op_name(premul)
+    assert _op_name(dist.ReduceOp.BXOR) == "bxor" and _op_name(dist.ReduceOp.AVG) == "avg"
