@@ -21,7 +21,8 @@ torch sees as a Work. The mapping:
 
 Every collective first compares fingerprints with the other ranks (a mismatch names both ranks),
 every wait has the group's timeout, a dead rank on the same host is noticed within a fraction of
-a second, and every byte is counted by gradsync.traffic(). The group's ranks on one host talk
+a second, the stall inspector (stall.py) watches the default group's collectives, and every byte
+is counted by gradsync.traffic(). The group's ranks on one host talk
 through shared memory, exactly as in a world of gradsync's own.
 
 ReduceOps: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR on the dtypes reduce_ops.py lists
@@ -38,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import runtime, stall
 from gradsync.c10d.work import CommThread, TransferWork
 from gradsync.comm import transport as transports
 from gradsync.comm.agree import Fingerprint
@@ -88,7 +89,10 @@ def create(options) -> "GradsyncProcessGroup":
         debug=os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False"), store=store, hosts=hosts,
         # the shared-memory segments' names carry this number: one per group, the same on every rank
         generation=zlib.crc32(name.encode()) + (1 << 32), group_key=group_key, joined=True)
-    return GradsyncProcessGroup(world, transports.build(world), options.store, name)
+    group = GradsyncProcessGroup(world, transports.build(world), options.store, name)
+    if not dist.is_initialized():  # torch's default group: the stall inspector watches its collectives
+        stall.start(world)
+    return group
 
 
 class GradsyncProcessGroup(dist.ProcessGroup):

@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gradsync import stall
+
 
 class _Failure:
     """An operation's exception, carried as a value (see _unwrap)."""
@@ -59,6 +61,8 @@ class CommThread:
                 outcome.set_result(operation())
             except BaseException as exc:  # crosses to the waiting thread as the Work's error
                 outcome.set_result(_Failure(exc))
+            finally:
+                stall.left()  # the stall inspector watches the operation in progress
 
         self._executor.submit(run)
         return FutureWork(outcome.then(_unwrap))
