@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 torch.set_num_threads(1)
-dist.init_process_group("gradsync", timeout=timedelta(seconds=float(os.environ["KILL_TEST_TIMEOUT"])))
+dist.init_process_group(os.environ.get("KILL_TEST_BACKEND", "gradsync"), timeout=timedelta(seconds=float(os.environ["KILL_TEST_TIMEOUT"])))
 rank, n = dist.get_rank(), dist.get_world_size()
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
