@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
     ddp.add_argument("--steps", type=_positive_int, default=15, help="timed steps per implementation (median)")
     ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ddp.add_argument("--backend", metavar="LIST", help="instead: torch's own DDP on each torch.distributed backend "
+                     "listed (e.g. gloo,gradsync), the first one the baseline; plus the torch API layer's cost")
+    ddp.add_argument("--rounds", type=_positive_int, default=3, help="with --backend: alternating runs per backend")
     ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
     ps.add_argument("--workers", type=_int_list, default=[2, 3, 4],
                     help="comma-separated worker counts W (the server is extra)")
@@ -285,8 +288,38 @@ def _bench_collectives(args) -> int:
     return 1 if wrong else 0
 
 
+def _bench_backends(args) -> int:
+    from gradsync.bench import backend
+
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if len(backends) < 1 or any(b not in ("gloo", "gradsync") for b in backends):
+        raise ValueError(f"--backend {args.backend!r}: give a comma-separated list of gloo and gradsync, e.g. gloo,gradsync")
+    steps, api = backend.run(args.workers, args.model, args.batch_size, args.steps, backends, args.rounds)
+    table = Table(title=f"torch DDP step, {args.model}, {args.workers} ranks, batch {args.batch_size}/rank; median "
+                        f"of {args.rounds} alternating runs (each the median of {args.steps} steps)")
+    for column in ("backend", "step (ms)", f"/{backends[0]}", "each run (ms)"):
+        table.add_column(column, justify="right")
+    for r in steps:
+        table.add_row(r["backend"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x", ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
+    _show(table, steps, None, 110)
+    if api:
+        table = Table(title="all_reduce through torch's API on the gradsync backend beside gs.all_reduce, same ranks")
+        for column in ("bytes", "dist.all_reduce (us)", "gs.all_reduce (us)", "api/direct"):
+            table.add_column(column, justify="right")
+        for r in api:
+            table.add_row(f"{r['bytes']:,}", f"{r['api_us']:.0f}", f"{r['direct_us']:.0f}", f"{r['ratio']:.2f}x")
+        _show(table, api, None, 110)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": steps, "api": api}, f, indent=2)
+    return 0
+
+
 def _bench_ddp(args) -> int:
     from gradsync.bench import ddp
+
+    if args.backend:
+        return _bench_backends(args)
 
     try:
         caps = [float(c) for c in args.bucket_mb.split(",") if c.strip()]
@@ -326,7 +359,7 @@ def _bench_ps(args) -> int:
                       f"{r['samples_per_s'] / ring['samples_per_s']:.2f}x", f"{r['step_ms']:.1f}",
                       f"{r['link_bytes_per_step'] / 2**20:.2f}", f"{r['formula_bytes'] / 2**20:.2f}",
                       str(r["staleness_max"]))
-    _show(table, rows, args.json)
+    _show(table, rows, args.json, 130)
     return 0
 
 
