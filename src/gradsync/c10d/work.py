@@ -16,8 +16,8 @@ transport's handles when the program waits.
 
 from __future__ import annotations
 
+import collections
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -43,44 +43,97 @@ def _unwrap(done: torch.futures.Future):
     return value
 
 
+class _Operation:
+    """One queued operation and the future its outcome completes."""
+
+    __slots__ = ("run", "outcome")
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.run = run
+        self.outcome = torch.futures.Future()
+
+    def execute(self) -> None:
+        try:
+            self.outcome.set_result(self.run())
+        except BaseException as exc:  # crosses to the waiting thread as the Work's error
+            self.outcome.set_result(_Failure(exc))
+        finally:
+            stall.left()  # the stall inspector watches the operation in progress
+
+
 class CommThread:
-    """One thread running a process group's operations in the order they were issued."""
+    """A process group's operations, run one at a time in the order they were issued.
+
+    A daemon thread takes them off the queue. A caller that waits for an operation still at the
+    head of the queue, with nothing running, runs it itself instead: a synchronous call
+    (dist.all_reduce without async_op) then costs no hand-over between threads, and the order is
+    the same either way."""
 
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._closed = threading.Event()
+        self._queue: collections.deque[_Operation] = collections.deque()
+        self._changed = threading.Condition()
+        self._running = False
+        self._closed = False
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def submit(self, operation: Callable[[], object]):
-        """Run ``operation()`` on the thread; a torch Work whose future's value is its return value."""
-        if self._closed.is_set():
-            raise RuntimeError("this gradsync process group was shut down; create a new one")
-        outcome = torch.futures.Future()
+        """Queue ``operation()``; a torch Work whose future's value is its return value."""
+        queued = _Operation(operation)
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("this gradsync process group was shut down; create a new one")
+            self._queue.append(queued)
+            self._changed.notify_all()
+        return FutureWork(queued.outcome.then(_unwrap), self, queued)
 
-        def run() -> None:
-            try:
-                outcome.set_result(operation())
-            except BaseException as exc:  # crosses to the waiting thread as the Work's error
-                outcome.set_result(_Failure(exc))
-            finally:
-                stall.left()  # the stall inspector watches the operation in progress
+    def run_if_next(self, queued: _Operation) -> None:
+        """Run ``queued`` on this (waiting) thread if it is next and nothing is running."""
+        with self._changed:
+            if self._running or not self._queue or self._queue[0] is not queued:
+                return
+            self._queue.popleft()
+            self._running = True
+        self._finish(queued)
 
-        self._executor.submit(run)
-        return FutureWork(outcome.then(_unwrap))
+    def _finish(self, queued: _Operation) -> None:
+        try:
+            queued.execute()
+        finally:
+            with self._changed:
+                self._running = False
+                self._changed.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while not self._closed and (self._running or not self._queue):
+                    self._changed.wait()
+                if self._closed:
+                    return
+                queued = self._queue.popleft()
+                self._running = True
+            self._finish(queued)
 
     def close(self) -> None:
-        self._closed.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._changed:
+            self._closed = True
+            self._queue.clear()
+            self._changed.notify_all()
 
 
 class FutureWork(dist.Work):
     """A torch Work over a torch.futures.Future. (torch's own _create_work_from_future returns a
     Work whose wait() succeeds even when the future holds an error; this one raises it.)"""
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    def __init__(self, future: torch.futures.Future, thread: CommThread | None = None,
+                 queued: _Operation | None = None) -> None:
         super().__init__()
         self._future = future
+        self._thread, self._queued = thread, queued
 
     def wait(self, timeout=None) -> bool:
+        if self._thread is not None and not self._future.done():
+            self._thread.run_if_next(self._queued)
         self._future.wait()  # raises the operation's exception
         return True
 
