@@ -250,7 +250,14 @@ try:
 except Exception as exc:  # the message is what the test checks
     mismatch = str(exc)
 
-result = {"rank": RANK, "problems": problems, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
+# -- CUDA work on the plain "gradsync" string: refused with the string that would route it --------
+try:
+    dist.distributed_c10d._get_default_group()._nccl_group("allreduce")  # what a CUDA tensor reaches
+    cuda_refusal = None
+except RuntimeError as exc:
+    cuda_refusal = str(exc)
+
+result = {"rank": RANK, "problems": problems, "cuda_refusal": cuda_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
           "mismatch": mismatch, "backend": dist.get_backend()}
 os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()

@@ -32,6 +32,7 @@ ReduceOps: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR on the dtypes reduce_ops
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from datetime import timedelta
@@ -54,6 +55,29 @@ _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUC
 P2P_TAG_OFFSET = 1
 """torch's tag t travels as tag t+1: tagged messages go over TCP (transport.py), tag 0 is the
 collectives' own, so a program's sends never meet a collective's bytes."""
+
+
+def _tensors_in(values) -> list[torch.Tensor]:
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += _tensors_in(value)
+    return found
+
+
+def _cuda_to_nccl(method):
+    """CUDA tensors go to the same method of an NCCL group on the same store (made on first use)
+    when the backend string was "cpu:gradsync,cuda:nccl"; CPU tensors run here. (torch stops at
+    the first device's backend when that backend is a Python ProcessGroup, so the group itself has
+    to send CUDA work on.)"""
+    @functools.wraps(method)
+    def route(self, *args):
+        if any(t.is_cuda for t in _tensors_in(args)):
+            return getattr(self._nccl_group(method.__name__), method.__name__)(*args)
+        return method(self, *args)
+    return route
 
 
 def _op_name(op) -> str:
@@ -130,13 +154,22 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self.place.world
 
     # -- helpers ------------------------------------------------------------------------------
+    def _nccl_group(self, what: str):
+        if self._nccl is None:
+            config = str(dist.distributed_c10d._world.pg_backend_config.get(self, ""))
+            if "cuda:nccl" not in config:
+                raise RuntimeError(f"gradsync backend: {what} got a CUDA tensor; the 'gradsync' backend reduces CPU "
+                                   f"tensors: use init_process_group('cpu:gradsync,cuda:nccl') so CUDA tensors go "
+                                   f"to NCCL (this group was made with {config or 'gradsync'!r})")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=self.place.world.timeout)
+            self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._torch_store), self.place.world.rank,
+                                               self.place.world.world_size, options)
+        return self._nccl
+
     def _run(self, what: str, tensors: list[torch.Tensor], operation):
         """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``."""
         for t in tensors:
-            if t.is_cuda:
-                raise RuntimeError(f"gradsync backend: {what} got a CUDA tensor; the 'gradsync' backend "
-                                   f"reduces CPU tensors: use init_process_group('cpu:gradsync,cuda:nccl') so "
-                                   f"CUDA tensors go to NCCL")
             if t.is_sparse:
                 raise RuntimeError(f"gradsync backend: {what} got a sparse tensor ({dtype_name(t.dtype)}); "
                                    f"sparse collectives are not supported, densify it first")
@@ -150,6 +183,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         agree_in(self.place, Fingerprint(kind, next_sequence(self.place), numel, dtype, "none", algorithm, root))
 
     # -- all-reduce ---------------------------------------------------------------------------
+    @_cuda_to_nccl
     def allreduce(self, tensors, opts=None):
         """See torch.distributed.all_reduce."""
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -157,6 +191,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("allreduce", tensors,
                          lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors])
 
+    @_cuda_to_nccl
     def allreduce_coalesced(self, tensors, opts=None):
         """See torch.distributed.all_reduce_coalesced: one all-reduce per dtype over the tensors
         flattened together."""
@@ -176,6 +211,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                     offset += t.numel()
         return self._run("allreduce_coalesced", tensors, run)
 
+    @_cuda_to_nccl
     def reduce(self, tensors, opts):
         """See torch.distributed.reduce: an all-reduce of a copy; only the root's tensor changes."""
         op, root = _op_name(opts.reduceOp), opts.rootRank
@@ -188,10 +224,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("reduce", tensors, run)
 
     # -- broadcast, gathers, scatters -----------------------------------------------------------
+    @_cuda_to_nccl
     def broadcast(self, tensors, opts):
         """See torch.distributed.broadcast."""
         return self._run("broadcast", tensors, lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors])
 
+    @_cuda_to_nccl
     def allgather(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_gather: output_tensors[0][r] <- rank r's input_tensors[0]."""
         def run():
@@ -204,17 +242,20 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for outputs in output_tensors for t in outputs]
         return self._run("allgather", flat + list(input_tensors), run)
 
+    @_cuda_to_nccl
     def _allgather_base(self, output, input, opts=None):
         """See torch.distributed.all_gather_into_tensor."""
         return self._run("_allgather_base", [output, input],
                          lambda: output.copy_(all_gather_in(self.place, input).view_as(output)))
 
+    @_cuda_to_nccl
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.all_gather_into_tensor, for several pairs in one call."""
         return self._run("allgather_into_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(all_gather_in(self.place, inp).view_as(out))
                                   for out, inp in zip(outputs, inputs)])
 
+    @_cuda_to_nccl
     def _reduce_scatter_base(self, output, input, opts=None):
         """See torch.distributed.reduce_scatter_tensor: input holds N equal pieces, output one."""
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -222,6 +263,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("_reduce_scatter_base", [output, input],
                          lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)))
 
+    @_cuda_to_nccl
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.reduce_scatter: output_tensors[0] <- reduction of every rank's
         input_tensors[0][rank]."""
@@ -236,6 +278,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for pieces in input_tensors for t in pieces]
         return self._run("reduce_scatter", list(output_tensors) + flat, run)
 
+    @_cuda_to_nccl
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.reduce_scatter_tensor, for several pairs in one call."""
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -245,10 +288,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                          lambda: [out.copy_(reduce_scatter_in(self.place, inp, op).view_as(out))
                                   for out, inp in zip(outputs, inputs)])
 
+    @_cuda_to_nccl
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """See torch.distributed.all_gather_coalesced: one allgather per input."""
         return self.allgather(output_lists, input_tensors, opts)
 
+    @_cuda_to_nccl
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_to_all: output_tensors[r] <- rank r's input_tensors[this rank]."""
         def run():
@@ -271,6 +316,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             raise ValueError(f"gradsync backend: {what} needs the input to hold world_size="
                              f"{self.place.world.world_size} pieces of the output's {piece} elements, got {total}")
 
+    @_cuda_to_nccl
     def gather(self, output_tensors, input_tensors, opts):
         """See torch.distributed.gather: the root's output_tensors[0][r] <- rank r's input."""
         root, w = opts.rootRank, self.place.world
@@ -287,6 +333,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                         o.copy_(s)
         return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run)
 
+    @_cuda_to_nccl
     def scatter(self, output_tensors, input_tensors, opts):
         """See torch.distributed.scatter: output_tensors[0] <- the root's input_tensors[0][rank]."""
         root, w = opts.rootRank, self.place.world
@@ -301,6 +348,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 out.copy_(target)
         return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run)
 
+    @_cuda_to_nccl
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """See torch.distributed.all_to_all_single (splits along dim 0; empty lists: equal splits)."""
         n_ranks = self.place.world.world_size
@@ -326,16 +374,19 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"))
 
     # -- point-to-point -------------------------------------------------------------------------
+    @_cuda_to_nccl
     def send(self, tensors, dst, tag):
         """See torch.distributed.send (posted at once; the Work completes when the bytes are gone)."""
         handles = [self.place.transport.isend(t.contiguous(), dst, "p2p/send", tag=tag + P2P_TAG_OFFSET)
                    for t in tensors]
         return TransferWork(handles, tensors)
 
+    @_cuda_to_nccl
     def recv(self, tensors, src, tag):
         """See torch.distributed.recv."""
         return self._receive(tensors, src, tag)
 
+    @_cuda_to_nccl
     def recv_anysource(self, tensors, tag):
         """See torch.distributed.recv with src=None; work._source_rank() names the sender."""
         return self._receive(tensors, None, tag)
