@@ -22,6 +22,7 @@ catches any real error (a result off by one part in 1e9 fails).
 """
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +36,18 @@ LAUNCH_TIMEOUT = 240
 
 
 def _launch(command: list[str], out: Path) -> None:
+    """Run a launcher (torchrun, or a script whose Lightning Trainer starts the other rank) in a
+    session of its own, so that a timeout ends every rank, not only the launcher."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command + [str(out)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env,
-                          cwd=out)
-    assert done.returncode == 0, f"{command} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    with subprocess.Popen(command + [str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=out, start_new_session=True) as launcher:
+        try:
+            stdout, stderr = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            stdout, stderr = launcher.communicate()
+            pytest.fail(f"{command} ran past {LAUNCH_TIMEOUT} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert launcher.returncode == 0, f"{command} failed ({launcher.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -75,6 +84,13 @@ def fsdp_run(tmp_path_factory) -> Path:
     return out
 
 
+def _fsdp_model():
+    """clients_fsdp.make_model, built here in one process."""
+    from torch import nn
+    return nn.Sequential(nn.Linear(7, 13, dtype=torch.float64), nn.Tanh(), nn.Linear(13, 13, dtype=torch.float64),
+                         nn.Tanh(), nn.Linear(13, 3, dtype=torch.float64))
+
+
 def _full(shards_per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """FSDP2 shards dim 0 in rank order (torch.chunk): the full tensor is their concatenation."""
     return {name: torch.cat([shards[name] for shards in shards_per_rank]) for name in shards_per_rank[0]}
@@ -87,20 +103,18 @@ def test_fsdp2_matches_gloo(fsdp_run):
         _assert_same_run({"losses": row["losses"]["gradsync"], "params": row["shards"]["gradsync"]},
                          {"losses": row["losses"]["gloo"], "params": row["shards"]["gloo"]}, f"fsdp2 rank {rank}")
     # the shards cover the model (13 rows: 7 + 6) and training moved every parameter
-    from torch import nn
     torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 13), nn.Tanh(), nn.Linear(13, 3)).double()
+    initial = _fsdp_model()
     trained = _full([row["shards"]["gloo"] for row in ranks])
     for name, param in initial.named_parameters():
         assert trained[name].shape == param.shape, name
         assert (trained[name] - param.detach()).abs().max() > 1e-4, f"{name} did not train"
 
 
-@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)  # the training launch too, when this test runs alone
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the 1-process load, as meant
 def test_checkpoint_saved_on_2_ranks_loads_on_3_and_on_1(fsdp_run):
     import torch.distributed.checkpoint as dcp
-    from torch import nn
 
     saved = _full([row["shards"]["gradsync"] for row in _load_ranks(fsdp_run, "fsdp", 2)])
     _launch(_torchrun(3, "clients_fsdp.py", "load"), fsdp_run)
@@ -112,7 +126,7 @@ def test_checkpoint_saved_on_2_ranks_loads_on_3_and_on_1(fsdp_run):
         assert torch.equal(on_three[name], tensor), name
 
     # the 3-rank model's forward pass (its all-gathers) against the same model in one process
-    plain = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 13), nn.Tanh(), nn.Linear(13, 3)).double()
+    plain = _fsdp_model()
     plain.load_state_dict(saved)
     with torch.no_grad():
         expected = plain(torch.linspace(-1, 1, 4 * 7, dtype=torch.float64).reshape(4, 7))
