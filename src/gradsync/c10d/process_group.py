@@ -167,8 +167,10 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                                                self.place.world.world_size, options)
         return self._nccl
 
-    def _run(self, what: str, tensors: list[torch.Tensor], operation):
-        """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``."""
+    def _run(self, what: str, tensors: list[torch.Tensor], operation, opts=None):
+        """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``. A
+        synchronous call (torch's opts.asyncOp False) does not wake the communication thread: the
+        caller waits at once and so runs the operation itself (work.py)."""
         for t in tensors:
             if t.is_sparse:
                 raise RuntimeError(f"gradsync backend: {what} got a sparse tensor ({dtype_name(t.dtype)}); "
@@ -177,7 +179,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         def run():
             operation()
             return tensors
-        return self._thread.submit(run)
+        return self._thread.submit(run, wake=getattr(opts, "asyncOp", True))
 
     def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0) -> None:
         agree_in(self.place, Fingerprint(kind, next_sequence(self.place), numel, dtype, "none", algorithm, root))
@@ -189,7 +191,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         algorithm = _algorithm()
         return self._run("allreduce", tensors,
-                         lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors])
+                         lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors], opts)
 
     @_cuda_to_nccl
     def allreduce_coalesced(self, tensors, opts=None):
@@ -209,7 +211,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
-        return self._run("allreduce_coalesced", tensors, run)
+        return self._run("allreduce_coalesced", tensors, run, opts)
 
     @_cuda_to_nccl
     def reduce(self, tensors, opts):
@@ -221,13 +223,14 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 result = all_reduce_in(self.place, t.detach().clone(), op, _algorithm())
                 if self.place.world.rank == root:
                     t.copy_(result)
-        return self._run("reduce", tensors, run)
+        return self._run("reduce", tensors, run, opts)
 
     # -- broadcast, gathers, scatters -----------------------------------------------------------
     @_cuda_to_nccl
     def broadcast(self, tensors, opts):
         """See torch.distributed.broadcast."""
-        return self._run("broadcast", tensors, lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors])
+        return self._run("broadcast", tensors,
+                         lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors], opts)
 
     @_cuda_to_nccl
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -240,20 +243,20 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                     out.copy_(full[offset:offset + out.numel()].view_as(out))
                     offset += out.numel()
         flat = [t for outputs in output_tensors for t in outputs]
-        return self._run("allgather", flat + list(input_tensors), run)
+        return self._run("allgather", flat + list(input_tensors), run, opts)
 
     @_cuda_to_nccl
     def _allgather_base(self, output, input, opts=None):
         """See torch.distributed.all_gather_into_tensor."""
         return self._run("_allgather_base", [output, input],
-                         lambda: output.copy_(all_gather_in(self.place, input).view_as(output)))
+                         lambda: output.copy_(all_gather_in(self.place, input).view_as(output)), opts)
 
     @_cuda_to_nccl
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.all_gather_into_tensor, for several pairs in one call."""
         return self._run("allgather_into_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(all_gather_in(self.place, inp).view_as(out))
-                                  for out, inp in zip(outputs, inputs)])
+                                  for out, inp in zip(outputs, inputs)], opts)
 
     @_cuda_to_nccl
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -261,7 +264,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         self._check_pieces("reduce_scatter_tensor", input.numel(), output.numel())
         return self._run("_reduce_scatter_base", [output, input],
-                         lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)))
+                         lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)), opts)
 
     @_cuda_to_nccl
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -276,7 +279,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 flat = torch.cat([piece.reshape(-1) for piece in pieces])
                 output.copy_(reduce_scatter_in(self.place, flat, op).view_as(output))
         flat = [t for pieces in input_tensors for t in pieces]
-        return self._run("reduce_scatter", list(output_tensors) + flat, run)
+        return self._run("reduce_scatter", list(output_tensors) + flat, run, opts)
 
     @_cuda_to_nccl
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -286,7 +289,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             self._check_pieces("reduce_scatter_tensor", inp.numel(), out.numel())
         return self._run("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(reduce_scatter_in(self.place, inp, op).view_as(out))
-                                  for out, inp in zip(outputs, inputs)])
+                                  for out, inp in zip(outputs, inputs)], opts)
 
     @_cuda_to_nccl
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
@@ -303,7 +306,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             for out, got in zip(output_tensors, received):
                 if out is not got:
                     out.copy_(got)
-        return self._run("alltoall", list(output_tensors) + list(input_tensors), run)
+        return self._run("alltoall", list(output_tensors) + list(input_tensors), run, opts)
 
     # torch 2.13's Python API calls these names; its C++ callers (DDP, FSDP) the older ones above
     all_gather_single = _allgather_base
@@ -331,7 +334,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 for o, s in zip(outputs, staging):
                     if o is not s:
                         o.copy_(s)
-        return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run)
+        return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run, opts)
 
     @_cuda_to_nccl
     def scatter(self, output_tensors, input_tensors, opts):
@@ -346,7 +349,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             scatter_linear(target, pieces, root, self.place.transport)
             if target is not out:
                 out.copy_(target)
-        return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run)
+        return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run, opts)
 
     @_cuda_to_nccl
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -365,13 +368,13 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             received = splits(output, output_split_sizes)
             alltoall_pairwise(received, splits(input, input_split_sizes), self.place.transport)
             output.copy_(torch.cat(received).view_as(output))
-        return self._run("alltoall_base", [output, input], run)
+        return self._run("alltoall_base", [output, input], run, opts)
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts=None):
         """See torch.distributed.barrier: a one-element all-reduce."""
-        return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"))
+        return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"), opts)
 
     # -- point-to-point -------------------------------------------------------------------------
     @_cuda_to_nccl

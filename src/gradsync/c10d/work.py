@@ -76,14 +76,17 @@ class CommThread:
         self._closed = False
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
-    def submit(self, operation: Callable[[], object]):
-        """Queue ``operation()``; a torch Work whose future's value is its return value."""
+    def submit(self, operation: Callable[[], object], wake: bool = True):
+        """Queue ``operation()``; a torch Work whose future's value is its return value. ``wake``
+        False: the caller is about to wait, so the thread is not woken for it (if the queue is busy
+        the thread still takes it in turn)."""
         queued = _Operation(operation)
         with self._changed:
             if self._closed:
                 raise RuntimeError("this gradsync process group was shut down; create a new one")
             self._queue.append(queued)
-            self._changed.notify_all()
+            if wake or self._running or len(self._queue) > 1:
+                self._changed.notify_all()
         return FutureWork(queued.outcome.then(_unwrap), self, queued)
 
     def run_if_next(self, queued: _Operation) -> None:
