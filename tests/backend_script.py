@@ -195,6 +195,15 @@ else:
     outside = t.clone()
     dist.all_reduce(outside, group=even_ours)  # a rank outside the group: torch skips the call
     check(torch.equal(outside, t), "a rank outside a subgroup is left alone")
+pair, _ = dist.new_subgroups(group_size=2)  # [0, 1] and [2, 3], each a gradsync group
+pair_members = dist.get_process_group_ranks(pair)
+a = values((6,), torch.int32, 11)
+dist.all_reduce(a, op=dist.ReduceOp.MAX, group=pair)
+check(torch.equal(a, torch.maximum(*[values((6,), torch.int32, 11, rank=r) for r in pair_members])),
+      f"new_subgroups: MAX over {pair_members}")
+coalesced = [values((3,), torch.float64, 21), values((2, 2), torch.float64, 22), values((4,), torch.float64, 23)]
+ours, theirs = both(lambda ts, g: dist.all_reduce_coalesced(ts, group=g), *coalesced)
+check(all(torch.equal(x, y) for x, y in zip(ours, theirs)), "all_reduce_coalesced of three shapes")
 mesh = dist.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 for dim in ("replicate", "shard"):
     group = mesh.get_group(dim)
