@@ -89,6 +89,12 @@ class CommThread:
                 self._changed.notify_all()
         return FutureWork(queued.outcome.then(_unwrap), self, queued)
 
+    def wake(self) -> None:
+        """Make sure the thread looks at the queue (an operation queued without waking it is
+        about to be waited for some other way than Work.wait())."""
+        with self._changed:
+            self._changed.notify_all()
+
     def run_if_next(self, queued: _Operation) -> None:
         """Run ``queued`` on this (waiting) thread if it is next and nothing is running."""
         with self._changed:
@@ -140,7 +146,12 @@ class FutureWork(dist.Work):
         self._future.wait()  # raises the operation's exception
         return True
 
+    def _wake(self) -> None:
+        if self._thread is not None and not self._future.done():
+            self._thread.wake()
+
     def is_completed(self) -> bool:
+        self._wake()
         return self._future.done()
 
     def is_success(self) -> bool:
@@ -153,9 +164,11 @@ class FutureWork(dist.Work):
         return True
 
     def result(self) -> list[torch.Tensor]:
-        return self._future.wait()
+        self.wait()
+        return self._future.value()
 
     def get_future(self) -> torch.futures.Future:
+        self._wake()  # whoever waits on the future (torch's C++ callers) does not run the operation
         return self._future
 
 
