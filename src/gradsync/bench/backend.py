@@ -99,8 +99,9 @@ def _api_layer(reps: int) -> dict:
         fresh = torch.ones(size // 4)
         tensor = fresh.clone()
         times = {"api_us": [], "direct_us": []}
-        for _ in range(reps + 2):  # both sides: the same two untimed warm-up calls, a fresh input each call
-            for key, call in (("api_us", dist.all_reduce), ("direct_us", gs.all_reduce)):
+        sides = [("api_us", dist.all_reduce), ("direct_us", gs.all_reduce)]
+        for rep in range(reps + 2):  # both sides: the same two untimed warm-up calls, a fresh input each call
+            for key, call in (sides if rep % 2 else sides[::-1]):  # which side goes first alternates
                 tensor.copy_(fresh)
                 dist.barrier()
                 started = time.perf_counter()

@@ -87,7 +87,7 @@ class CommThread:
             self._queue.append(queued)
             if wake or self._running or len(self._queue) > 1:
                 self._changed.notify_all()
-        return FutureWork(queued.outcome.then(_unwrap), self, queued)
+        return FutureWork(queued.outcome, self, queued)
 
     def wake(self) -> None:
         """Make sure the thread looks at the queue (an operation queued without waking it is
@@ -131,44 +131,45 @@ class CommThread:
 
 
 class FutureWork(dist.Work):
-    """A torch Work over a torch.futures.Future. (torch's own _create_work_from_future returns a
-    Work whose wait() succeeds even when the future holds an error; this one raises it.)"""
+    """A torch Work over one queued operation's outcome (a value or a _Failure).
 
-    def __init__(self, future: torch.futures.Future, thread: CommThread | None = None,
-                 queued: _Operation | None = None) -> None:
+    wait() raises the operation's exception. get_future() hands torch a future that C++ sees as
+    failed when the operation failed (made on first request: a synchronous call never needs it).
+    (torch's own _create_work_from_future returns a Work whose wait() succeeds on error.)"""
+
+    def __init__(self, outcome: torch.futures.Future, thread: CommThread, queued: _Operation) -> None:
         super().__init__()
-        self._future = future
+        self._outcome = outcome
         self._thread, self._queued = thread, queued
+        self._future: torch.futures.Future | None = None
 
     def wait(self, timeout=None) -> bool:
-        if self._thread is not None and not self._future.done():
+        if not self._outcome.done():
             self._thread.run_if_next(self._queued)
-        self._future.wait()  # raises the operation's exception
+        value = self._outcome.wait()
+        if isinstance(value, _Failure):
+            raise value.exception
         return True
 
     def _wake(self) -> None:
-        if self._thread is not None and not self._future.done():
+        if not self._outcome.done():
             self._thread.wake()
 
     def is_completed(self) -> bool:
         self._wake()
-        return self._future.done()
+        return self._outcome.done()
 
     def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.wait()
-        except Exception:
-            return False
-        return True
+        return self._outcome.done() and not isinstance(self._outcome.value(), _Failure)
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
-        return self._future.value()
+        return self._outcome.value()
 
     def get_future(self) -> torch.futures.Future:
         self._wake()  # whoever waits on the future (torch's C++ callers) does not run the operation
+        if self._future is None:
+            self._future = self._outcome.then(_unwrap)
         return self._future
 
 
