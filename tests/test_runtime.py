@@ -77,3 +77,21 @@ def test_bad_collective_arguments_in_a_world_of_one():
         gs.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="src must be a rank in 0..0"):
         gs.broadcast(torch.ones(3), src=1)
+
+
+def test_a_program_that_remakes_its_world_gets_gradsync_rejoined(monkeypatch):
+    """A world of one that the program makes, uses through gradsync, destroys and makes again:
+    gradsync joins each (a joined World never outlives the group it joined)."""
+    import torch.distributed as dist
+
+    from gradsync.runtime import free_port
+
+    for attempt in range(2):
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        t = torch.full((3,), 2.0)
+        gs.all_reduce(t, op="max")  # joins the program's world on first use
+        assert gs.world().joined and torch.equal(t, torch.full((3,), 2.0))
+        dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        gs.world()  # the program's world is gone, and gradsync left with it

@@ -98,6 +98,9 @@ _ON_INIT: list[Callable[[World], None]] = []
 _ON_SHUTDOWN: list[Callable[[], None]] = []
 
 
+_JOINED = [0]
+"""id() of the torch default group gradsync joined: world() notices when the program replaced it."""
+
 _PRIVATE_GROUPS: dict[str, dist.ProcessGroup] = {}
 """Private groups by World.group_key. Only this table holds them: a group still referenced when the
 interpreter exits is destroyed after its threads are gone and aborts the process, so the table is
@@ -258,6 +261,7 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
 
         _WORLD = join.join_default_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size,
                                          local_rank=local_rank, local_world_size=local_world_size, debug=debug)
+        _JOINED[0] = id(dist.GroupMember.WORLD)
         _connect_or_undo(_WORLD)
         return _WORLD
     if _WORLD is not None and _WORLD.joined:
@@ -331,6 +335,8 @@ def _describe(w: World) -> str:
 def world() -> World:
     """This rank's World. Where torch.distributed is initialised but gradsync is not, joins it
     (init(); collective: every rank must get here); otherwise raises if init() has not been called."""
+    if _WORLD is not None and _WORLD.joined and id(dist.GroupMember.WORLD) != _JOINED[0]:
+        shutdown()  # the program destroyed the world gradsync joined (and may have made another)
     if _WORLD is None:
         if dist.is_initialized():
             return init()
