@@ -37,6 +37,7 @@ def test_bench_collectives_rows(tmp_path, capsys, monkeypatch):
             assert r["bytes_per_rank"] == r["formula_bytes"] == 2 * 2 / 3 * r["size"]
     printed = capsys.readouterr().out
     assert "native" in printed and "ring" in printed and "memory copy on this host" in printed
+    assert "ours/MPI" not in printed   # without --peers gloo,mpi the table is as it always was
 
 
 @pytest.mark.timeout(180)
@@ -119,3 +120,55 @@ def test_bench_zero1_rows(tmp_path):
     assert ddp["state_bytes"] == 8 * ddp["params"]              # AdamW m and v in float32
     assert abs(zero["state_bytes"] - ddp["state_bytes"] / 2) <= 8 * 2   # 1/N, up to one element per bucket
     assert zero["bytes_sent_per_step"] == ddp["params"] * 4     # N=2: 2(N-1)/N*M = M
+
+
+def test_mpi_launch_sets_root_variables_and_oversubscribe_only_when_needed(monkeypatch):
+    from gradsync.bench import mpi_peer
+
+    monkeypatch.setattr(mpi_peer, "usable_cores", lambda: 2)
+    monkeypatch.setattr(mpi_peer.os, "geteuid", lambda: 0)
+    args, env, notes = mpi_peer.launch_settings(4)
+    assert args == ["--oversubscribe"] and env == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    assert "--oversubscribe (4 ranks > 2 cores)" in notes
+    monkeypatch.setattr(mpi_peer.os, "geteuid", lambda: 1000)
+    assert mpi_peer.launch_settings(2) == ([], {}, [])
+
+
+def test_peers_must_name_known_baselines_and_gloo(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "collectives", "--peers", "mpi"])
+    assert "choose baselines from gloo, mpi" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_collectives_skips_the_mpi_columns_with_the_reason_when_mpirun_is_missing(tmp_path, capsys, monkeypatch):
+    from gradsync.bench import mpi_peer
+
+    monkeypatch.setattr(mpi_peer, "find_mpirun", lambda: None)
+    out = tmp_path / "rows.json"
+    assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "1", "--algorithms", "ring",
+                 "--peers", "gloo,mpi", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "MPI columns skipped: " in printed and "no mpirun" in printed and "ours/MPI" not in printed
+    result = json.loads(out.read_text())
+    assert "no mpirun" in result["mpi_skipped"] and "mpi" not in {r["transport"] for r in result["rows"]}
+
+
+@pytest.mark.timeout(180)
+def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
+    from gradsync.bench import mpi_peer
+
+    reason = mpi_peer.unavailable()
+    if reason:
+        pytest.skip(f"MPI peer not installed here: {reason}")
+    out = tmp_path / "rows.json"
+    assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K,96K", "--reps", "2", "--algorithms", "ring",
+                 "--peers", "gloo,mpi", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    mpi = [r for r in rows if r["transport"] == "mpi"]
+    assert [(r["algorithm"], r["size"]) for r in mpi] == [("MPI_Allreduce", 4096), ("MPI_Allreduce", 96 << 10)]
+    for r in mpi:   # the same warm-up and repetitions as ours, and the closed-form result N
+        assert r["warmup_calls"] == 1 and len(r["times_s"]) == 2 and r["result_correct"], r
+        assert r["ratio_vs_mpi"] == 1.0 and r["ratio_vs_native"] > 0
+    assert all(r["ratio_vs_mpi"] > 0 for r in rows)
+    assert "ours/MPI" in capsys.readouterr().out

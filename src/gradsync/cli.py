@@ -1,7 +1,7 @@
 """The gradsync command.
 
     gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
-    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--json out.json] [--fit]
+    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--peers gloo,mpi] [--json out.json] [--fit]
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
     gradsync bench faults --trials 10
@@ -67,8 +67,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _show(table: Table, rows, json_path: str | None, width: int = 100) -> None:
-    """Print a result table (at least ``width`` columns wide) and, with --json, write the rows."""
-    Console(width=max(width, Console().width)).print(table)
+    """Print a result table (on a terminal at least ``width`` columns wide; in a pipe or file at its
+    natural width or COLUMNS, see gradsync/display.py) and, with --json, write the rows."""
+    from gradsync import display
+
+    display.console(width).print(table)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
@@ -118,6 +121,19 @@ def _transports(text: str) -> list[str]:
     return chosen
 
 
+PEERS = ("gloo", "mpi")
+
+
+def _peers(text: str) -> list[str]:
+    """'gloo,mpi' -> ["gloo", "mpi"]; gloo is always one (it runs in the same processes as ours)."""
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in chosen if p not in PEERS]
+    if bad or "gloo" not in chosen:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose baselines from {', '.join(PEERS)}, comma-separated, "
+                                         f"gloo always among them (it runs in the same processes as ours), e.g. gloo,mpi")
+    return chosen
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--transport", type=_transports, default=None,
                       help="comma-separated: auto, tcp, shm; one run each, e.g. tcp,shm (default: GRADSYNC_TRANSPORT, "
                            "else auto; a value that contradicts a set GRADSYNC_TRANSPORT is an error)")
+    coll.add_argument("--peers", type=_peers, default=["gloo"],
+                      help="baselines, comma-separated: gloo (torch.distributed, always), mpi (Open MPI's "
+                           "MPI_Allreduce via mpirun + mpi4py, the bench extra; adds an ours/MPI column)")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
     ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
@@ -244,14 +263,15 @@ def _train(args) -> int:
 
 
 def _bench_collectives(args) -> int:
-    from gradsync.bench import collectives
+    from gradsync import display
+    from gradsync.bench import collectives, mpi_peer
     from gradsync.comm import select
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     transports = [collectives.resolve_transport(t) for t in (args.transport or [None])]  # checked before any run
     if args.fit and len(transports) > 1:
         raise ValueError(f"--fit calibrates one transport; got --transport {','.join(transports)}: pick one")
-    console = Console()
+    console = display.console()
     ceiling = collectives.memory_copy_bandwidth()
     console.print(f"memory copy on this host (one thread, 64 MiB): {ceiling / 1e9:.1f} GB/s -- the ceiling for "
                   f"moving bytes between local ranks")
@@ -261,17 +281,22 @@ def _bench_collectives(args) -> int:
                               transport=transport)
         result["rows"] += one["rows"]
         result["fit"] = one["fit"] or result["fit"]
+    with_mpi = "mpi" in args.peers and _add_mpi_peer(args, result, console)
     table = Table(title=f"all_reduce, {args.workers} ranks, float32, median of {args.reps}")
     for column in ("size", "transport", "algorithm", "time (us)", "algbw GB/s", "busbw GB/s", "bytes/rank",
-                   "formula", "ours/native"):
+                   "formula", "ours/native", *(["ours/MPI"] if with_mpi else [])):
         table.add_column(column, justify="right")
-    for r in sorted(result["rows"], key=lambda r: (r["size"], r["algorithm"] != "native", r["transport"])):
-        table.add_row(collectives.human_bytes(r["size"]), r["transport"], r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
-                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
-                      "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
-                      "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
-                      "1.00 (baseline)" if r["algorithm"] == "native" else f"{r['ratio_vs_native']:.2f}x")
-    Console(width=max(130, console.width)).print(table)
+    baselines_first = {"native": 0, mpi_peer.ALGORITHM: 1}
+    for r in sorted(result["rows"], key=lambda r: (r["size"], baselines_first.get(r["algorithm"], 2), r["transport"])):
+        cells = [collectives.human_bytes(r["size"]), r["transport"], r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
+                 f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+                 "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
+                 "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
+                 "1.00 (baseline)" if r["algorithm"] == "native" else _ratio(r["ratio_vs_native"])]
+        if with_mpi:
+            cells.append("1.00 (baseline)" if r["algorithm"] == mpi_peer.ALGORITHM else _ratio(r["ratio_vs_mpi"]))
+        table.add_row(*cells)
+    display.console(130).print(table)
     wrong = sorted({f"{r['algorithm']} at {collectives.human_bytes(r['size'])}" for r in result["rows"]
                     if not r["result_correct"]})
     if wrong:
@@ -286,6 +311,27 @@ def _bench_collectives(args) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 1 if wrong else 0
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _add_mpi_peer(args, result: dict, console) -> bool:
+    """Run Open MPI's all-reduce on the same sizes, N and repetitions (bench/mpi_peer.py) and merge its
+    rows into ``result``; False, with the reason printed, when mpi4py or mpirun is missing."""
+    from gradsync.bench import collectives, mpi_peer
+
+    reason = mpi_peer.unavailable()
+    if reason:
+        console.print(f"MPI columns skipped: {reason}")
+        result["mpi_skipped"] = reason
+        return False
+    peer = mpi_peer.run(args.workers, args.sizes, args.reps)
+    console.print(f"MPI peer: {peer['command']}" + (f"; set {', '.join(peer['notes'])}" if peer["notes"] else ""))
+    result["rows"] = collectives.add_mpi_rows(result["rows"], peer["rows"])
+    result["mpi_command"] = peer["command"]
+    return True
 
 
 def _bench_backends(args) -> int:

@@ -24,6 +24,10 @@ ceiling every transport on this host works under (``memory_copy_bandwidth``).
 the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
 never pass through our transport), so its measured column is empty.
 
+``gradsync bench collectives --peers gloo,mpi`` adds Open MPI as a second baseline: the same sizes, N,
+warm-up and repetitions through mpirun + mpi4py (bench/mpi_peer.py), in a launch of its own right
+after ours; ``add_mpi_rows`` gives every row its ratio to MPI.
+
 ``fit`` measures the link costs that algorithm="auto" and ``gradsync simulate --calibrated`` use:
 alpha and beta from exchanges between ranks 0 and 1 through our transport, each sending M bytes to
 the other while receiving M from it, as every step of the ring does (step time = alpha + M*beta,
@@ -221,12 +225,33 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
     rows, fitted = results[0]
     native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
-        n, m, t = r["workers"], r["size"], r["time_s"]
-        r["algbw_GBps"] = m / t / 1e9 if t > 0 else 0.0
-        r["busbw_GBps"] = r["algbw_GBps"] * (2 * (n - 1) / n if n > 1 else 1.0)
-        r["formula_bytes"] = _formula_bytes(r["algorithm"], m, n)
-        r["ratio_vs_native"] = native[m] / t if t > 0 else None
+        _add_bandwidths(r)
+        r["formula_bytes"] = _formula_bytes(r["algorithm"], r["size"], r["workers"])
+        r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["time_s"] > 0 else None
     return {"rows": rows, "fit": fitted}
+
+
+def _add_bandwidths(row: dict) -> None:
+    n, m, t = row["workers"], row["size"], row["time_s"]
+    row["algbw_GBps"] = m / t / 1e9 if t > 0 else 0.0
+    row["busbw_GBps"] = row["algbw_GBps"] * (2 * (n - 1) / n if n > 1 else 1.0)
+
+
+def add_mpi_rows(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
+    """``rows`` (from ``run``, any transports) and the MPI peer's rows (bench/mpi_peer.py), with
+    every row's ratio_vs_mpi = MPI's median / the row's at that size; the MPI rows' ratio_vs_native
+    divides gloo's median (over the runs of ``rows``) by MPI's. MPI ran in its own launch right
+    after ours, so these ratios are of the same minute, not of interleaved calls."""
+    mpi = {r["size"]: r["time_s"] for r in mpi_rows}
+    for r in mpi_rows:
+        _add_bandwidths(r)
+        native = [x["time_s"] for x in rows if x["algorithm"] == "native" and x["size"] == r["size"]]
+        r["formula_bytes"] = None
+        r["ratio_vs_native"] = statistics.median(native) / r["time_s"] if native and r["time_s"] > 0 else None
+    merged = rows + mpi_rows
+    for r in merged:
+        r["ratio_vs_mpi"] = mpi[r["size"]] / r["time_s"] if r["size"] in mpi and r["time_s"] > 0 else None
+    return merged
 
 
 def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:

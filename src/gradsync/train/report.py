@@ -13,11 +13,10 @@ import statistics
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gradsync import runtime
+from gradsync import display, runtime
 from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import default_transport
 from gradsync.train.config import TrainConfig
@@ -49,7 +48,7 @@ class Reporter:
         self.cfg = cfg
         self.total_steps = total_steps
         self.enabled = enabled
-        self.console = Console()
+        self.console = display.console()   # lines and tables unwrapped in logs (display.py)
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.progress = None
         self.task = None
