@@ -251,6 +251,10 @@ traffic = gs.traffic()
 check(traffic["bytes_sent"] == ring_bytes_sent(payload.numel(), N, RANK, 4),
       f"ring traffic {traffic['bytes_sent']} != {ring_bytes_sent(payload.numel(), N, RANK, 4)}")
 del os.environ["GRADSYNC_ALGORITHM"]
+gs.traffic_reset()
+dist.reduce(payload, dst=1)  # a binomial tree onto rank 1: every other rank sends M once
+expected = 0 if RANK == 1 else payload.numel() * 4
+check(gs.traffic()["bytes_sent"] == expected, f"reduce traffic {gs.traffic()['bytes_sent']} != {expected}")
 
 # -- a mismatched collective is an error that names both ranks ----------------------------------
 mismatch = None

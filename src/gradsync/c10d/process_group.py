@@ -11,7 +11,7 @@ torch sees as a Work. The mapping:
       allgather_into_tensor_coalesced
     reduce_scatter, _reduce_scatter_base reduce_scatter_in (ring); torch's equal pieces are the
                                          ring's chunks
-    reduce                               all_reduce_in on a copy; the root keeps the result
+    reduce                               reduce_tree (binomial) on a copy; the root keeps the result
     gather, scatter                      gather_linear, scatter_linear (comm/rooted.py)
     alltoall_base                        alltoall_pairwise (comm/rooted.py)
     barrier                              all_reduce_in of one element
@@ -46,7 +46,8 @@ from gradsync.comm import transport as transports
 from gradsync.comm.agree import Fingerprint
 from gradsync.comm.collectives import (ALGORITHMS, Place, agree_in, all_gather_in, all_reduce_in, broadcast_in,
                                        next_sequence, reduce_scatter_in)
-from gradsync.comm.reduce_ops import dtype_name
+from gradsync.comm.allreduce_tree import reduce_tree
+from gradsync.comm.reduce_ops import dtype_name, reduction
 from gradsync.comm.rooted import alltoall_pairwise, gather_linear, scatter_linear
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
@@ -181,8 +182,9 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             return tensors
         return self._thread.submit(run, wake=getattr(opts, "asyncOp", True))
 
-    def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0) -> None:
-        agree_in(self.place, Fingerprint(kind, next_sequence(self.place), numel, dtype, "none", algorithm, root))
+    def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0,
+                     op: str = "none") -> None:
+        agree_in(self.place, Fingerprint(kind, next_sequence(self.place), numel, dtype, op, algorithm, root))
 
     # -- all-reduce ---------------------------------------------------------------------------
     @_cuda_to_nccl
@@ -215,14 +217,17 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     @_cuda_to_nccl
     def reduce(self, tensors, opts):
-        """See torch.distributed.reduce: an all-reduce of a copy; only the root's tensor changes."""
+        """See torch.distributed.reduce: a binomial tree onto the root (comm/allreduce_tree.py) on a
+        copy; only the root's tensor changes."""
         op, root = _op_name(opts.reduceOp), opts.rootRank
 
         def run():
             for t in tensors:
-                result = all_reduce_in(self.place, t.detach().clone(), op, _algorithm())
+                work = t.detach().reshape(-1).clone()
+                self._fingerprint("reduce", work.numel(), work.dtype, "tree", root, op)
+                reduce_tree(work, root, self.place.transport, reduction=reduction(op, work.dtype, "reduce"))
                 if self.place.world.rank == root:
-                    t.copy_(result)
+                    t.copy_(work.view_as(t))
         return self._run("reduce", tensors, run, opts)
 
     # -- broadcast, gathers, scatters -----------------------------------------------------------
