@@ -270,7 +270,13 @@ try:
 except RuntimeError as exc:
     cuda_refusal = str(exc)
 
-result = {"rank": RANK, "problems": problems, "cuda_refusal": cuda_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
+try:
+    dist.all_reduce(torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)))
+    sparse_refusal = None
+except RuntimeError as exc:
+    sparse_refusal = str(exc)
+
+result = {"rank": RANK, "problems": problems, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
           "mismatch": mismatch, "backend": dist.get_backend()}
 os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()

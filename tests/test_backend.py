@@ -44,6 +44,7 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo():
         assert ddp["fp16_hook"] <= FP16_ON_THE_WIRE, ddp
         assert row["zero"] <= DOUBLE
         assert "cpu:gradsync,cuda:nccl" in row["cuda_refusal"] and "'gradsync'" in row["cuda_refusal"]
+        assert "sparse collectives are not supported" in row["sparse_refusal"], row["sparse_refusal"]
         rank, mismatch = row["rank"], row["mismatch"]
         assert mismatch is not None and "collective mismatch between rank" in mismatch, mismatch
         assert f"rank {rank} called all_reduce" in mismatch and f"of {10 + rank} float32 elements" in mismatch
