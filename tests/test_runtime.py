@@ -95,3 +95,25 @@ def test_a_program_that_remakes_its_world_gets_gradsync_rejoined(monkeypatch):
         dist.destroy_process_group()
     with pytest.raises(RuntimeError, match="not initialised"):
         gs.world()  # the program's world is gone, and gradsync left with it
+
+
+def test_joining_takes_the_programs_rank_size_and_timeout_and_leaves_its_group():
+    import datetime
+
+    import torch.distributed as dist
+
+    from gradsync.runtime import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=77))
+    try:
+        w = gs.init()
+        assert (w.rank, w.world_size, w.timeout, w.backend, w.joined) == (0, 1, 77.0, "gloo", True)
+        assert gs.init() is w  # a second init() in the same joined world is the same World
+        with pytest.raises(RuntimeError, match="contradicts the torch.distributed world"):
+            gs.init(backend="nccl")
+        gs.shutdown()
+        assert dist.is_initialized()  # the program's group is the program's to destroy
+    finally:
+        gs.shutdown()
+        dist.destroy_process_group()
