@@ -48,7 +48,7 @@ class Reporter:
         self.cfg = cfg
         self.total_steps = total_steps
         self.enabled = enabled
-        self.console = display.console()   # lines and tables unwrapped in logs (display.py)
+        self.console = display.console(minimum_width=0)   # a terminal's own width; unwrapped in logs (display.py)
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.progress = None
         self.task = None
