@@ -124,3 +124,51 @@ def test_runs_unchanged_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "gradsync train: summary" in out.stdout
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_every_n_steps_resumes_mid_epoch_bit_identically(tmp_path):
+    """A checkpoint taken by --checkpoint-every mid-epoch (copied while the job runs) resumes to the
+    same parameters as an uninterrupted run; the summary counts the checkpoints and their time."""
+    import shutil
+    import time
+
+    from gradsync import checkpoint
+
+    common = dict(workers=2, epochs=2, batch_size=8, quiet=True, seed=4)  # ~89 steps per epoch
+    straight = run(TrainConfig(out=str(tmp_path / "straight"), **common))
+    job = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "train", "--workers", "2", "--epochs", "2",
+                            "--batch-size", "8", "--quiet", "--seed", "4", "--checkpoint-every", "4",
+                            "--out", str(tmp_path / "periodic")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    written, copied = tmp_path / "periodic" / "checkpoint.pt", tmp_path / "copy"
+    copied.mkdir()
+    deadline = time.monotonic() + 120
+    while not written.exists():  # saved atomically (rename), so whatever exists is whole
+        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.002)
+    shutil.copy(written, copied / "checkpoint.pt")
+    out, err = job.communicate(timeout=200)
+    assert job.returncode == 0, err[-3000:]
+    assert "checkpoints" in out and "written in" in out
+    state = checkpoint.load(copied / "checkpoint.pt")
+    assert state["step"] % 4 == 0 and state["batch_in_epoch"] != 0, (state["step"], state["batch_in_epoch"])
+    resumed = run(TrainConfig(out=str(copied), resume=True, **common))
+    for name, value in straight[0]["params"].items():
+        assert torch.equal(value, resumed[0]["params"][name]), name
+    summary = straight[0]["summary"]
+    assert summary["checkpoints"] == 2  # one per epoch without --checkpoint-every
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_every_by_time_and_bad_values(tmp_path):
+    assert TrainConfig(out=str(tmp_path), checkpoint_every="5m").checkpoint_interval() == (None, 300.0)
+    assert TrainConfig(out=str(tmp_path), checkpoint_every="200").checkpoint_interval() == (200, None)
+    for bad in ("0", "5x", "-1m", "m"):
+        with pytest.raises(ValueError, match="give a number of steps"):
+            TrainConfig(out=str(tmp_path), checkpoint_every=bad)
+    with pytest.raises(RuntimeError, match="not supported with --strategy ps-sync"):
+        TrainConfig(out=str(tmp_path), workers=2, strategy="ps-sync", checkpoint_every="10")
+    # 0s would be refused; a tiny interval checkpoints after (nearly) every step, agreed by broadcast
+    summary = run(TrainConfig(out=str(tmp_path), workers=2, steps=6, quiet=True, checkpoint_every="0.000001s"))[0]["summary"]
+    assert summary["checkpoints"] == 6  # after steps 1-5, and the last one at the end

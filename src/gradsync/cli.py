@@ -250,6 +250,8 @@ def _add_train(commands) -> None:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="after a failure, restart the workers from the last checkpoint up to this many times")
+    train.add_argument("--checkpoint-every", default="", metavar="N|TIME",
+                       help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h)")
 
 
 def _train(args) -> int:

@@ -67,6 +67,27 @@ class TrainConfig:
     max_restarts: int = 0
     """Local launcher: after a failure, start the workers again from the last checkpoint this many
     times (under torchrun use its own --max-restarts with --resume)."""
+    checkpoint_every: str = ""
+    """Also checkpoint between epochs: every N steps ("200") or every span of wall time ("30s", "5m",
+    "1h"; rank 0's clock, agreed by one 1-element broadcast per step). Empty: at each epoch's end only."""
+
+    def checkpoint_interval(self) -> tuple[int | None, float | None]:
+        """(steps, seconds) from ``checkpoint_every``; at most one is set."""
+        text = self.checkpoint_every.strip().lower()
+        if not text:
+            return None, None
+        units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+        try:
+            if text[-1] in units:
+                seconds = float(text[:-1]) * units[text[-1]]
+                if seconds > 0:
+                    return None, seconds
+            elif int(text) >= 1:
+                return int(text), None
+        except ValueError:
+            pass
+        raise ValueError(f"--checkpoint-every {self.checkpoint_every!r}: give a number of steps (200) or a time "
+                         f"with its unit (30s, 5m, 1h)")
 
     def __post_init__(self) -> None:
         def choose(field: str, value, choices) -> None:
@@ -112,6 +133,10 @@ class TrainConfig:
         if self.resume and self.strategy in ("ps-sync", "ps-async", "ssp"):
             raise RuntimeError(f"--resume is not supported with --strategy {self.strategy}: the optimizer state "
                                f"lives on the parameter servers; use ddp, zero1 or local to resume")
+        self.checkpoint_interval()
+        if self.checkpoint_every and self.strategy in ("ps-sync", "ps-async", "ssp"):
+            raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: the optimizer "
+                               f"state lives on the parameter servers; use ddp, zero1 or local")
         if self.strategy == "local" and self.workers != 1:
             raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()

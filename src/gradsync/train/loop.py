@@ -78,6 +78,27 @@ def _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch) -> dic
             "rng_torch": torch.get_rng_state()}
 
 
+class _CheckpointClock:
+    """When --checkpoint-every asks for a checkpoint after a step: every N steps (every rank knows
+    the step), or once rank 0's clock has passed the interval since the last one (broadcast, so every
+    rank takes the same step: the state gather is collective for zero1)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.steps, self.seconds = cfg.checkpoint_interval()
+        self.last = time.monotonic()
+
+    def __call__(self, step: int) -> bool:
+        if self.steps is not None:
+            return step % self.steps == 0
+        if self.seconds is None:
+            return False
+        flag = torch.tensor([1 if time.monotonic() - self.last >= self.seconds else 0], dtype=torch.int64)
+        gs.broadcast(flag, src=0)
+        if flag.item():
+            self.last = time.monotonic()
+        return bool(flag.item())
+
+
 def _resume(cfg: TrainConfig, model, optimizer) -> tuple[int, int, int]:
     state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
     w = gs.world()
@@ -138,9 +159,19 @@ def train_worker(cfg: TrainConfig) -> dict:
     report.start(global_batch, base_lr, peak_lr, steps_per_epoch, resumed_at=step if cfg.resume else None)
     report.setup(**_layout(model, wrapped))
     gs.traffic_reset()
-    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": []}
+    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": [], "checkpoint_s": 0.0, "checkpoints": 0}
     evaluation = {}
     started = time.perf_counter()
+    due = _CheckpointClock(cfg)
+
+    def save(step: int, epoch: int, batch_in_epoch: int) -> None:
+        written = time.perf_counter()
+        state = _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch)   # collective for zero1
+        if w.rank == 0:
+            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
+        stats["checkpoint_s"] += time.perf_counter() - written
+        stats["checkpoints"] += 1
+
     while step < total_steps:
         sampler.set_epoch(epoch)
         order = sampler.indices()
@@ -174,16 +205,15 @@ def train_worker(cfg: TrainConfig) -> dict:
             if wrapped.last_overlap is not None:
                 stats["overlaps"].append(wrapped.last_overlap)
             report.step(step, epoch, loss_sum, global_batch / elapsed, wrapped.last_overlap)
+            if due(step) and step < total_steps:  # mid-epoch: resume after this batch
+                save(step, epoch, batch_in_epoch + 1)
         else:
             batch_in_epoch = steps_per_epoch
         skip = 0
         evaluation = evaluate(cfg, model, test_set)
         report.epoch(epoch, step, evaluation)
         finished_epoch = batch_in_epoch >= steps_per_epoch
-        state = _checkpoint_state(cfg, model, optimizer, step, epoch + 1 if finished_epoch else epoch,
-                                  0 if finished_epoch else batch_in_epoch)   # collective for zero1
-        if w.rank == 0:
-            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
+        save(step, epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else batch_in_epoch)
         if finished_epoch:
             epoch += 1
     wall = time.perf_counter() - started
@@ -193,7 +223,8 @@ def train_worker(cfg: TrainConfig) -> dict:
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
                          statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
-    summary = report.finish(wall, step, evaluation, per_rank)
+    summary = report.finish(wall, step, evaluation, per_rank,
+                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"]))
     wrapped.close()
     return {"summary": summary, "digest": param_digest(model),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
