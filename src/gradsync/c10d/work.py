@@ -1,13 +1,14 @@
 """The one place where gradsync work becomes a torch Work: a FIFO thread per process group.
 
 torch's DDP launches a bucket's all-reduce from inside backward and waits for it later, so every
-operation of the backend must return at once and finish off the caller's thread. Each process
-group owns one communication thread; operations run on it one at a time in issue order (every
+operation of the backend must return at once and may finish off the caller's thread. Each
+process group owns one communication thread; operations run one at a time in issue order (every
 rank issues the same collectives in the same order, so that order is also the order on the
-wire). A result or an exception completes a torch.futures.Future, and torch's Work is made from
-it (FutureWork): ``work.wait()`` returns when the data is ready and raises the operation's
-exception, and ``work.get_future()`` is what DDP's communication hooks chain on. Every operation below has a
-timeout of its own (the transport's), so no Work waits forever.
+wire), on that thread or on a caller that waits for the operation at the head of the queue
+(CommThread). A result or an exception completes a torch.futures.Future, and torch's Work is made
+from it (FutureWork): ``work.wait()`` returns when the data is ready and raises the operation's
+exception, and ``work.get_future()`` is what DDP's communication hooks chain on. Every operation
+has a timeout of its own (the transport's), so no Work waits forever.
 
 Point-to-point transfers are not queued: send and recv are posted at once on the caller's thread
 (a program may post a receive before the send it pairs with), and their TransferWork waits on the
