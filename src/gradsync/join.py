@@ -89,25 +89,33 @@ def join_default_group(*, backend, timeout, rank, world_size, local_rank, local_
     base = dist.distributed_c10d._get_default_store()
     generation = int(base.add(f"gradsync/join/{my_rank}", 1))
     store = dist.PrefixStore(f"gradsync/join{generation}", base)
-    hosts = ((0,),) if n_ranks == 1 else runtime.exchange_hosts(store, my_rank, n_ranks, timeout)
-    host = next(group for group in hosts if my_rank in group)
-    local_rank = _first(local_rank, "LOCAL_RANK", host.index(my_rank))
-    local_world_size = _first(local_world_size, "LOCAL_WORLD_SIZE", len(host))
-    if debug is None:
-        debug = os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False")
-    group_key = f"join{generation}"
-    runtime.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), my_rank, n_ranks,
+    return world_on_store(store, my_rank, n_ranks, timeout, backend=existing_backend, generation=generation,
+                          group_key=f"join{generation}", local_rank=_env_int(local_rank, "LOCAL_RANK"),
+                          local_world_size=_env_int(local_world_size, "LOCAL_WORLD_SIZE"), debug=debug,
+                          master_addr=os.environ.get("MASTER_ADDR", ""),
+                          master_port=int(os.environ.get("MASTER_PORT", "0") or 0))
+
+
+def world_on_store(store, rank: int, size: int, timeout: float, *, backend: str, generation: int, group_key: str,
+                   local_rank: int | None = None, local_world_size: int | None = None, debug: bool | None = None,
+                   master_addr: str = "", master_port: int = 0) -> runtime.World:
+    """A World of ``size`` ranks met through ``store`` (already private to it) in a program's
+    torch.distributed: hosts exchanged, a private gloo group registered under ``group_key`` for
+    transfers between hosts. local_rank / local_world_size default to this rank's place on its host.
+    Used by join_default_group and by the backend's process groups (c10d/)."""
+    hosts = ((0,),) if size == 1 else runtime.exchange_hosts(store, rank, size, timeout)
+    host = next(group for group in hosts if rank in group)
+    runtime.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
                                                             timedelta(seconds=timeout)))
     return runtime.World(
-        rank=my_rank, world_size=n_ranks, local_rank=local_rank, local_world_size=local_world_size,
-        backend=existing_backend, timeout=timeout, master_addr=os.environ.get("MASTER_ADDR", ""),
-        master_port=int(os.environ.get("MASTER_PORT", "0") or 0), debug=bool(debug), store=store,
-        hosts=hosts, generation=generation, group_key=group_key, joined=True)
+        rank=rank, world_size=size, local_rank=host.index(rank) if local_rank is None else local_rank,
+        local_world_size=len(host) if local_world_size is None else local_world_size, backend=backend,
+        timeout=timeout, master_addr=master_addr, master_port=master_port,
+        debug=runtime.debug_from_env() if debug is None else bool(debug), store=store, hosts=hosts,
+        generation=generation, group_key=group_key, joined=True)
 
-
-def _first(given: int | None, variable: str, derived: int) -> int:
+def _env_int(given: int | None, variable: str) -> int | None:
     if given is not None:
         return given
     value = os.environ.get(variable)
-    return int(value) if value not in (None, "") else derived
-
+    return int(value) if value not in (None, "") else None

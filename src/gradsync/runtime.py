@@ -183,6 +183,11 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def debug_from_env() -> bool:
+    """GRADSYNC_DEBUG set to anything but empty, 0 or false."""
+    return os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and read what the kernel chose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -233,7 +238,7 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
             raise ValueError(f"world_size={world_size} needs MASTER_PORT (or master_port=) so the ranks can meet")
         master_port = free_port(master_addr)
     if debug is None:
-        debug = os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False")
+        debug = debug_from_env()
     return World(rank=rank, world_size=world_size, local_rank=local_rank,
                  local_world_size=local_world_size, backend=_resolve_backend(backend),
                  timeout=float(timeout), master_addr=master_addr, master_port=int(master_port),

@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime, stall
+from gradsync import join, runtime, stall
 from gradsync.c10d.work import CommThread, TransferWork
 from gradsync.comm import transport as transports
 from gradsync.comm.agree import Fingerprint
@@ -103,17 +103,10 @@ def create(options) -> "GradsyncProcessGroup":
     timeout = options.timeout.total_seconds()
     store = dist.PrefixStore("gradsync", options.store)
     name = str(options.group_id or "default")
-    hosts = ((0,),) if size == 1 else runtime.exchange_hosts(store, rank, size, timeout)
-    host = next(group for group in hosts if rank in group)
-    group_key = f"c10d/{name}/{id(options)}"
-    runtime.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
-                                                            timedelta(seconds=timeout)))
-    world = runtime.World(
-        rank=rank, world_size=size, local_rank=host.index(rank), local_world_size=len(host), backend="gradsync",
-        timeout=timeout, master_addr="", master_port=0,
-        debug=os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False"), store=store, hosts=hosts,
-        # the shared-memory segments' names carry this number: one per group, the same on every rank
-        generation=zlib.crc32(name.encode()) + (1 << 32), group_key=group_key, joined=True)
+    # the shared-memory segments' names carry the generation: one per group, the same on every rank
+    world = join.world_on_store(store, rank, size, timeout, backend="gradsync",
+                                generation=zlib.crc32(name.encode()) + (1 << 32),
+                                group_key=f"c10d/{name}/{id(options)}")
     group = GradsyncProcessGroup(world, transports.build(world), options.store, name)
     if not dist.is_initialized():  # torch's default group: the stall inspector watches its collectives
         stall.start(world)
