@@ -1,11 +1,17 @@
 """Worker side of the parameter server: pull parameters, push gradients, close.
 
-    pull()    one PULL header to every server, then from each: PARAMS header + payload, written into
+    pull(rows)  one PULL header to every server, then from each: PARAMS header + payload, written into
               the model's parameters. Blocks while the server's consistency model holds the answer
               back (sync: until every worker pushed; ssp: while this worker is too far ahead).
+              Sparse tables: ``rows`` maps a table's name to the row ids wanted (deduplicated here);
+              each server gets a ROWS section naming its rows (r mod S == s) and answers with exactly
+              those rows, written into the local table; other rows keep whatever they held. A table
+              left out of ``rows`` fetches nothing; ``rows=None`` fetches every table whole.
     push()    from each server's pieces of the gradients: PUSH header (the version the gradient was
-              computed on, a checksum) + payload. Then the gradients are cleared (set to None), as
-              optimizer.zero_grad() would; a parameter without a gradient pushes zeros.
+              computed on, a checksum) + payload, then per sparse table the server's share of the
+              gradient's unique touched rows (ids + values; sparse_wire.py). Then the gradients are
+              cleared (set to None), as optimizer.zero_grad() would; a dense parameter without a
+              gradient pushes zeros, a table without one pushes no rows.
     close()   CLOSE to every server, then wait for each one's BYE.
 
 A server that stopped on an error sends ABORT; the next pull() or close() raises ServerAbortedError
@@ -21,21 +27,24 @@ import torch
 from gradsync.comm.transport import PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError, ServerAbortedError
+from gradsync.ps import row_sharding, sparse_wire
 from gradsync.ps.sharding import ShardPlan, gather_shard, scatter_shard
+from gradsync.ps.sparse_tables import TableSpec, coalesce_rows
 
 
 class Client:
     """One worker's view of the S servers."""
 
     def __init__(self, transport: Transport, plan: ShardPlan, params: list[torch.Tensor], mode: str,
-                 channel: wire.Channel) -> None:
+                 channel: wire.Channel, tables: list[tuple[TableSpec, torch.Tensor]] = ()) -> None:
         self.transport = transport
         self.channel = channel
         self.rank = transport.rank
         self.plan = plan
         self.params = params
+        self.tables = list(tables)
         self.mode = mode
-        dtype = params[0].dtype
+        dtype = (params or [t for _, t in self.tables])[0].dtype
         self.servers = list(range(len(plan.pieces)))
         self.buffers = [torch.empty(n, dtype=dtype) for n in plan.shard_numels]
         self.versions = [0] * len(self.servers)   # version of each shard the model now holds
@@ -45,10 +54,19 @@ class Client:
         self.pull_wait_seconds = 0.0
         self.push_seconds = 0.0
 
-    def pull(self) -> None:
+    def pull(self, rows: dict | None = None) -> None:
         self._check_open("pull")
+        wanted = self._split_rows(self._wanted_rows(rows))
         started = time.monotonic()
-        sends = [self._send_header(s, Header(wire.PULL, self.rank, self.clock, s)) for s in self.servers]
+        sends = []
+        for server in self.servers:
+            sends.append((self._send_header(server, Header(wire.PULL, self.rank, self.clock, server)), server))
+            for (spec, _), ids in zip(self.tables, wanted[server]):
+                header = sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
+                sends.append((self._send_header(server, header), server))
+                if ids.numel():
+                    sends.append((self.transport.isend(ids, server, "ps/pull/ids", tag=self.channel.payload_tag),
+                                  server))
         for server in self.servers:
             header = self._receive_header(server, expect=wire.PARAMS, op="ps/pull")
             buffer = self.buffers[server]
@@ -56,14 +74,70 @@ class Client:
                 raise ProtocolError(f"worker rank {self.rank}: server rank {server} answered for shard "
                                     f"{header.shard}", server)
             wire.check_payload_header(header, buffer.numel(), buffer.element_size(), server)
-            self._wait(self.transport.irecv(buffer, server, "ps/pull", tag=self.channel.payload_tag), server)
+            if buffer.numel():
+                self._wait(self.transport.irecv(buffer, server, "ps/pull", tag=self.channel.payload_tag), server)
             wire.check_payload(header, buffer, server)
             scatter_shard(buffer, self.plan.pieces[server], self.params)
+            for (spec, table), ids in zip(self.tables, wanted[server]):
+                self._receive_answer(server, spec, table, ids)
             self.versions[server] = header.version
-        for handle, server in zip(sends, self.servers):
+        for handle, server in sends:
             self._wait(handle, server)
         self.pulled_since_push = True
         self.pull_wait_seconds += time.monotonic() - started
+
+    def _receive_answer(self, server: int, spec: TableSpec, table: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows ``ids`` of one table from ``server``, written into the local table."""
+        where = f"worker rank {self.rank}"
+        header = self._receive_header(server, expect=wire.ROWS, op="ps/pull")
+        sparse_wire.check_section_header(header, sparse_wire.ANSWER_SECTION, spec, server, ids.numel(), server, where)
+        if header.numel != ids.numel():
+            raise ProtocolError(f"{where}: server rank {server} answered {header.numel} rows of table {spec.name}, "
+                                f"{ids.numel()} were asked for", server)
+        values = torch.empty(ids.numel(), spec.dim, dtype=table.dtype)
+        if ids.numel():
+            self._wait(self.transport.irecv(values, server, "ps/pull", tag=self.channel.payload_tag), server)
+        sparse_wire.check_section_payload(header, None, values, server, where)
+        with torch.no_grad():
+            table.index_copy_(0, ids, values)
+
+    def _wanted_rows(self, rows: dict | None) -> list[torch.Tensor]:
+        """Per table, the unique sorted row ids to fetch (every row when ``rows`` is None); ValueError on bad ids."""
+        if rows is None:
+            return [torch.arange(spec.rows, dtype=torch.int64) for spec, _ in self.tables]
+        if not isinstance(rows, dict):
+            raise TypeError(f"pull(rows=...) takes a dict {{table name: 1-D int64 tensor of row ids}} or None, got "
+                            f"{type(rows).__name__}")
+        names = [spec.name for spec, _ in self.tables]
+        unknown = [name for name in rows if name not in names]
+        if unknown:
+            raise ValueError(f"pull(rows=...): {unknown} are not sparse tables of this model; the sparse tables "
+                             f"(nn.Embedding/EmbeddingBag with sparse=True) are: {names or 'none'}")
+        wanted = []
+        for spec, _ in self.tables:
+            ids = rows.get(spec.name)
+            if ids is None:
+                wanted.append(torch.empty(0, dtype=torch.int64))
+                continue
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"pull(rows={{{spec.name!r}: ...}}) needs a 1-D int64 tensor of row ids, got "
+                                 f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+                                 f"{' of shape ' + str(tuple(ids.shape)) if isinstance(ids, torch.Tensor) else ''}")
+            ids = ids.to(torch.int64)
+            bad = (ids < 0) | (ids >= spec.rows)
+            if bool(bad.any()):
+                raise ValueError(f"pull(rows=...): row id {int(ids[bad][0])} is out of range for table {spec.name}, "
+                                 f"which has rows 0..{spec.rows - 1}")
+            wanted.append(torch.unique(ids))
+        return wanted
+
+    def _split_rows(self, per_table: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """[server][table] -> the global ids that server holds (row_sharding.py)."""
+        split = [[] for _ in self.servers]
+        for ids in per_table:
+            for server, positions in enumerate(row_sharding.split_by_owner(ids, len(self.servers))):
+                split[server].append(ids[positions])
+        return split
 
     def push(self) -> None:
         self._check_open("push")
@@ -72,16 +146,27 @@ class Client:
                                f"takes one gradient per worker per version; call pull() before every push()")
         started = time.monotonic()
         grads = [p.grad for p in self.params]
+        touched = [coalesce_rows(table, spec) for spec, table in self.tables]
+        owners = [row_sharding.split_by_owner(ids, len(self.servers)) for ids, _ in touched]
         handles = []
         for server in self.servers:
             payload = gather_shard(grads, self.plan.pieces[server], self.buffers[server])
             header = Header(wire.PUSH, self.rank, self.versions[server], server, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload))
             handles.append((self._send_header(server, header), server))
-            handles.append((self.transport.isend(payload, server, "ps/push", tag=self.channel.payload_tag), server))
+            if payload.numel():
+                handles.append((self.transport.isend(payload, server, "ps/push", tag=self.channel.payload_tag),
+                                server))
+            for (spec, _), (ids, values), positions in zip(self.tables, touched, owners):
+                ids, values = ids[positions[server]], values[positions[server]]
+                rows_header = sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)
+                handles.append((self._send_header(server, rows_header), server))
+                for part in (ids, values) if ids.numel() else ():
+                    handles.append((self.transport.isend(part, server, "ps/push", tag=self.channel.payload_tag),
+                                    server))
         for handle, server in handles:
             self._wait(handle, server)
-        for p in self.params:
+        for p in self.params + [table for _, table in self.tables]:
             p.grad = None
         self.clock += 1
         self.pulled_since_push = False

@@ -6,6 +6,7 @@
     else:
         for x, y in batches:
             ps.pull()                     # newest parameters into the model
+                                          # (ps.pull(rows={"emb.weight": ids}): only those rows of a sparse table)
             loss_fn(model(x), y).backward()
             ps.push()                     # gradients to the servers (then cleared)
         ps.close()
@@ -20,6 +21,12 @@ Construction, as a recipe (collective: every rank calls it with the same argumen
 ``optimizer_fn(params)`` builds any torch.optim optimizer; each server runs it over its flat shard,
 so element-wise optimizers (SGD, momentum, Adam, AdamW) behave exactly as on the whole model.
 Modes: see server.py. W = world_size - S workers; per-worker batch b gives an effective batch W*b.
+
+Sparse tables: the weight of an nn.Embedding or nn.EmbeddingBag built with sparse=True is not part
+of the flat shards. Its rows are striped over the servers (row r on server r mod S,
+row_sharding.py), pushes carry only the touched rows and pulls fetch only the rows asked for
+(sparse_wire.py), and the servers update them with the sparse rule of the optimizer_fn's class
+(sparse_optim.py: SGD with lazy momentum, Adagrad, Adam as SparseAdam; others are refused here).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from gradsync.ps.client import Client
 from gradsync.ps.protocol import Channel
 from gradsync.ps.server import MODES, Server
 from gradsync.ps.sharding import plan_shards
+from gradsync.ps.sparse_optim import sparse_rule
+from gradsync.ps.sparse_tables import TableSpec, find_sparse
 from gradsync.replicas import broadcast_coalesced, verify_same_model
 
 _INSTANCES = [0]
@@ -60,18 +69,23 @@ class ParameterServer:
         self.staleness = staleness
         verify_same_model(model, "ParameterServer")
         broadcast_coalesced(list(model.parameters()) + list(model.buffers()))
-        self.plan = plan_shards([p.numel() for p in params], num_servers)
+        sparse = find_sparse(model)
+        dense = [p for p in params if all(p is not t for t in sparse.values())]
+        tables = [(TableSpec(i, name, t.shape[0], t[0].numel() if t.shape[0] else 0, t.element_size()), t)
+                  for i, (name, t) in enumerate(sparse.items())]
+        self.tables = [spec for spec, _ in tables]
+        self.plan = plan_shards([p.numel() for p in dense], num_servers)
         self.workers = list(range(num_servers, world.world_size))
         self.is_server = world.rank < num_servers
         transport = default_transport()
         channel = Channel(world.store, _next_instance())
         if self.is_server:
-            self._server = Server(transport, self.workers, self.plan.pieces[world.rank], params, optimizer_fn,
-                                  mode, staleness, world.timeout, channel)
+            self._server = Server(transport, self.workers, self.plan.pieces[world.rank], dense, optimizer_fn,
+                                  mode, staleness, world.timeout, channel, tables, num_servers)
             self._client = None
         else:
             self._server = None
-            self._client = Client(transport, self.plan, params, mode, channel)
+            self._client = Client(transport, self.plan, dense, mode, channel, tables)
 
     @staticmethod
     def _check(model, optimizer_fn, num_servers, mode, staleness, world) -> list[torch.Tensor]:
@@ -96,6 +110,8 @@ class ParameterServer:
                             f"{sorted(str(d).replace('torch.', '') for d in dtypes)}")
         if any(not p.is_contiguous() for p in params):
             raise ValueError("ParameterServer needs contiguous parameters")
+        if find_sparse(model):   # every rank refuses an optimizer the sparse rules cannot follow, not only servers
+            sparse_rule(optimizer_fn([nn.Parameter(torch.zeros(1, dtype=params[0].dtype))]))
         return params
 
     # -- server ------------------------------------------------------------------------------------
@@ -107,9 +123,13 @@ class ParameterServer:
         self._server.serve()
 
     # -- worker ------------------------------------------------------------------------------------
-    def pull(self) -> None:
-        """Copy the newest parameters the consistency model allows into the model (workers only)."""
-        self._worker("pull").pull()
+    def pull(self, rows: dict | None = None) -> None:
+        """Copy the newest parameters the consistency model allows into the model (workers only).
+
+        ``rows`` maps a sparse table's name to a 1-D int64 tensor of the row ids needed next: only
+        those rows are fetched (the others keep what they held); a table not named fetches nothing.
+        ``rows=None`` fetches every table whole. Dense parameters are always fetched whole."""
+        self._worker("pull").pull(rows)
 
     def push(self) -> None:
         """Send this rank's gradients to the servers and clear them (workers only)."""

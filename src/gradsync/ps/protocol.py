@@ -4,7 +4,7 @@ Every message starts with a header of HEADER_WORDS int64 words, sent on the chan
 
     word  name      meaning
     0     magic     MAGIC (0x6773_7073, "gsps"): anything else is not ours
-    1     kind      PUSH, PULL, PARAMS, CLOSE, BYE or ABORT
+    1     kind      PUSH, PULL, PARAMS, CLOSE, BYE, ABORT or ROWS
     2     sender    rank of the sender (checked against the rank the transport saw)
     3     version   PUSH: server version the gradient was computed on; PULL: the worker's clock
                     (pushes done so far); PARAMS: the server's version; ABORT: the rank at fault or -1
@@ -23,6 +23,10 @@ the wrong size. Conversation:
     worker -> server   PUSH + payload        gradient of this server's shard; no answer
     worker -> server   CLOSE                 answered by BYE
     server -> worker   ABORT                 the server stopped on an error (``reason`` in numel)
+
+A model with sparse tables (sparse_wire.py) follows every PUSH, PULL and PARAMS with one ROWS
+section per table: a ROWS header (version word = table index, numel = rows) then raw row ids
+and/or row values. Dense payloads of 0 elements (a model with only sparse tables) are not sent.
 
 Headers travel as control traffic in the TrafficMeter; payloads as "ps/push" and "ps/pull".
 
@@ -45,8 +49,9 @@ MAGIC = 0x67737073
 HEADER_WORDS = 8
 TAG_BASE = 7100
 
-PUSH, PULL, PARAMS, CLOSE, BYE, ABORT = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE: "BYE", ABORT: "ABORT"}
+PUSH, PULL, PARAMS, CLOSE, BYE, ABORT, ROWS = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE: "BYE", ABORT: "ABORT",
+              ROWS: "ROWS"}
 
 # ABORT reasons (carried in the numel word)
 REASON_DEAD_WORKER, REASON_PROTOCOL, REASON_SERVER_ERROR = 1, 2, 3

@@ -24,6 +24,16 @@ Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W
 server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
 all-reduce.
 
+Sparse tables (sparse_tables.py, sparse_wire.py): the server also holds rows s, s+S, ... of each
+table (row_sharding.py). A PUSH carries each worker's unique touched rows, k_w of them:
+(8 + D*esize) * k_w bytes; a PULL names the rows the worker wants next and is answered with exactly
+those rows, D*esize bytes each. A version steps the dense shard and every table at once (one
+optimizer step, sparse_optim.py), so staleness, clocks and SSP gaps count the same as for dense
+parameters. Sync mode averages the touched rows over the W pushes; async applies each push's rows
+as gradient / W. SSP with bound 0 answers from the tables as they were at the clock boundary (a
+full copy of this server's blocks per version: correct, and slow for big tables; a bound >= 1 or
+sync needs no copy).
+
 Failures: a worker that is not waiting on the server and sends nothing for ``timeout`` seconds is
 declared dead; so is one whose transfer fails. A malformed or unexpected message is refused (never
 applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank.
@@ -41,7 +51,10 @@ from torch import nn
 from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
+from gradsync.ps import sparse_wire
 from gradsync.ps.sharding import Piece, gather_shard
+from gradsync.ps.sparse_optim import sparse_rule
+from gradsync.ps.sparse_tables import TableBlock, TableSpec
 
 MODES = ("sync", "async", "ssp")
 
@@ -59,7 +72,8 @@ class Server:
 
     def __init__(self, transport: Transport, workers: list[int], pieces: list[Piece], params: list[torch.Tensor],
                  optimizer_fn: Callable, mode: str, staleness_bound: int, timeout: float,
-                 channel: wire.Channel) -> None:
+                 channel: wire.Channel, tables: list[tuple[TableSpec, torch.Tensor]] = (),
+                 num_servers: int = 1) -> None:
         self.transport = transport
         self.channel = channel
         self.rank = transport.rank
@@ -70,7 +84,18 @@ class Server:
         dtype = params[0].dtype
         numel = sum(p.length for p in pieces)
         self.shard = nn.Parameter(gather_shard(params, pieces, torch.empty(numel, dtype=dtype)))
-        self.optimizer = optimizer_fn([self.shard])
+        self.num_servers = num_servers
+        self.tables = [TableBlock(spec, full, self.rank, num_servers, "SGD", {}) for spec, full in tables]
+        # one torch optimizer holds the dense shard and the table blocks (which never get a .grad): a
+        # schedule that sets its param groups' lr reaches the sparse rules too (sparse_optim.py)
+        self.optimizer = optimizer_fn(([self.shard] if numel or not self.tables else []) +
+                                      [t.block for t in self.tables])
+        if self.tables:
+            rule = sparse_rule(self.optimizer)
+            for table in self.tables:
+                table.optimizer.rule = rule
+                table.optimizer.group = next(g for g in self.optimizer.param_groups
+                                             if any(p is table.block for p in g["params"]))
         self.published = self.shard.detach().clone()    # what PULLs return; replaced, never mutated
         self.incoming = torch.empty_like(self.published)
         self.grad_sum = torch.zeros_like(self.published) if mode == "sync" else None
@@ -81,7 +106,10 @@ class Server:
         self.pending_pulls: set[int] = set()
         self.last_seen = {w: time.monotonic() for w in self.workers}
         self.min_clock = 0
-        self.boundary = {0: (0, self.published)}   # ssp, bound 0: clock -> (version, parameters)
+        self.snapshot_tables = mode == "ssp" and staleness_bound == 0
+        self.published_tables = self._publish_tables()
+        self.pending_rows: dict[int, list[torch.Tensor]] = {}   # worker -> local rows wanted, per table
+        self.boundary = {0: (0, self.published, self.published_tables)}   # ssp, bound 0: clock -> (version, ...)
         self.sends: list[Handle] = []
         self.counts = Counter()
         self.staleness = Counter()
@@ -135,10 +163,13 @@ class Server:
             if header.version != self.clock[sender]:
                 raise ProtocolError(f"server rank {self.rank}: {header.describe()} says the worker has pushed "
                                     f"{header.version} times, the server counted {self.clock[sender]}; refused", sender)
+            self.pending_rows[sender] = [self._receive_rows(sender, table, sparse_wire.REQUEST_SECTION)[0]
+                                         for table in self.tables]
             self.pending_pulls.add(sender)
         elif header.kind == wire.CLOSE:
             self.open.discard(sender)
             self.pending_pulls.discard(sender)
+            self.pending_rows.pop(sender, None)
             self._send_header(sender, wire.Header(wire.BYE, self.rank, self.version, self.rank))
             self._maybe_step_sync()
             self._advance_boundary()
@@ -157,22 +188,55 @@ class Server:
                 f"server rank {self.rank}: unexpected {header.describe()}: in sync mode each worker pushes once per "
                 f"version, on the version it pulled (server is at {self.version}); call pull() before every "
                 f"push(); refused", sender)
-        try:
-            self.transport.irecv(self.incoming, sender, "ps/push", tag=self.channel.payload_tag).wait()
-        except PeerError as exc:
-            raise self._lost(sender, "its gradient payload never arrived") from exc
+        if self.incoming.numel():
+            try:
+                self.transport.irecv(self.incoming, sender, "ps/push", tag=self.channel.payload_tag).wait()
+            except PeerError as exc:
+                raise self._lost(sender, "its gradient payload never arrived") from exc
         wire.check_payload(header, self.incoming, sender)
+        # every section is read and checked before anything is applied: a refused push changes nothing
+        rows = [self._receive_rows(sender, table, sparse_wire.PUSH_SECTION) for table in self.tables]
         self.counts["pushes"] += 1
         self.counts["bytes_in"] += self.incoming.numel() * self.incoming.element_size()
+        for table, (local, grad) in zip(self.tables, rows):
+            self.counts["rows_in"] += local.numel()
+            self.counts["bytes_in"] += local.numel() * sparse_wire.bytes_per_row(sparse_wire.PUSH_SECTION, table.spec)
         self.clock[sender] += 1
         if self.mode == "sync":
             self.grad_sum.add_(self.incoming)
+            for table, (local, grad) in zip(self.tables, rows):
+                table.add(sender, local, grad)
             self.pushed_this_version.add(sender)
             self._maybe_step_sync()
         else:
             self.staleness[self.version - header.version] += 1
-            self._step(self.incoming / len(self.workers))
+            workers = len(self.workers)
+            self._step(self.incoming / workers, [(local, grad / workers) for local, grad in rows])
             self._advance_boundary()
+
+    def _receive_rows(self, sender: int, table: TableBlock, section: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One ROWS section from ``sender``: (local row ids, gradient rows or None for a pull request)."""
+        where = f"server rank {self.rank}"
+        buffer = wire.empty_header()
+        try:
+            self.transport.irecv(buffer, sender, "ps/header", control=True, tag=self.channel.header_tag).wait()
+        except PeerError as exc:
+            raise self._lost(sender, f"its rows of table {table.spec.name} never arrived") from exc
+        header = wire.decode(buffer, sender)
+        sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender, where)
+        k = header.numel
+        ids = torch.empty(k, dtype=torch.int64)
+        values = torch.empty(k, table.spec.dim, dtype=self.shard.dtype) if section == sparse_wire.PUSH_SECTION else None
+        op = "ps/push" if values is not None else "ps/pull/ids"
+        try:
+            for payload in ([ids] if values is None else [ids, values]) if k else []:
+                self.transport.irecv(payload, sender, op, tag=self.channel.payload_tag).wait()
+        except PeerError as exc:
+            raise self._lost(sender, f"its rows of table {table.spec.name} never arrived") from exc
+        sparse_wire.check_section_payload(header, ids, values, sender, where)
+        sparse_wire.check_ids(ids, table.spec, self.rank, self.num_servers, sender, where,
+                              unique=values is not None)
+        return table.local(ids), values
 
     def _advance_boundary(self) -> None:
         """Record the parameters at each new minimum clock (what a bound-0 SSP pull returns)."""
@@ -180,7 +244,7 @@ class Server:
             return
         lowest = min(self.clock[w] for w in self.open)
         for clock in range(self.min_clock + 1, lowest + 1):
-            self.boundary[clock] = (self.version, self.published)
+            self.boundary[clock] = (self.version, self.published, self.published_tables)
         self.min_clock = max(self.min_clock, lowest)
         for clock in [c for c in self.boundary if c < self.min_clock]:
             del self.boundary[clock]
@@ -189,16 +253,25 @@ class Server:
         if self.mode != "sync" or not self.pushed_this_version or not self.open <= self.pushed_this_version:
             return
         self.staleness[0] += len(self.pushed_this_version)
-        self._step(self.grad_sum / len(self.pushed_this_version))
+        pushers = len(self.pushed_this_version)
+        self._step(self.grad_sum / pushers, [table.take_mean(pushers) for table in self.tables])
         self.grad_sum.zero_()
         self.pushed_this_version.clear()
 
-    def _step(self, gradient: torch.Tensor) -> None:
+    def _step(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows."""
         self.shard.grad = gradient
         self.optimizer.step()
         self.shard.grad = None
+        for table, (rows, grad) in zip(self.tables, table_rows):
+            table.step(rows, grad)
         self.version += 1
         self.published = self.shard.detach().clone()
+        self.published_tables = self._publish_tables()
+
+    def _publish_tables(self) -> list[torch.Tensor]:
+        """What pulls read rows from: the live blocks (rows are copied when answered), or copies for bound-0 SSP."""
+        return [t.block.detach().clone() if self.snapshot_tables else t.block.detach() for t in self.tables]
 
     # -- answering pulls ---------------------------------------------------------------------------
     def _may_answer(self, worker: int) -> bool:
@@ -214,15 +287,25 @@ class Server:
                 continue
             self.pending_pulls.discard(worker)
             self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
-            version, payload = self.version, self.published
+            version, payload, blocks = self.version, self.published, self.published_tables
             if self.mode == "ssp" and self.staleness_bound == 0:
-                version, payload = self.boundary[self.clock[worker]]
+                version, payload, blocks = self.boundary[self.clock[worker]]
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload))
             self._send_header(worker, header)
-            self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
+            if payload.numel():
+                self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
+            for table, block, local in zip(self.tables, blocks, self.pending_rows.pop(worker, [])):
+                values = block.index_select(0, local)
+                rows_header = sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
+                                                         table.spec, None, values)
+                self._send_header(worker, rows_header)
+                if local.numel():
+                    self.sends.append(self.transport.isend(values, worker, "ps/pull", tag=self.channel.payload_tag))
+                self.counts["rows_out"] += local.numel()
+                self.counts["bytes_out"] += rows_header.nbytes
 
     def _send_header(self, worker: int, header: Header) -> None:
         self.sends.append(self.transport.isend(header.encode(), worker, "ps/header", control=True,
@@ -279,6 +362,8 @@ class Server:
             "role": "server", "rank": self.rank, "mode": self.mode, "staleness_bound": self.staleness_bound,
             "workers": list(self.workers), "shard_elements": self.shard.numel(), "shard_bytes": shard_bytes,
             "version": self.version, "pushes": self.counts["pushes"], "pulls": self.counts["pulls"],
+            "tables": {t.spec.name: t.rows_held for t in self.tables},
+            "rows_in": self.counts["rows_in"], "rows_out": self.counts["rows_out"],
             "steps": steps, "bytes_in": self.counts["bytes_in"], "bytes_out": self.counts["bytes_out"],
             "bytes_in_per_step": self.counts["bytes_in"] / steps if steps else 0.0,
             "bytes_out_per_step": self.counts["bytes_out"] / steps if steps else 0.0,

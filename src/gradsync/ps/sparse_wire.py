@@ -1,0 +1,84 @@
+"""ROWS sections: how the rows of sparse tables travel, raw and checked (protocol.py for the header).
+
+After every PUSH, PULL and PARAMS header (and its dense payload, when the shard has one) come T
+ROWS sections, one per sparse table in the order of TableSpec.index. A section is one header
+
+    word  version = table index;  shard = server;  numel = k rows;  nbytes = k * bytes per row;
+          checksum = checksum(ids) + checksum(values)
+
+followed, when k > 0, on the payload tag by:
+
+    section            direction          payload                         bytes per row   meter op
+    push               worker -> server   ids (k int64), values (k x D)   8 + D*esize     ps/push
+    pull request       worker -> server   ids (k int64)                   8               ps/pull/ids
+    pull answer        server -> worker   values (k x D), in request order D*esize        ps/pull
+
+Ids are global row ids (row_sharding.py), each owned by the server it is sent to. The receiver checks
+the header before posting a receive (table index, k at most the rows that server holds, nbytes), then
+the checksum, then the ids: in range, owned by this server and, in a push, unique. Anything else is a
+ProtocolError naming the sender, and nothing of that push is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.ps import protocol as wire
+from gradsync.ps.protocol import Header, ProtocolError
+from gradsync.ps.sparse_tables import TableSpec
+
+PUSH_SECTION, REQUEST_SECTION, ANSWER_SECTION = "push", "pull request", "pull answer"
+
+
+def bytes_per_row(section: str, spec: TableSpec) -> int:
+    return {PUSH_SECTION: 8 + spec.row_bytes, REQUEST_SECTION: 8, ANSWER_SECTION: spec.row_bytes}[section]
+
+
+def section_header(section: str, sender: int, server: int, spec: TableSpec, ids: torch.Tensor | None,
+                   values: torch.Tensor | None) -> Header:
+    k = (ids if ids is not None else values).shape[0]
+    total = (wire.checksum(ids) if ids is not None else 0) + (wire.checksum(values) if values is not None else 0)
+    return Header(wire.ROWS, sender, spec.index, server, k, k * bytes_per_row(section, spec), total)
+
+
+def check_section_header(header: Header, section: str, spec: TableSpec, server: int, rows_held: int,
+                         seen_from: int, where: str) -> None:
+    """Refuse a ROWS header that is not the expected section of table ``spec`` before reading its payload."""
+    if header.kind != wire.ROWS or header.version != spec.index or header.shard != server:
+        raise ProtocolError(f"{where}: expected the ROWS section of table {spec.name} (#{spec.index}) for shard "
+                            f"{server}, got {header.describe()}; refused", seen_from)
+    if header.numel > rows_held or header.nbytes != header.numel * bytes_per_row(section, spec):
+        raise ProtocolError(
+            f"{where}: {header.describe()}: a {section} section of table {spec.name} carries at most {rows_held} "
+            f"rows (those shard {server} holds) of {bytes_per_row(section, spec)} bytes each; refused and not "
+            f"applied", seen_from)
+
+
+def check_section_payload(header: Header, ids: torch.Tensor | None, values: torch.Tensor | None, seen_from: int,
+                          where: str) -> None:
+    total = (wire.checksum(ids) if ids is not None else 0) + (wire.checksum(values) if values is not None else 0)
+    if total != header.checksum:
+        raise ProtocolError(f"{where}: {header.describe()}: payload checksum {total} does not match the header's "
+                            f"{header.checksum}; the message was refused and not applied", seen_from)
+
+
+def check_ids(ids: torch.Tensor, spec: TableSpec, server: int, servers: int, seen_from: int, where: str,
+              unique: bool) -> None:
+    """Ids in 0..R-1, owned by ``server`` (id mod S), and unique when ``unique``; else ProtocolError."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= spec.rows)
+    if bool(bad.any()):
+        raise ProtocolError(f"{where}: rank {seen_from} sent row id {int(ids[bad][0])} for table {spec.name}, "
+                            f"which has rows 0..{spec.rows - 1}; refused, the table is unchanged", seen_from)
+    foreign = ids % servers != server
+    if bool(foreign.any()):
+        raise ProtocolError(f"{where}: rank {seen_from} sent row {int(ids[foreign][0])} of table {spec.name} to "
+                            f"server {server}, but row r lives on server r mod {servers}; refused, the table is "
+                            f"unchanged", seen_from)
+    if unique:
+        distinct, counts = torch.unique(ids, return_counts=True)
+        if distinct.numel() != ids.numel():
+            raise ProtocolError(f"{where}: rank {seen_from} pushed row {int(distinct[counts > 1][0])} of table "
+                                f"{spec.name} more than once in one push (a push carries each touched row once, "
+                                f"coalesced); refused, the table is unchanged", seen_from)

@@ -1,0 +1,185 @@
+"""Rank functions for the sparse parameter-server tests (module level so ranks can import them)."""
+
+import time
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync.comm.transport import default_transport
+from gradsync.ps import protocol as wire
+from gradsync.ps import sparse_wire
+
+import ps_fns
+
+EMB_ROWS, BAG_ROWS, DIM, BAG_LEN, CLASSES = 50, 30, 4, 3, 3
+HOT_EMB, HOT_BAG = 40, 24
+"""Batches only draw ids below these: rows HOT.. are never touched (the 'never sent' check)."""
+
+
+class SparseNet(nn.Module):
+    """A sparse nn.Embedding and a sparse nn.EmbeddingBag (sum) feeding a dense linear classifier."""
+
+    def __init__(self, seed=0, dtype=torch.float64):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(EMB_ROWS, DIM, sparse=True)
+        self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode="sum", sparse=True)
+        self.out = nn.Linear(2 * DIM, CLASSES)
+        self.to(dtype)
+
+    def forward(self, ids, bags):
+        return self.out(torch.cat([self.emb(ids), self.bag(bags)], 1))
+
+
+def global_data(steps, workers, local_batch):
+    """Per step: ids (W*b,), bags (W*b, L), labels (W*b,); ids skewed towards low rows (Zipf-like)."""
+    g = torch.Generator().manual_seed(11)
+    n = workers * local_batch
+    ids = (torch.rand(steps, n, generator=g) ** 3 * HOT_EMB).long()
+    bags = (torch.rand(steps, n, BAG_LEN, generator=g) ** 2 * HOT_BAG).long()
+    labels = torch.randint(0, CLASSES, (steps, n), generator=g)
+    return ids, bags, labels
+
+
+def optimizer_fn(kind):
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.5)
+    if kind == "adagrad":
+        return lambda params: torch.optim.Adagrad(params, lr=0.3, lr_decay=0.01, initial_accumulator_value=0.1)
+    raise ValueError(kind)
+
+
+def single_process(opt_kind, steps, workers, local_batch):
+    """The oracle: one process, torch's own optimizer on the sparse gradients, batch W*b."""
+    model = SparseNet()
+    optimizer = optimizer_fn(opt_kind)(list(model.parameters()))
+    ids, bags, labels = global_data(steps, workers, local_batch)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(ids[step], bags[step]), labels[step]).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(mode, opt_kind, steps, local_batch, num_servers):
+    """Workers pull the rows of their next batch, backward, push; one final whole pull.
+
+    Returns ("server", stats, traffic) or ("worker", params, stats, traffic, untouched_ok) where
+    untouched_ok says rows this worker never asked for kept the NaN it planted in them."""
+    w = gs.world()
+    model = SparseNet(seed=w.rank)   # rank 0's parameters win the broadcast
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode)
+    gs.traffic_reset()
+    if ps.is_server:
+        ps.serve()
+        return "server", ps.stats(), gs.traffic()
+    workers = w.world_size - num_servers
+    index = w.rank - num_servers
+    ids, bags, labels = global_data(steps, workers, local_batch)
+    with torch.no_grad():
+        model.emb.weight.fill_(float("nan"))
+        model.bag.weight.fill_(float("nan"))
+    for step in range(steps):
+        my_ids, my_bags = ids[step].chunk(workers)[index], bags[step].chunk(workers)[index]
+        ps.pull(rows={"emb.weight": my_ids, "bag.weight": my_bags.reshape(-1)})
+        loss = nn.functional.cross_entropy(model(my_ids, my_bags), labels[step].chunk(workers)[index])
+        assert torch.isfinite(loss), "a row the batch needs was not pulled"
+        loss.backward()
+        ps.push()
+    untouched_ok = bool(model.emb.weight[HOT_EMB:].isnan().all()) and bool(model.bag.weight[HOT_BAG:].isnan().all())
+    traffic = gs.traffic()
+    ps.pull()
+    ps.close()
+    return "worker", {n: p.detach().clone() for n, p in model.named_parameters()}, ps.stats(), traffic, untouched_ok
+
+
+def straggling_async(steps, sync_dir):
+    """Async, one server, workers 1 and 2: rank 2 pushes its first step only after rank 1's last pull.
+
+    Returns ("server", stats) or ("worker", rank)."""
+    w = gs.world()
+    model = SparseNet()
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="async")
+    if ps.is_server:
+        ps.serve()
+        return "server", ps.stats()
+    ids, bags, labels = global_data(steps, 2, 4)
+    for step in range(steps):
+        ps_fns._mark(sync_dir, w.rank, step)
+        my_ids, my_bags = ids[step].chunk(2)[w.rank - 1], bags[step].chunk(2)[w.rank - 1]
+        ps.pull(rows={"emb.weight": my_ids, "bag.weight": my_bags.reshape(-1)})
+        nn.functional.cross_entropy(model(my_ids, my_bags), labels[step].chunk(2)[w.rank - 1]).backward()
+        if w.rank == 2 and step == 0:
+            ps_fns._wait_for_marks(sync_dir, [1], steps)
+        ps.push()
+    ps_fns._mark(sync_dir, w.rank, steps)
+    ps.pull()
+    ps.close()
+    return "worker", w.rank
+
+
+def bad_pull_rows():
+    """Each bad pull(rows=...) a worker can make, and the error it gets (no message leaves the worker)."""
+    model = SparseNet()
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    if ps.is_server:
+        ps.serve()
+        return "server"
+    errors = []
+    for rows in ({"out.weight": torch.tensor([0])}, {"emb.weight": torch.tensor([EMB_ROWS])},
+                 {"emb.weight": torch.tensor([-1])}, {"emb.weight": torch.tensor([1.0])},
+                 {"emb.weight": torch.tensor([[1, 2]])}, [1, 2]):
+        try:
+            ps.pull(rows=rows)
+            errors.append(("no error", ""))
+        except (ValueError, TypeError) as exc:
+            errors.append((type(exc).__name__, str(exc)))
+    ps.close()
+    return errors
+
+
+def malformed_push(kind):
+    """Rank 2 pushes rows no correct client sends; the server must refuse, name rank 2, change nothing.
+
+    Returns, on the server: (error name, message, sender, version, tables unchanged)."""
+    w = gs.world()
+    model = SparseNet()
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    if ps.is_server:
+        before = [t.block.detach().clone() for t in ps._server.tables]
+        try:
+            ps.serve()
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            server = ps._server
+            unchanged = all(torch.equal(t.block.detach(), b) for t, b in zip(server.tables, before))
+            return type(exc).__name__, str(exc), getattr(exc, "sender", None), server.version, unchanged
+        return "no error", "", None, ps._server.version, None
+    try:
+        if w.rank == 2:
+            client = ps._client
+            transport = default_transport()
+            dense = torch.zeros(sum(p.numel() for p in client.params), dtype=torch.float64)
+            sends = [transport.isend(wire.Header(wire.PUSH, 2, 0, 0, dense.numel(), dense.numel() * 8,
+                                                 wire.checksum(dense)).encode(), 0, "test", control=True,
+                                     tag=client.channel.header_tag),
+                     transport.isend(dense, 0, "test", tag=client.channel.payload_tag)]
+            bad = {"out_of_range": [3, EMB_ROWS + 7], "duplicate": [3, 5, 3]}[kind]
+            for spec, _ in client.tables:
+                ids = torch.tensor(bad if spec.name == "emb.weight" else [1], dtype=torch.int64)
+                values = torch.ones(len(ids), DIM, dtype=torch.float64)
+                header = sparse_wire.section_header(sparse_wire.PUSH_SECTION, 2, 0, spec, ids, values)
+                sends.append(transport.isend(header.encode(), 0, "test", control=True, tag=client.channel.header_tag))
+                sends += [transport.isend(part, 0, "test", tag=client.channel.payload_tag) for part in (ids, values)]
+            for handle in sends:
+                handle.wait()
+        else:
+            ps.pull(rows=None)
+            model(torch.tensor([1]), torch.tensor([[1, 2, 3]])).sum().backward()
+            ps.push()
+        time.sleep(0.1)
+        ps.pull()
+        ps.close()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return type(exc).__name__, str(exc), getattr(exc, "culprit", None), None, None
+    return "no error", "", None, None, None

@@ -1,0 +1,164 @@
+"""Sparse tables on the parameter server against independent oracles: one process with torch's own
+optimizers on sparse gradients (batch W*b), torch.optim.SparseAdam, a hand-written lazy-momentum loop,
+and byte counts computed from the batches themselves (unique rows x row bytes)."""
+
+import pytest
+import torch
+
+import ps_sparse_fns as fns
+from gradsync.ps import row_sharding
+from gradsync.ps.sparse_optim import SparseRows, sparse_rule
+
+
+def relative_error(ours: dict, oracle: dict) -> float:
+    return max(((ours[n] - oracle[n]).abs().max() / oracle[n].abs().max().clamp_min(1e-30)).item() for n in oracle)
+
+
+def workers_of(results):
+    return [r for r in results if r[0] == "worker"]
+
+
+def servers_of(results):
+    return [r for r in results if r[0] == "server"]
+
+
+# -- row sharding and the sparse rules (no processes) ------------------------------------------------
+def test_row_striping_example_from_the_docstring():
+    assert [row_sharding.global_rows(s, 10, 3).tolist() for s in range(3)] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [row_sharding.rows_on(s, 10, 3) for s in range(3)] == [4, 3, 3]
+    ids = torch.tensor([9, 4, 0, 5, 3])
+    assert [ids[p].tolist() for p in row_sharding.split_by_owner(ids, 3)] == [[9, 0, 3], [4], [5]]
+    assert row_sharding.to_local(torch.tensor([9, 0, 3]), 3).tolist() == [3, 0, 1]
+
+
+def _sparse_steps(rows_per_step, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.tensor(rows), torch.randn(len(rows), 3, dtype=torch.float64, generator=g))
+            for rows in rows_per_step]
+
+
+STEPS = [[0, 2], [2, 5], [], [0, 1, 5], [5]]
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SparseAdam(p, lr=0.1, betas=(0.8, 0.95), eps=1e-6),
+                                  lambda p: torch.optim.Adagrad(p, lr=0.2, lr_decay=0.1, eps=1e-8,
+                                                                initial_accumulator_value=0.3),
+                                  lambda p: torch.optim.SGD(p, lr=0.2)])
+def test_sparse_rules_equal_torch_on_sparse_gradients(make):
+    table = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    oracle = torch.nn.Parameter(table.clone())
+    torch_opt = make([oracle])
+    ours = table.clone()
+    probe = make([torch.nn.Parameter(torch.zeros(1))])
+    rows_rule = SparseRows(sparse_rule(probe), ours, probe.param_groups[0])
+    for rows, grad in _sparse_steps(STEPS):
+        oracle.grad = torch.sparse_coo_tensor(rows.view(1, -1), grad, (6, 3))
+        torch_opt.step()
+        rows_rule.step(rows, grad)
+    assert torch.allclose(ours, oracle.detach(), rtol=1e-13, atol=1e-15)
+
+
+def test_sgd_momentum_is_lazy():
+    """Oracle: the rule written out per row; untouched rows keep their velocity and do not move."""
+    lr, mu = 0.1, 0.9
+    table = torch.zeros(6, 3, dtype=torch.float64)
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr, momentum=mu)
+    rule = SparseRows(sparse_rule(probe), table, probe.param_groups[0])
+    expected = torch.zeros(6, 3, dtype=torch.float64)
+    velocity = torch.zeros(6, 3, dtype=torch.float64)
+    for rows, grad in _sparse_steps(STEPS):
+        rule.step(rows, grad)
+        for row, g in zip(rows.tolist(), grad):
+            velocity[row] = mu * velocity[row] + g
+            expected[row] -= lr * velocity[row]
+    assert torch.allclose(table, expected, rtol=1e-14, atol=1e-15)
+    assert bool((table[[3, 4]] == 0).all()), "rows never touched never move"
+
+
+@pytest.mark.parametrize("make,words", [(lambda p: torch.optim.RMSprop(p, lr=0.1), "RMSprop"),
+                                        (lambda p: torch.optim.AdamW(p, lr=0.1), "weight_decay=0.01"),
+                                        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                                         "nesterov=True")])
+def test_unsupported_sparse_optimizers_are_refused_by_name(make, words):
+    with pytest.raises(RuntimeError, match=words):
+        sparse_rule(make([torch.nn.Parameter(torch.zeros(1))]))
+
+
+# -- sync equivalence and traffic -------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 2)])
+def test_sparse_sync_equals_one_process_with_global_batch(world_of, optimizer, world_size, servers):
+    steps, local_batch = 3, 4
+    results = world_of(world_size).run(fns.train, "sync", optimizer, steps, local_batch, servers)
+    workers = world_size - servers
+    oracle = fns.single_process(optimizer, steps, workers, local_batch)
+    for _, params, stats, _, _ in workers_of(results):
+        assert relative_error(params, oracle) <= 1e-12
+        assert stats["steps"] == steps
+    for _, stats, _ in servers_of(results):
+        assert stats["version"] == steps and stats["staleness_histogram"] == {0: workers * steps}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 2)])
+def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, servers):
+    steps, local_batch, esize = 3, 4, 8
+    results = world_of(world_size).run(fns.train, "sync", "sgd", steps, local_batch, servers)
+    workers = world_size - servers
+    ids, bags, _ = fns.global_data(steps, workers, local_batch)
+    dense_bytes = sum(p.numel() for p in fns.SparseNet().out.parameters()) * esize
+    row_bytes = fns.DIM * esize
+    for _, _, stats, traffic, untouched_ok in workers_of(results):
+        index = stats["rank"] - servers
+        unique = [torch.unique(ids[s].chunk(workers)[index]).numel() + torch.unique(bags[s].chunk(workers)[index]).numel()
+                  for s in range(steps)]
+        # push: (8 + D*esize) per unique touched row, plus the whole dense part, per step
+        assert traffic["per_op"]["ps/push"]["sent"] == sum(u * (8 + row_bytes) + dense_bytes for u in unique)
+        # pull (before the final whole pull): exactly the requested rows, plus the dense part
+        assert traffic["per_op"]["ps/pull"]["received"] == sum(u * row_bytes + dense_bytes for u in unique)
+        assert traffic["per_op"]["ps/pull/ids"]["sent"] == sum(u * 8 for u in unique)
+        assert untouched_ok, "rows the worker never asked for were written"
+    touched = {int(r) for r in ids.reshape(-1)} | {fns.EMB_ROWS + int(r) for r in bags.reshape(-1)}
+    rows_in = sum(stats["rows_in"] for _, stats, _ in servers_of(results))
+    per_worker_unique = sum(torch.unique(ids[s].chunk(workers)[w]).numel() + torch.unique(bags[s].chunk(workers)[w]).numel()
+                            for s in range(steps) for w in range(workers))
+    assert rows_in == per_worker_unique
+    assert max(touched) < fns.EMB_ROWS + fns.HOT_BAG and all(t < fns.HOT_EMB or t >= fns.EMB_ROWS for t in touched)
+
+
+# -- async -------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_sparse_async_records_staleness(world_of, tmp_path):
+    steps = 5
+    results = world_of(3).run(fns.straggling_async, steps, str(tmp_path))
+    (_, stats), = servers_of(results)
+    assert sum(stats["staleness_histogram"].values()) == 2 * steps
+    assert max(stats["staleness_histogram"]) == steps, "the straggler's first push lands on version 5"
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_bad_pull_rows_are_refused_with_the_reason(world_of):
+    results = world_of(2).run(fns.bad_pull_rows)
+    errors = results[1]
+    assert errors[0][0] == "ValueError" and "out.weight" in errors[0][1] and "emb.weight" in errors[0][1]
+    assert errors[1][0] == "ValueError" and "50" in errors[1][1] and "0..49" in errors[1][1]
+    assert errors[2][0] == "ValueError" and "-1" in errors[2][1]
+    assert errors[3][0] == "ValueError" and "int64" in errors[3][1]
+    assert errors[4][0] == "ValueError" and "1-D" in errors[4][1]
+    assert errors[5][0] == "TypeError" and "dict" in errors[5][1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,words", [("out_of_range", "row id 57"), ("duplicate", "row 3 of table emb.weight more than once")])
+def test_bad_sparse_push_is_refused_names_the_worker_and_changes_nothing(world_of, kind, words):
+    pool = world_of(3)
+    try:
+        results = pool.run(fns.malformed_push, kind)
+    finally:
+        pool.close()   # the refused messages stay queued in gloo: start the next case on a fresh world
+    name, message, sender, version, unchanged = results[0]
+    assert name == "ProtocolError" and sender == 2 and "rank 2" in message and words in message, message
+    assert version == 0 and unchanged, "a refused push must not touch the tables"
+    assert results[1][0] == "ServerAbortedError" and results[1][2] == 2
