@@ -27,7 +27,8 @@ backward pass takes b = backward_share * c):
                   with pulls of updated keys overlapping pushes of the next (a pipelined server):
                   T_comm = W*alpha + W*M/S*beta;   step = c + T_comm.
                   gradsync's server answers pulls only after the whole update (ps/server.py), so it
-                  pays both phases in turn: 2*T_comm (shown in the note)
+                  pays both phases in turn: ps_server="serial" gives step = c + 2*T_comm
+                  (measured on emulated 1 Gbit/s links: docs/benchmarks.md, "Emulated cluster")
     ps-async      no step barrier: a server link is full duplex, so it absorbs pushes at S/(M*beta)
                   per second while workers offer W/(c + 2*(alpha + M*beta)) per second:
                   step = W / min(S/(M*beta), W/(c + 2*(alpha + M*beta)))   (time per W pushes);
@@ -155,18 +156,21 @@ class StrategyCost:
 
 def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
-                  backward_share: float = 2 / 3) -> StrategyCost:
-    """One strategy's cost per training step (formulas in the module docstring)."""
+                  backward_share: float = 2 / 3, ps_server: str = "pipelined") -> StrategyCost:
+    """One strategy's cost per training step (formulas in the module docstring). ``ps_server``
+    (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not."""
     if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
         raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
                          f"servers={servers}, compute={compute_s}, bytes={nbytes}")
     w, m, c = workers, nbytes, compute_s
     if strategy == "ps":
+        if ps_server not in ("pipelined", "serial"):
+            raise ValueError(f"ps_server must be 'pipelined' or 'serial', got {ps_server!r}")
         link_bytes = w * m / servers
-        comm = w * link.alpha + link_bytes * link.beta
+        comm = (w * link.alpha + link_bytes * link.beta) * (2 if ps_server == "serial" else 1)
+        serial = f"push-then-pull server: {2 * comm:.3g} s" if ps_server == "pipelined" else "push-then-pull server"
         return StrategyCost(strategy, link_bytes, comm, c + comm, c / (c + comm),
-                            f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; "
-                            f"push-then-pull server: {2 * comm:.3g} s")
+                            f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; {serial}")
     if strategy == "ps-async":
         server_rate = servers / (m * link.beta) if link.beta > 0 else math.inf
         worker_rate = w / (c + 2 * (link.alpha + m * link.beta))

@@ -1,0 +1,8 @@
+"""An emulated cluster on one machine: hosts as network namespaces on a bridge, links shaped to a rate.
+
+    netns.py     EmulatedCluster: build the hosts and links, read their kernel counters, delete it all
+    jobs.py      Job + run_job: one torchrun per host running worker.py, results back
+    worker.py    one rank: train, time, count bytes (meter and kernel counters)
+    results.py   ranks' results -> one row per job: step time, per-link bytes beside the formulas
+    sweep.py     `gradsync cluster`: jobs over strategies x W x link rates, the cost model beside them
+"""

@@ -1,0 +1,107 @@
+"""A cluster job's per-rank results -> one row: step time, per-link bytes beside the formulas, the model.
+
+Vocabulary
+    M        model bytes (float32 gradients = parameters);  W workers;  S servers;  N ranks
+    L        ranks per host;  H hosts;  host h holds ranks h*L .. h*L+L-1
+    link     a host's veth to the switch; tx = what the host uploads, rx = what it downloads
+    R        the link rate in bit/s; payload moves at G = R/8 * 1448/1514 bytes/s (a 1500-byte MTU
+             frame, 1514 bytes to the shaper with its Ethernet header, carries 1448 bytes of TCP
+             payload with timestamps), so beta = 1/G
+
+Payload bytes per step crossing a host's link, each direction (the closed forms the meter and the
+kernel counters are held against):
+    ps-*, server host     sum over its servers of W*M/S      (every worker pushes and pulls M/S each)
+    ps-*, worker host     M per worker on it                  (its pushes to, and pulls from, all S)
+    ring, L = 1           2(N-1)/N*M                          (reduce-scatter + all-gather)
+    hierarchical, H hosts 2(H-1)/H*M                          (each of L rails: 2(H-1)/H*M/L)
+The meter column is the payload the host's ranks sent to ranks on other hosts (gs.traffic(),
+per peer); the kernel columns add the TCP/IP headers, ACKs, the barriers and the PS headers.
+
+Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job's measured compute c):
+    ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
+    ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
+    ring                 strategy "ring"
+    hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link()
+comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from gradsync.cluster.jobs import Job
+from gradsync.cluster.netns import parse_rate
+from gradsync.sim import cost
+
+TCP_GOODPUT = 1448 / 1514
+PREDICTED_AS = {"ps-sync": "ps", "ps-async": "ps-async", "ssp": "ps-async", "ring": "ring",
+                "hierarchical": "hierarchical"}
+
+
+def link_payload_formula(job: Job, host: int, model_bytes: int) -> float | None:
+    """Payload bytes per step over ``host``'s link, each direction (module docstring); None if no
+    closed form is given for this layout (ring with several ranks per host)."""
+    m, w, s, ranks = model_bytes, job.workers, job.servers, range(host * job.ranks_per_host,
+                                                                 (host + 1) * job.ranks_per_host)
+    if job.is_ps:
+        return sum(w * m / s if r < s else m for r in ranks)
+    if job.strategy == "ring" and job.ranks_per_host == 1:
+        return 2 * (w - 1) / w * m
+    if job.strategy == "hierarchical":
+        return 2 * (job.hosts - 1) / job.hosts * m
+    return None
+
+
+def link_for(rate: str, alpha_s: float) -> cost.Link:
+    """The emulated link as the cost model sees it (module docstring)."""
+    return cost.Link(alpha=alpha_s, beta=1 / (parse_rate(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
+
+
+def predict(job: Job, rate: str, model_bytes: int, compute_s: float, alpha_s: float) -> cost.StrategyCost:
+    link = link_for(rate, alpha_s)
+    extra = {"ps_server": "serial"} if job.strategy == "ps-sync" else {}
+    return cost.strategy_cost(PREDICTED_AS[job.strategy], model_bytes, job.workers, link, compute_s,
+                              servers=job.servers, ranks_per_host=job.ranks_per_host, intra=cost.Link(), **extra)
+
+
+def _off_host_payload(rank: dict, job: Job) -> tuple[int, int]:
+    """(sent, received) payload bytes of one rank's rep to ranks on other hosts."""
+    here = rank["rank"] // job.ranks_per_host
+    sent = received = 0
+    for peer, counts in rank["per_peer"].items():
+        if int(peer) // job.ranks_per_host != here:
+            sent += counts["sent"]
+            received += counts["received"]
+    return sent, received
+
+
+def summarize(result: dict, rate: str) -> dict:
+    """One row from run_job's result (see module docstring)."""
+    job: Job = result["job"]
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    model_bytes = ranks[0]["model_bytes"]
+    total_steps = sum(rep["steps"] for rep in ranks[0]["reps"])
+    step_s = statistics.median(rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"])
+    workers = [r for r in ranks if r["role"] != "server"]
+    compute_s = statistics.median(r["compute_s"] for r in workers)
+    alpha_s = ranks[0]["alpha_s"]
+    links = []
+    for host in range(job.hosts):
+        on_host = [r for r in ranks if r["rank"] // job.ranks_per_host == host]
+        sent = sum(_off_host_payload({**rep, "rank": r["rank"]}, job)[0] for r in on_host for rep in r["reps"])
+        received = sum(_off_host_payload({**rep, "rank": r["rank"]}, job)[1] for r in on_host for rep in r["reps"])
+        leader = next(r for r in on_host if r["local_rank"] == 0)
+        tx = sum(rep["link"]["tx_bytes"] for rep in leader["reps"])
+        rx = sum(rep["link"]["rx_bytes"] for rep in leader["reps"])
+        links.append({"host": host, "formula": link_payload_formula(job, host, model_bytes),
+                      "meter_sent": sent / total_steps, "meter_received": received / total_steps,
+                      "kernel_tx": tx / total_steps, "kernel_rx": rx / total_steps})
+    busiest = max(links, key=lambda link: link["kernel_tx"] + link["kernel_rx"])
+    predicted = predict(job, rate, model_bytes, compute_s, alpha_s)
+    return {"link": rate, "strategy": job.strategy, "servers": job.servers if job.is_ps else 0,
+            "workers": job.workers, "ranks_per_host": job.ranks_per_host, "hosts": job.hosts,
+            "params": ranks[0]["params"], "model_bytes": model_bytes, "steps": job.steps, "reps": job.reps,
+            "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
+            "compute_s": compute_s, "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
+            "predicted_s": predicted.step_s, "error": predicted.step_s / step_s - 1, "links": links,
+            "busiest": busiest, "job_counters": result["job_counters"]}

@@ -1,0 +1,183 @@
+"""gradsync cluster: strategies x workers x link rates on emulated hosts, the cost model beside each.
+
+Runbook (root; every namespace it makes is deleted again, also on Ctrl-C, SIGTERM and failure):
+
+    gradsync cluster --strategy ring --workers 4 --link 1gbit                  # one job, 4 hosts
+    gradsync cluster --strategy ps-sync,ps-async,ssp,ring,hierarchical --workers 2,3,4,5,6 \
+        --servers 1,2 --link 1gbit,10gbit --params 4M --json sweep.json --figure docs/figs/cluster_step_time.png
+    gradsync cluster --clean                                                   # leftovers of a SIGKILLed run
+
+Each job gets a fresh cluster of job.hosts hosts (jobs.py): PS strategies put S servers and W
+workers on S+W hosts, ring W hosts, hierarchical W/L hosts of L = max(2, --ranks-per-host) ranks.
+ps-sync runs once per S in --servers; ps-async and ssp with the first S. A row's step time is the
+median of --reps reps of --steps steps (worker.py); its bytes are per step on the busiest link
+(results.py); "predicted" is sim/cost.py for the same M, W, S, link rate, the job's fitted alpha and
+measured compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+
+from gradsync.cluster import netns
+from gradsync.cluster.jobs import Job, run_job
+from gradsync.cluster.results import summarize
+from gradsync.cluster.worker import PS_MODES, STRATEGIES
+
+
+def _list(kind):
+    def parse(text: str) -> list:
+        items = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list")
+        return items
+    return parse
+
+
+def _count(text: str) -> float:
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9}
+    raw = text.strip().upper()
+    try:
+        return float(raw[:-1]) * scale[raw[-1]] if raw[-1:] in scale else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count; use e.g. 4M or 4e6") from None
+
+
+def _strategies(text: str) -> list[str]:
+    chosen = _list(str)(text)
+    bad = [s for s in chosen if s not in STRATEGIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(STRATEGIES)}")
+    return chosen
+
+
+def _rates(text: str) -> list[str]:
+    rates = _list(str)(text)
+    for rate in rates:
+        try:
+            netns.parse_rate(rate)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return rates
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategy", type=_strategies, default=["ps-sync", "ring"],
+                        help=f"comma-separated subset of {', '.join(STRATEGIES)} (default ps-sync,ring)")
+    parser.add_argument("--workers", type=_list(int), default=[2, 4], help="comma-separated W (default 2,4)")
+    parser.add_argument("--servers", type=_list(int), default=[1], help="ps-sync: comma-separated S (default 1)")
+    parser.add_argument("--link", type=_rates, default=["1gbit"],
+                        help="comma-separated tc rates of every host's link, each way (default 1gbit)")
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per emulated host (hierarchical: >= 2)")
+    parser.add_argument("--params", type=_count, default=4e6, help="model parameters, e.g. 4M (default)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed rep")
+    parser.add_argument("--reps", type=int, default=3, help="timed reps per job (median)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--figure", metavar="PNG", help="also draw measured and predicted step time vs W (+ CSV)")
+    parser.add_argument("--clean", action="store_true",
+                        help="only delete namespaces left by cluster runs (of any process) and exit")
+
+
+def plan(args) -> list[tuple[str, Job]]:
+    """(link rate, job) for every combination asked for; impossible layouts are skipped with a note."""
+    jobs = []
+    for rate in args.link:
+        for strategy in args.strategy:
+            servers = args.servers if strategy == "ps-sync" else args.servers[:1]
+            for w in args.workers:
+                for s in servers if strategy in PS_MODES else [1]:
+                    per_host = max(2, args.ranks_per_host) if strategy == "hierarchical" else args.ranks_per_host
+                    try:
+                        jobs.append((rate, Job(strategy, w, args.params, servers=s, ranks_per_host=per_host,
+                                               steps=args.steps, reps=args.reps)))
+                    except ValueError as exc:
+                        print(f"skipped: {exc}", file=sys.stderr)
+    return jobs
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (as Ctrl-C does), so every finally block runs."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run(args) -> tuple[list[dict], list[str]]:
+    """Every planned job on a fresh cluster; rows and failures (each failure names its job)."""
+    rows, failures = [], []
+    jobs = plan(args)
+    with signals_interrupt():
+        for index, (rate, job) in enumerate(jobs, 1):
+            label = (f"{job.strategy}{f' S={job.servers}' if job.is_ps else ''} W={job.workers} at {rate} "
+                     f"({job.hosts} hosts x {job.ranks_per_host} ranks)")
+            print(f"[{index}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
+            try:
+                with netns.EmulatedCluster(job.hosts, rate) as cluster:
+                    rows.append(summarize(run_job(cluster, job, args.timeout), rate))
+            except RuntimeError as exc:
+                failures.append(f"{label}: {exc}")
+                print(f"  failed: {exc}", file=sys.stderr, flush=True)
+    return rows, failures
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    from gradsync import display
+
+    for rate in dict.fromkeys(r["link"] for r in rows):
+        chosen = [r for r in rows if r["link"] == rate]
+        first = chosen[0]
+        table = Table(title=f"emulated cluster, {rate} links: {first['params'] / 1e6:.2f}M params "
+                            f"({first['model_bytes'] / 1e6:.1f} MB), median of {first['reps']} reps x "
+                            f"{first['steps']} steps; bytes per step on the busiest link (MB)")
+        for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "predicted ms", "error", "compute ms",
+                       "comm share", "formula", "meter out/in", "kernel tx/rx"):
+            table.add_column(column, justify="right")
+        for r in chosen:
+            b = r["busiest"]
+            table.add_row(r["strategy"], str(r["servers"] or "-"), str(r["workers"]),
+                          f"{r['hosts']}x{r['ranks_per_host']}", f"{r['step_s'] * 1e3:.0f}",
+                          "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['predicted_s'] * 1e3:.0f}",
+                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", f"{r['comm_share']:.0%}",
+                          "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
+                          f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
+                          f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}")
+        display.console(160).print(table)
+
+
+def main(args) -> int:
+    reason = netns.unavailable()
+    if reason:
+        print(f"gradsync cluster: {reason}", file=sys.stderr)
+        return 2
+    if args.clean:
+        swept = netns.sweep_stale(everything=True)
+        print(f"deleted {len(swept)} namespace(s){': ' + ', '.join(swept) if swept else ''}")
+        return 0
+    rows, failures = run(args)
+    if rows:
+        print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "failures": failures, "argv": sys.argv}, f, indent=2)
+    if args.figure and rows:
+        from pathlib import Path
+
+        from gradsync.cluster.figure import step_time_vs_workers
+
+        print(f"wrote {step_time_vs_workers(rows, Path(args.figure))}")
+    for failure in failures:
+        print(f"gradsync cluster: failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,197 @@
+"""One rank of a `gradsync cluster` job: train a communication-heavy model, time it, count its bytes.
+
+Run by torchrun inside each emulated host (cluster/jobs.py starts it; not meant to be run by hand):
+
+    python -m torch.distributed.run --nnodes H --nproc-per-node L --node-rank i --master-addr A \
+        -m gradsync.cluster.worker --strategy ring --params 4M --steps 4 --reps 3 --out DIR
+
+Vocabulary
+    model     two Linear(d, d) layers, d = round(sqrt(P/2)) rounded to even (P = --params), batch 8:
+              little compute per byte of gradient, so the network sets the pace
+    rep       ``steps`` training steps between two barriers; rep 0 is an untimed warm-up of one step
+    wall      a rep's time on the slowest rank, from the barrier to its last step (PS workers: to
+              close(), which returns once the server has taken every push)
+    window    the same span, for the byte counters: the meter (payload and control bytes this rank
+              sent and received) and, on each host's local rank 0, the kernel counters of the host's
+              link (/sys/class/net/$GLOO_SOCKET_IFNAME/statistics; `ip netns exec` mounts the
+              namespace's own sysfs, so these are the emulated host's counters)
+    compute   forward + backward of the bare model, all ranks at once after a barrier (they share
+              the machine's cores as they do while training), median of 5
+
+Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
+others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
+After the reps: ``alpha_s``, the median of 20 one-element ring all-reduces divided by 2(N-1).
+Writes DIR/rank<r>.json (results.py reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync as gs
+
+PS_MODES = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
+DDP_ALGORITHMS = {"ring": "ring", "hierarchical": "hierarchical"}
+STRATEGIES = (*PS_MODES, *DDP_ALGORITHMS)
+BATCH = 8
+
+
+def build_model(params: float) -> nn.Module:
+    """Two Linear(d, d) layers with about ``params`` parameters (d even: sizes split evenly)."""
+    d = max(2, 2 * round(math.sqrt(params / 2) / 2))
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+
+
+def _batch(model: nn.Module, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d = model[0].in_features
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(BATCH, d, generator=g), torch.randn(BATCH, d, generator=g)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _link_counters() -> dict[str, int] | None:
+    """The host link's kernel counters, read by local rank 0 only (one reading per host)."""
+    if gs.world().local_rank != 0:
+        return None
+    base = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+    return {name: int((base / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
+
+
+def _measure_compute(model, x, y, reps: int = 5) -> float:
+    _barrier()
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        _loss(model, x, y).backward()
+        times.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def _window(run_steps, steps: int) -> dict:
+    """Barrier, counters, ``run_steps(steps)``, barrier, counters: one rep (see module docstring)."""
+    _barrier()
+    gs.traffic_reset()
+    before = _link_counters()
+    started = time.perf_counter()
+    elapsed = run_steps(steps)
+    if elapsed is None:
+        elapsed = time.perf_counter() - started
+    wall = _slowest(elapsed)
+    _barrier()
+    after = _link_counters()
+    meter = gs.traffic()
+    link = {k: after[k] - before[k] for k in after} if after else None
+    return {"wall_s": wall, "steps": steps, "bytes_sent": meter["bytes_sent"],
+            "bytes_received": meter["bytes_received"], "control_sent": meter["control_bytes_sent"],
+            "control_received": meter["control_bytes_received"], "per_peer": meter["per_peer"], "link": link}
+
+
+def _ps_reps(args, model, x, y) -> tuple[list[dict], str]:
+    reps, role = [], ""
+    for rep in range(args.reps + 1):
+        ps = gs.ParameterServer(model, lambda p: torch.optim.SGD(p, lr=1e-4), num_servers=args.servers,
+                                mode=PS_MODES[args.strategy], staleness=args.staleness)
+        role = "server" if ps.is_server else "worker"
+
+        def run_steps(steps: int, ps=ps):
+            if ps.is_server:
+                ps.serve()
+                return 0.0   # the rep's wall is the slowest worker's
+            started = time.perf_counter()
+            for _ in range(steps):
+                ps.pull()
+                _loss(model, x, y).backward()
+                ps.push()
+            ps.close()
+            return time.perf_counter() - started
+
+        result = _window(run_steps, 1 if rep == 0 else args.steps)
+        if rep:
+            reps.append(result)
+    return reps, role
+
+
+def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
+    ddp = gs.DistributedDataParallel(model, algorithm=DDP_ALGORITHMS[args.strategy])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+    def run_steps(steps: int):
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            _loss(ddp, x, y).backward()
+            optimizer.step()
+
+    reps = [_window(run_steps, 1 if rep == 0 else args.steps) for rep in range(args.reps + 1)]
+    return reps[1:], "rank"
+
+
+def _fit_alpha(calls: int = 20) -> float:
+    """Seconds per message: one-element ring all-reduces, 2(N-1) messages each (median of ``calls``)."""
+    n = gs.world().world_size
+    times = []
+    one = torch.zeros(1)
+    for _ in range(calls):
+        _barrier()
+        started = time.perf_counter()
+        gs.all_reduce(one, algorithm="ring")
+        times.append(_slowest(time.perf_counter() - started))
+    return statistics.median(times) / (2 * (n - 1)) if n > 1 else 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--params", type=float, required=True, help="model parameters (about)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed rep")
+    parser.add_argument("--reps", type=int, default=3, help="timed reps (after one warm-up rep)")
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--staleness", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--out", required=True, help="directory for rank<r>.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    w = gs.init(timeout=args.timeout)
+    model = build_model(args.params)
+    x, y = _batch(model, w.rank)
+    compute_s = _measure_compute(model, x, y)
+    if args.strategy in PS_MODES:
+        reps, role = _ps_reps(args, model, x, y)
+    else:
+        reps, role = _ddp_reps(args, model, x, y)
+    alpha_s = _fit_alpha()
+    params = sum(p.numel() for p in model.parameters())
+    result = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank,
+              "host": int(os.environ.get("GROUP_RANK", "0")), "hosts": [list(h) for h in w.hosts], "role": role,
+              "strategy": args.strategy, "params": params, "model_bytes": params * 4, "compute_s": compute_s,
+              "alpha_s": alpha_s, "reps": reps}
+    Path(args.out, f"rank{w.rank}.json").write_text(json.dumps(result))
+    gs.shutdown()
+
+
+if __name__ == "__main__":
+    main()
