@@ -1,0 +1,166 @@
+"""gradsync cluster on a small configuration: emulated hosts (network namespaces on a bridge, links
+shaped to 100 Mbit/s each way), one torchrun per host. Bytes per link are held against the closed
+forms, counted by the kernel's interface counters of each host's veth; timings belong to the
+benchmark (docs/benchmarks.md), not here. Whatever the run made must be gone afterwards, also when
+it is interrupted. Skips where network namespaces cannot be made (not root, no iproute2)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gradsync.cluster import netns
+from gradsync.cluster.jobs import Job, run_job
+
+RATE = "100mbit"
+PARAMS = 250_000
+D = 354                       # worker.build_model(250_000): two Linear(354, 354)
+M = 2 * (D * D + D) * 4       # model bytes, float32
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def can_build():
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    probe = f"gsc{os.getpid()}-probe"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create a network namespace here ({made.stderr.strip()}); needs root or CAP_SYS_ADMIN")
+    _ip("netns", "del", probe)
+
+
+def _ours_in_root_namespace() -> list[str]:
+    """Interfaces named like ours in the machine's own namespace (there must never be any)."""
+    return [line for line in _ip("-o", "link", "show").stdout.splitlines() if "gsc-" in line]
+
+
+def _per_step(rep_list, key):
+    return sum(rep["link"][key] for rep in rep_list) / sum(rep["steps"] for rep in rep_list)
+
+
+def _check_link(measured: float, payload: float, what: str) -> None:
+    """The kernel counts payload plus Ethernet/IP/TCP headers, ACKs, barriers and PS headers: never
+    less than the payload, and here under 3% + 20 kB more per step (16 steps' worth of headers on
+    64 KiB GSO packets are ~0.2%)."""
+    assert payload <= measured <= payload * 1.03 + 20_000, f"{what}: kernel {measured:,.0f} B/step, formula {payload:,.0f}"
+
+
+@pytest.mark.timeout(240)
+def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
+    """1 server + 2 workers on 3 hosts: the server's link carries W*M each way per step, a worker's M."""
+    job = Job("ps-sync", workers=2, params=PARAMS, steps=2, reps=1)
+    with netns.EmulatedCluster(job.hosts, RATE) as cluster:
+        made = list(cluster.made)
+        assert len(made) == 4 and all(name in netns.namespaces() for name in made)
+        for namespace, dev in ((cluster.namespace(1), cluster.link_if(1)), (cluster.switch, cluster.port_if(1))):
+            qdiscs = subprocess.run(["tc", "-n", namespace, "qdisc", "show", "dev", dev],
+                                    capture_output=True, text=True, timeout=30).stdout
+            assert "tbf" in qdiscs and "100Mbit" in qdiscs, f"{namespace} {dev}: {qdiscs}"   # upload, download
+        result = run_job(cluster, job, timeout=180)
+    assert not [n for n in made if n in netns.namespaces()], "namespaces left behind"
+    assert not _ours_in_root_namespace()
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert ranks[0]["params"] == 2 * (D * D + D) and ranks[0]["role"] == "server"
+    w = job.workers
+    for host, payload in ((0, w * M), (1, M), (2, M)):
+        reps = ranks[host]["reps"]
+        for key in ("tx_bytes", "rx_bytes"):
+            _check_link(_per_step(reps, key), payload, f"host {host} {key}")
+    # the meter counts exactly the payload: W pushes in and W pulls out of M each per step
+    steps = job.steps * job.reps
+    assert sum(rep["bytes_received"] for rep in ranks[0]["reps"]) == w * M * steps
+    assert sum(rep["bytes_sent"] for rep in ranks[0]["reps"]) == w * M * steps
+
+
+@pytest.mark.timeout(240)
+def test_ring_link_bytes_match_the_formula(can_build):
+    """Ring all-reduce DDP on 3 hosts: every link carries 2(N-1)/N*M each way per step."""
+    job = Job("ring", workers=3, params=PARAMS, steps=2, reps=1)
+    with netns.EmulatedCluster(job.hosts, RATE) as cluster:
+        made = list(cluster.made)
+        result = run_job(cluster, job, timeout=180)
+    assert not [n for n in made if n in netns.namespaces()]
+    n = job.workers
+    assert M // 4 % n == 0, "one bucket whose elements split evenly into N chunks: the formula is exact"
+    for rank in result["ranks"]:
+        for key in ("tx_bytes", "rx_bytes"):
+            _check_link(_per_step(rank["reps"], key), 2 * (n - 1) / n * M, f"rank {rank['rank']} {key}")
+        assert sum(rep["bytes_sent"] for rep in rank["reps"]) == 2 * (n - 1) * M // n * job.steps * job.reps
+
+
+def test_a_failing_job_still_deletes_everything(can_build):
+    with pytest.raises(ZeroDivisionError):
+        with netns.EmulatedCluster(2, RATE) as cluster:
+            made = list(cluster.made)
+            1 / 0
+    assert made and not [n for n in made if n in netns.namespaces()]
+    assert not _ours_in_root_namespace()
+
+
+def test_leftovers_of_a_killed_run_are_swept(can_build):
+    """A run killed with SIGKILL cannot clean up; the next cluster deletes namespaces whose pid is dead."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"gsc{dead.pid}-0-h0"
+    assert _ip("netns", "add", stale).returncode == 0
+    try:
+        with netns.EmulatedCluster(1, RATE):
+            assert stale not in netns.namespaces()
+    finally:
+        _ip("netns", "del", stale)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_command_deletes_its_namespaces_and_processes(can_build, signum):
+    """Ctrl-C or SIGTERM while the hosts' torchruns start: the command exits and leaves nothing."""
+    cmd = [sys.executable, "-m", "gradsync.cluster", "--strategy", "ring", "--workers", "2", "--link", RATE,
+           "--params", "250K", "--steps", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prefix = f"gsc{proc.pid}-"
+    started = time.monotonic()
+    inside = []
+    try:
+        while not any(n.startswith(prefix) and "-h1" in n for n in netns.namespaces()):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() - started < 60, "the cluster was never built"
+            time.sleep(0.05)
+        time.sleep(2.0)   # torchrun and its workers are starting inside the hosts
+        ours = [n for n in netns.namespaces() if n.startswith(prefix)]
+        inside = [int(pid) for n in ours for pid in _ip("netns", "pids", n).stdout.split()]
+        proc.send_signal(signum)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert inside, "nothing ran inside the hosts when the signal came"
+    assert proc.returncode != 0, out
+    assert not [n for n in netns.namespaces() if n.startswith(prefix)], out
+    assert not _ours_in_root_namespace()
+    assert not [pid for pid in inside if _alive(pid)], f"processes {inside} outlived the command"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_needs_root_and_says_so(monkeypatch, capsys):
+    from gradsync.cluster import sweep
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    parser = __import__("argparse").ArgumentParser()
+    sweep.add_arguments(parser)
+    assert sweep.main(parser.parse_args([])) == 2
+    assert "needs root" in capsys.readouterr().err
