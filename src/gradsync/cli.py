@@ -260,6 +260,12 @@ def _train(args) -> int:
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if cfg.model == "word2vec":
+        from gradsync.train.word2vec import print_neighbours
+
+        results = run(cfg)
+        print_neighbours(results)
+        return 0
     run(cfg)
     return 0
 

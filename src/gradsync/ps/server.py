@@ -81,7 +81,7 @@ class Server:
         self.mode = mode
         self.staleness_bound = staleness_bound
         self.timeout = timeout
-        dtype = params[0].dtype
+        dtype = (list(params) or [full for _, full in tables])[0].dtype
         numel = sum(p.length for p in pieces)
         self.shard = nn.Parameter(gather_shard(params, pieces, torch.empty(numel, dtype=dtype)))
         self.num_servers = num_servers

@@ -15,6 +15,10 @@ from gradsync.train.config import TrainConfig
 def loss_of(model_name: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if model_name == "charlm":
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    if model_name == "word2vec":   # logits: the context's score, then the negatives' (train/word2vec.py)
+        from gradsync.train.word2vec import negative_sampling_loss
+
+        return negative_sampling_loss(logits)
     return nn.functional.cross_entropy(logits, target)
 
 
@@ -22,6 +26,8 @@ def optimizer_spec(cfg: TrainConfig, lr: float) -> tuple[type, dict]:
     """(optimizer class, keyword arguments) for the model."""
     if cfg.model == "charlm":
         return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.01}
+    if cfg.model == "word2vec":   # Adagrad: per-row step sizes for rare and frequent tokens alike
+        return torch.optim.Adagrad, {"lr": lr}
     return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
 
 

@@ -14,8 +14,10 @@ from gradsync.train.models import MODELS
 STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
 COMPRESSION = ("none", "fp16", "bf16")
 LR_SCALING = ("none", "linear")
-DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp"}
-DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text"}
+DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
+DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
+SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
+"""Models that read one dataset only (the others read images: digits, synthetic)."""
 
 
 @dataclass
@@ -31,9 +33,9 @@ class TrainConfig:
     staleness: int = 2
     """SSP bound: how many versions a worker may run ahead of the slowest."""
     model: str | None = None
-    """cnn | mlp | charlm; None: the dataset's natural model."""
+    """cnn | mlp | charlm | word2vec; None: the dataset's natural model."""
     dataset: str | None = None
-    """digits | stdlib-text | synthetic; None: the model's natural dataset."""
+    """digits | stdlib-text | synthetic | stdlib-tokens; None: the model's natural dataset."""
     epochs: int = 8
     """Passes over the training set (ignored when steps is set)."""
     steps: int | None = None
@@ -106,9 +108,11 @@ class TrainConfig:
             self.dataset = DEFAULT_DATASET_FOR.get(self.model, "digits")
         choose("model", self.model, MODELS)
         choose("dataset", self.dataset, DATASETS)
-        if (self.model == "charlm") != (self.dataset == "stdlib-text"):
+        if SEQUENCE_PAIRS.get(self.model) != self.dataset and (self.model in SEQUENCE_PAIRS or
+                                                              self.dataset in SEQUENCE_PAIRS.values()):
             raise ValueError(f"--model {self.model} cannot train on --dataset {self.dataset}: charlm reads text "
-                             f"(stdlib-text); cnn and mlp read images (digits, synthetic)")
+                             f"(stdlib-text), word2vec reads tokens (stdlib-tokens); cnn and mlp read images "
+                             f"(digits, synthetic)")
         for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -153,7 +157,7 @@ class TrainConfig:
             raise ValueError(f"--out {self.out} is not a writable directory: {exc.strerror or exc}") from None
 
     def default_lr(self) -> float:
-        return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3}[self.model]
+        return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3, "word2vec": 0.2}[self.model]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,6 +6,7 @@
                  read as bytes and cut into windows of context+1 bytes (input and next-byte target);
                  the last 10% of windows are the test set
     synthetic    random images and labels with a planted linear rule, for benchmarks
+    stdlib-tokens  skip-gram samples [centre, context, negatives] over the stdlib's tokens (tokens.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-DATASETS = ("digits", "stdlib-text", "synthetic")
+DATASETS = ("digits", "stdlib-text", "synthetic", "stdlib-tokens")
 TEXT_BYTES = 2_000_000
 """How much standard-library source the text corpus reads (enough for several epochs of charlm)."""
 
@@ -70,4 +71,8 @@ def build_dataset(name: str, context: int = 64, seed: int = 0):
         return stdlib_text(context)
     if name == "synthetic":
         return synthetic(seed=seed)
+    if name == "stdlib-tokens":
+        from gradsync.train.tokens import stdlib_tokens
+
+        return stdlib_tokens(seed=seed)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

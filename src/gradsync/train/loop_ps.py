@@ -9,6 +9,10 @@ Batch math: global batch = per-worker batch x W x accumulation; the learning rat
 for ddp. In async and ssp every push is applied on its own, as gradient / W (server.py), so the same
 learning rate serves all three modes; the warm-up counts versions (pushes / W in async and ssp).
 
+Sparse tables (word2vec): a model with ``make_sparse()`` trains its embeddings with sparse gradients;
+each step a worker reads its micro-batches first, then pulls only the rows they need
+(``model.rows_needed``) and pushes only the rows they touched (ps/sparse_wire.py).
+
 Not available here (RuntimeError at configuration): --resume, since the optimizer state lives on
 the servers. Evaluation runs once at the end, after every worker has pulled the final parameters;
 servers take part only in the final counting collectives.
@@ -70,6 +74,8 @@ def train_ps_rank(cfg: TrainConfig) -> dict:
     base_lr = cfg.lr or cfg.default_lr()
     peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
     model = build_model(cfg.model, cfg.dataset)
+    if hasattr(model, "make_sparse"):
+        model.make_sparse()
     ps = gs.ParameterServer(model, _optimizer_fn(cfg, peak_lr, 1 if mode == "sync" else workers),
                             num_servers=servers, mode=mode, staleness=cfg.staleness)
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
@@ -88,12 +94,17 @@ def train_ps_rank(cfg: TrainConfig) -> dict:
                 if step >= total_steps:
                     break
                 step_started = time.perf_counter()
-                ps.pull()
-                computed = time.perf_counter()
-                loss_sum = 0.0
+                micro_batches = []
                 for micro in range(cfg.grad_accum):
                     first = (batch * cfg.grad_accum + micro) * cfg.batch_size
-                    x, y = train_set[order[first:first + cfg.batch_size]]
+                    micro_batches.append(train_set[order[first:first + cfg.batch_size]])
+                if hasattr(model, "rows_needed"):
+                    ps.pull(rows=model.rows_needed(torch.cat([x for x, _ in micro_batches])))
+                else:
+                    ps.pull()
+                computed = time.perf_counter()
+                loss_sum = 0.0
+                for x, y in micro_batches:
                     loss = loss_of(cfg.model, model(x), y) / cfg.grad_accum
                     loss.backward()
                     loss_sum += float(loss.detach())

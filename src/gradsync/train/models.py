@@ -56,7 +56,7 @@ class CharLM(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS = ("cnn", "mlp", "charlm")
+MODELS = ("cnn", "mlp", "charlm", "word2vec")
 
 
 def build_model(name: str, dataset_name: str) -> nn.Module:
@@ -66,4 +66,8 @@ def build_model(name: str, dataset_name: str) -> nn.Module:
         return MLP()
     if name == "charlm":
         return CharLM()
+    if name == "word2vec":   # skip-gram over the stdlib-tokens vocabulary (train/word2vec.py)
+        from gradsync.train import tokens, word2vec
+
+        return word2vec.SkipGram(len(tokens.vocabulary()))
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
