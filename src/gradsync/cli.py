@@ -9,6 +9,7 @@
     gradsync figures --out figs/ [--measured check.json]
     gradsync doctor RUN_DIR
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
+    gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cluster/sweep.py)
 """
 
 from __future__ import annotations
@@ -214,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--workers", type=_positive_int, required=True, help="data-parallel ranks N")
     memory.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     memory.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    cluster = commands.add_parser("cluster", help="emulated hosts (network namespaces, shaped links): step time "
+                                  "and per-link bytes beside the cost model; needs root")
+    from gradsync.cluster.sweep import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(cluster)
     _add_train(commands)
     return parser
 
@@ -581,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
             return _figures(args)
         if args.command == "doctor":
             return _doctor(args)
+        if args.command == "cluster":
+            from gradsync.cluster.sweep import main as cluster_main
+
+            return cluster_main(args)
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
