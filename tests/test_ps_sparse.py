@@ -162,3 +162,68 @@ def test_bad_sparse_push_is_refused_names_the_worker_and_changes_nothing(world_o
     assert name == "ProtocolError" and sender == 2 and "rank 2" in message and words in message, message
     assert version == 0 and unchanged, "a refused push must not touch the tables"
     assert results[1][0] == "ServerAbortedError" and results[1][2] == 2
+
+
+# -- word2vec: the sparse workload -------------------------------------------------------------------
+SYNTACTIC_PARTNERS = [("True", "False"), ("==", "!="), ("<", ">"), ("+", "-"), ("try", "except"), ("if", "elif"),
+                      ("int", "str"), ("keys", "values")]
+"""Token pairs that Python code uses in the same places. On 3,000 steps of one process (batch 256,
+Adagrad 0.2) their partner ranks were 1, 3, 2, 1, 2, 6, 14, 47 among 31,314 tokens; untrained, the
+expected rank is ~15,000."""
+
+
+@pytest.mark.timeout(300)
+def test_word2vec_puts_syntactic_partners_near_each_other():
+    """Robust by construction: it needs 5 of 8 partners within the nearest 50 of ~31,000 tokens (top
+    0.2%); trained runs put 7 of 8 within 20, and a random table puts a partner there with probability
+    50/31,000, so a pass by chance is about (8 choose 5) * (0.0016)^5 = 6e-13. The same check on the
+    untrained table is the control."""
+    from gradsync.train import tokens
+    from gradsync.train.word2vec import SkipGram, negative_sampling_loss, neighbour_rank
+
+    torch.set_num_threads(1)
+    vocab = tokens.vocabulary()
+    train, held_out = tokens.stdlib_tokens()
+    torch.manual_seed(0)
+    model = SkipGram(len(vocab), 64)
+    model.make_sparse()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
+
+    def near(m):
+        return sum(neighbour_rank(m, vocab, a, b) <= 50 for a, b in SYNTACTIC_PARTNERS)
+
+    assert near(model) <= 1, "control: an untrained table must not pass"
+    held_x = held_out.tensors[0][:20000]
+    with torch.no_grad():
+        untrained_loss = float(negative_sampling_loss(model(held_x)))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
+    for step in range(3000):
+        x, _ = train[order[step * 256:(step + 1) * 256]]
+        optimizer.zero_grad()
+        negative_sampling_loss(model(x)).backward()
+        optimizer.step()
+    with torch.no_grad():
+        trained_loss = float(negative_sampling_loss(model(held_x)))
+    assert trained_loss < 0.9 * untrained_loss, (trained_loss, untrained_loss)
+    ranks = {f"{a}/{b}": neighbour_rank(model, vocab, a, b) for a, b in SYNTACTIC_PARTNERS}
+    assert near(model) >= 5, ranks
+
+
+@pytest.mark.timeout(300)
+def test_word2vec_sparse_ps_sync_equals_one_dense_process(tmp_path):
+    """gradsync train, ps-sync (1 server, 2 workers, batch 64 each, sparse rows) against --strategy local
+    (batch 128, dense tables, torch's Adagrad): same samples, same parameters up to float32 rounding."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    common = dict(model="word2vec", steps=8, lr=0.2, lr_scaling="none", warmup_steps=4, quiet=True)
+    ps = run(TrainConfig(workers=3, strategy="ps-sync", batch_size=64, out=str(tmp_path / "ps"), **common))
+    local = run(TrainConfig(workers=1, strategy="local", batch_size=128, out=str(tmp_path / "local"), **common))
+    server, worker = ps[0]["ps"], ps[1]
+    assert server["role"] == "server" and server["rows_in"] > 0
+    oracle = local[0]["params"]
+    # float32, and Adagrad's g / (sqrt(sum g^2) + eps) turns the last-bit differences of a row whose
+    # contributions nearly cancel (two halves summed vs one batch) into visible ones: rounding, not drift
+    assert relative_error(worker["params"], oracle) <= 2e-3
+    ours, theirs = worker["summary"]["test_loss"], local[0]["summary"]["test_loss"]
+    assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
