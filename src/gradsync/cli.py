@@ -171,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
     ps.add_argument("--workers", type=_int_list, default=[2, 3, 4],
                     help="comma-separated worker counts W (the server is extra)")
-    ps.add_argument("--batch-size", type=_positive_int, default=64, help="samples per worker")
+    ps.add_argument("--batch-size", type=_positive_int, default=None, help="samples per worker (64; word2vec 256)")
     ps.add_argument("--steps", type=_positive_int, default=20, help="steps per worker and configuration")
+    ps.add_argument("--model", choices=("mlp", "word2vec"), default="mlp",
+                    help="word2vec: sparse PS (1 and 2 servers, sync and async) beside dense ring DDP and torch's "
+                         "sparse DDP (bench/ps_sparse.py)")
+    ps.add_argument("--rounds", type=_positive_int, default=3, help="word2vec: runs per configuration (median)")
     ps.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     zero1 = benches.add_parser("zero1", help="ZeRO-1 step time and optimizer-state bytes beside DDP")
     zero1.add_argument("--workers", type=_int_list, default=[2, 4], help="comma-separated rank counts")
@@ -225,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train(commands) -> None:
-    from gradsync.train.config import COMPRESSION, LR_SCALING, STRATEGIES, TrainConfig
+    from gradsync.train.config import COMPRESSION, LR_SCALING, PREEMPT_SIGNALS, STRATEGIES, TrainConfig
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.datasets import DATASETS
     from gradsync.train.models import MODELS
@@ -258,11 +262,16 @@ def _add_train(commands) -> None:
                        help="after a failure, restart the workers from the last checkpoint up to this many times")
     train.add_argument("--checkpoint-every", default="", metavar="N|TIME",
                        help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h)")
+    train.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS, default="SIGTERM",
+                       help="on this signal (to the launcher or any rank) stop at the next step with a checkpoint "
+                            "and exit 75 (default SIGTERM; none: the signal's default action)")
 
 
 def _train(args) -> int:
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
+
+    from gradsync.train.preempt import EXIT_PREEMPTED
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -272,8 +281,8 @@ def _train(args) -> int:
         results = run(cfg)
         print_neighbours(results)
         return 0
-    run(cfg)
-    return 0
+    results = run(cfg)
+    return EXIT_PREEMPTED if any(r.get("preempted") for r in results) else 0
 
 
 def _bench_collectives(args) -> int:
@@ -403,6 +412,14 @@ def _bench_ddp(args) -> int:
 def _bench_ps(args) -> int:
     from gradsync.bench import ps
 
+    if args.model == "word2vec":
+        from gradsync.bench import ps_sparse
+
+        batch = args.batch_size or 256
+        rows = ps_sparse.run(args.workers, batch, args.steps, args.rounds)
+        _show(ps_sparse.table(rows, batch, args.steps, args.rounds), rows, args.json, 130)
+        return 0
+    args.batch_size = args.batch_size or 64
     rows = ps.run(args.workers, args.batch_size, args.steps)
     delay_ms = max(r["delay_s"] for r in rows) * 1e3
     table = Table(title=f"parameter server (1 server) vs ring DDP: MLP {rows[0]['model_bytes'] / 4e6:.2f}M params, "

@@ -72,3 +72,51 @@ class DistributedSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The epoch's permutation of 0..n-1: the one DistributedSampler draws (seed + epoch), unpadded."""
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+class EpochCursor:
+    """An epoch as a sequence of global batches, resumable after any step on any number of ranks.
+
+    Vocabulary
+        order     the epoch's permutation of the n sample ids (epoch_order)
+        position  P: how many samples of the order the job has consumed this epoch
+        G         global batch: samples per optimizer step over all ranks
+        W         ranks; rank r's share of a step is every W-th sample of it, starting at r
+
+    One step consumes order[P : P + min(G, n - P)]: full steps, then one shorter step with the rest,
+    so an epoch trains on every sample exactly once. A rank's micro-batch m is share[m*b : (m+1)*b].
+    Example: n=10, G=4, W=2: steps cover [0,4), [4,8), [8,10); in the last, rank 0 gets order[8],
+    rank 1 order[9]. For full steps this is exactly DistributedSampler's split (rank r takes
+    positions r, r+W, ... of the order), so a run that never resumes sees the same batches.
+
+    What a step reads depends only on P and G, not on how many ranks consumed the first P samples:
+    a checkpoint stores P, and a job resumed on another W continues with exactly the samples not
+    yet seen.
+    """
+
+    def __init__(self, n: int, global_batch: int, seed: int = 0, shuffle: bool = True) -> None:
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+        self.n, self.global_batch, self.seed, self.shuffle = n, global_batch, seed, shuffle
+
+    def order(self, epoch: int) -> list[int]:
+        return epoch_order(self.n, self.seed, epoch, self.shuffle)
+
+    def steps_from(self, position: int) -> int:
+        """Steps left in the epoch after ``position`` samples: ceil((n - P) / G)."""
+        return -(-(self.n - position) // self.global_batch)
+
+    def step_size(self, position: int) -> int:
+        """Samples the step starting at ``position`` consumes over all ranks (G, or the rest)."""
+        return min(self.global_batch, self.n - position)
+
+    def share(self, order: list[int], position: int, num_replicas: int, rank: int) -> list[int]:
+        """Rank ``rank``'s sample ids of the step starting at ``position``."""
+        return order[position:position + self.step_size(position)][rank::num_replicas]

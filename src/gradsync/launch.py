@@ -11,11 +11,16 @@ Recipe
        (tensors and state dicts arrive intact after the rank exits) or, if fn raised, its
        traceback;
     4. the launcher watches all processes; the first failure (an exception or a death by signal)
-       stops the others (SIGTERM, then SIGKILL after a grace period) and raises SpawnError naming
+       stops the others (STOP_SIGNAL, then SIGKILL after a grace period) and raises SpawnError naming
        the rank and carrying its traceback;
-    5. a stopped rank dumps its Python stack as it dies (faulthandler on SIGTERM works even while
+    5. a stopped rank dumps its Python stack as it dies (faulthandler on STOP_SIGNAL works even while
        the rank is blocked inside a gloo wait), so the error also says what every other rank was
        doing: "rank 1 was in all_reduce <- allreduce_ring <- wait".
+
+Signals: the launcher stops ranks with its own STOP_SIGNAL (SIGUSR2), so that SIGTERM stays the
+scheduler's: ``forward_signals`` (gradsync train passes its preemption signal) are relayed from
+the launcher to every rank instead of killing the launcher, and a rank that handles one (stop at
+the next step with a checkpoint, train/preempt.py) is never mistaken for a stopped one.
 
 Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
 OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
@@ -23,6 +28,7 @@ OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import multiprocessing as mp
@@ -33,6 +39,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -42,7 +49,9 @@ import torch
 import torch.distributed as dist
 
 GRACE_SECONDS = 5.0
-"""How long a stopped rank gets between SIGTERM and SIGKILL."""
+"""How long a stopped rank gets between STOP_SIGNAL and SIGKILL."""
+STOP_SIGNAL = signal.SIGUSR2
+"""How the launcher stops the other ranks after a failure (not SIGTERM: that one is the scheduler's)."""
 
 
 class SpawnError(RuntimeError):
@@ -89,7 +98,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
 
     out = Path(out_dir)
     stack_file = open(out / f"{rank}.stack", "w")  # noqa: SIM115 - must stay open for the handler
-    faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
+    faulthandler.register(STOP_SIGNAL, file=stack_file, all_threads=True, chain=True)
     try:
         gradsync.init(**init_kwargs)
         result = fn(*args)
@@ -111,7 +120,10 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
 def _stop(processes: list) -> None:
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
-        p.terminate()
+        try:
+            os.kill(p.pid, STOP_SIGNAL)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + GRACE_SECONDS
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -131,11 +143,13 @@ def _describe_exit(code: int) -> str:
 
 
 def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | None = None,
-          timeout: float = 60.0, debug: bool | None = None, join_timeout: float | None = None) -> list[Any]:
+          timeout: float = 60.0, debug: bool | None = None, join_timeout: float | None = None,
+          forward_signals: tuple[int, ...] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks after gradsync.init(); return values in rank order.
 
     ``timeout`` is every rank's per-wait timeout (gradsync.init); ``join_timeout`` bounds the whole
     run (None: unbounded). Raises SpawnError if any rank raises or dies; the other ranks are stopped.
+    ``forward_signals``: signals the launcher relays to every rank while they run (see module docstring).
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
@@ -160,7 +174,8 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
         try:
             for p in processes:
                 p.start()
-            failed = _watch(processes, join_timeout)
+            with _relaying(forward_signals, processes):
+                failed = _watch(processes, join_timeout)
             if failed is not None:
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
@@ -171,6 +186,30 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
             _stop(processes)
             _remove_segments(job)
             del store
+
+
+@contextlib.contextmanager
+def _relaying(signums: tuple[int, ...], processes: list):
+    """While the ranks run, each of ``signums`` reaching the launcher is sent on to every live rank
+    (only the main thread can install handlers; elsewhere the signals keep their actions)."""
+    if not signums or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def relay(signum, frame) -> None:
+        for p in processes:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    previous = {signum: signal.signal(signum, relay) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _remove_segments(job: str) -> None:

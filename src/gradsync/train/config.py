@@ -14,6 +14,7 @@ from gradsync.train.models import MODELS
 STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
 COMPRESSION = ("none", "fp16", "bf16")
 LR_SCALING = ("none", "linear")
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "none")
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
 DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
 SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
@@ -71,7 +72,13 @@ class TrainConfig:
     times (under torchrun use its own --max-restarts with --resume)."""
     checkpoint_every: str = ""
     """Also checkpoint between epochs: every N steps ("200") or every span of wall time ("30s", "5m",
-    "1h"; rank 0's clock, agreed by one 1-element broadcast per step). Empty: at each epoch's end only."""
+    "1h"; rank 0's clock, agreed with the preemption flag in one 2-element all-reduce per step). Empty:
+    at each epoch's end only."""
+
+    preempt_signal: Literal["SIGTERM", "SIGUSR1", "none"] = "SIGTERM"
+    """The signal that stops the job at the next step boundary with a checkpoint, exit status 75
+    (train/preempt.py); sent to the launcher or to any rank. 'none': the signal's default action.
+    Not for the parameter-server strategies (their optimizer state lives on the servers)."""
 
     def checkpoint_interval(self) -> tuple[int | None, float | None]:
         """(steps, seconds) from ``checkpoint_every``; at most one is set."""
@@ -100,6 +107,7 @@ class TrainConfig:
         choose("algorithm", self.algorithm, ALGORITHMS)
         choose("compress", self.compress, COMPRESSION)
         choose("lr_scaling", self.lr_scaling, LR_SCALING)
+        choose("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         if self.model is None and self.dataset is None:
             self.model, self.dataset = "cnn", "digits"
         if self.model is None:

@@ -31,16 +31,17 @@ from torch import nn
 
 import gradsync as gs
 from gradsync import checkpoint, trace
-from gradsync.data import DistributedSampler
+from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
 from gradsync.train.models import build_model
+from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, signal_number
 from gradsync.train.report import Reporter
-
-CHECKPOINT_NAME = "checkpoint.pt"
+from gradsync.train.resume import CHECKPOINT_NAME
+from gradsync.train import resume
 
 
 class _Unwrapped:
@@ -71,50 +72,6 @@ class _Unwrapped:
         pass
 
 
-def _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch) -> dict:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
-            "batch_in_epoch": batch_in_epoch, "world_size": gs.world().world_size,
-            "identity": {k: getattr(cfg, k) for k in ("model", "dataset", "batch_size", "grad_accum", "strategy", "seed")},
-            "rng_torch": torch.get_rng_state()}
-
-
-class _CheckpointClock:
-    """When --checkpoint-every asks for a checkpoint after a step: every N steps (every rank knows
-    the step), or once rank 0's clock has passed the interval since the last one (broadcast, so every
-    rank takes the same step: the state gather is collective for zero1)."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.steps, self.seconds = cfg.checkpoint_interval()
-        self.last = time.monotonic()
-
-    def __call__(self, step: int) -> bool:
-        if self.steps is not None:
-            return step % self.steps == 0
-        if self.seconds is None:
-            return False
-        flag = torch.tensor([1 if time.monotonic() - self.last >= self.seconds else 0], dtype=torch.int64)
-        gs.broadcast(flag, src=0)
-        if flag.item():
-            self.last = time.monotonic()
-        return bool(flag.item())
-
-
-def _resume(cfg: TrainConfig, model, optimizer) -> tuple[int, int, int]:
-    state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
-    w = gs.world()
-    if state["world_size"] != w.world_size:
-        raise checkpoint.CheckpointError(f"the checkpoint was written by {state['world_size']} workers and this run has "
-                                         f"{w.world_size}; resume with --workers {state['world_size']}")
-    identity = {k: getattr(cfg, k) for k in state["identity"]}
-    if identity != state["identity"]:
-        differing = {k: (state["identity"][k], identity[k]) for k in identity if identity[k] != state["identity"][k]}
-        raise checkpoint.CheckpointError(f"the checkpoint belongs to a different run: (checkpoint, now) = {differing}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng_torch"])
-    return state["step"], state["epoch"], state["batch_in_epoch"]
-
-
 def _layout(model: nn.Module, wrapped) -> dict:
     """Model size, buckets and rank placement (collective: every rank calls it)."""
     w = gs.world()
@@ -126,26 +83,42 @@ def _layout(model: nn.Module, wrapped) -> dict:
             "world_size": w.world_size, "hosts": [h[0] if h else "?" for h in hosts]}
 
 
+def _micro_loss(cfg: TrainConfig, logits, y, ids: list[int], step_size: int, full: bool, workers: int):
+    """A full step: the micro-batch's mean loss / a (the plain recipe). The epoch's last, shorter step:
+    each sample weighs workers / step_size, so the ranks' averaged gradient is the mean over the
+    step's samples however unevenly they fall; a rank with no sample adds zeros (its hooks still fire)."""
+    if full:
+        return loss_of(cfg.model, logits, y) / cfg.grad_accum
+    if not ids:
+        return logits.sum() * 0.0
+    return loss_of(cfg.model, logits, y) * (len(ids) * workers / step_size)
+
+
 def train_worker(cfg: TrainConfig) -> dict:
-    """One rank's whole job; returns its statistics (and timeline events when tracing)."""
+    """One rank's job; returns its statistics (and timeline events when tracing)."""
+    with PreemptWatch(cfg.preempt_signal) as watch:
+        return _train_worker(cfg, watch)
+
+
+def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     w = gs.world()
     torch.manual_seed(cfg.seed)
     if cfg.trace:
         trace.enable(w.rank)
-    # build_data
+    # build_data, plan_batch
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed)
-    micro_per_epoch = len(sampler) // cfg.batch_size
-    steps_per_epoch = micro_per_epoch // cfg.grad_accum
-    if steps_per_epoch < 1:
-        raise ValueError(f"each worker sees {len(sampler)} training samples per epoch, fewer than one step of "
-                         f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use fewer workers or a smaller batch")
-    total_steps = cfg.steps or cfg.epochs * steps_per_epoch
+    saved = resume.read(cfg) if cfg.resume else None
+    plan = resume.BatchPlan.for_resume(cfg, w.world_size, saved) if saved else resume.BatchPlan.fresh(cfg, w.world_size)
+    cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
+    global_batch, peak_lr = plan.global_batch, plan.peak_lr
+    if global_batch > len(train_set):
+        raise ValueError(f"each worker sees {len(train_set) // w.world_size} training samples per epoch, fewer than "
+                         f"one step of --batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use fewer "
+                         f"workers or a smaller batch")
+    cursor = EpochCursor(len(train_set), global_batch, seed=cfg.seed)
+    steps_per_epoch = cursor.steps_from(0)
     # build_model, wrap_model, build_optimizer
     model = build_model(cfg.model, cfg.dataset)
-    global_batch = cfg.batch_size * w.world_size * cfg.grad_accum
-    base_lr = cfg.lr or cfg.default_lr()
-    peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
     if cfg.strategy == "zero1":
         optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
         wrapped = _Unwrapped(model, optimizer)
@@ -153,69 +126,78 @@ def train_worker(cfg: TrainConfig) -> dict:
         wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                                              comm_hook=None if cfg.compress == "none" else cfg.compress)
         optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
-    step, epoch, skip = _resume(cfg, model, optimizer) if cfg.resume else (0, 0, 0)
+    step, epoch, position = resume.apply(saved, model, optimizer) if saved else (0, 0, 0)
+    if cfg.steps is not None:
+        total_steps = cfg.steps
+    elif epoch < cfg.epochs:
+        total_steps = step + cursor.steps_from(position) + (cfg.epochs - epoch - 1) * steps_per_epoch
+    else:
+        total_steps = step
 
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
-    report.start(global_batch, base_lr, peak_lr, steps_per_epoch, resumed_at=step if cfg.resume else None)
+    for line in plan.changes:
+        report.note(line)
+    shown_base_lr = peak_lr / (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
+    report.start(global_batch, shown_base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
     report.setup(**_layout(model, wrapped))
     gs.traffic_reset()
     stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": [], "checkpoint_s": 0.0, "checkpoints": 0}
     evaluation = {}
     started = time.perf_counter()
-    due = _CheckpointClock(cfg)
+    boundary = StepBoundary(cfg, watch)
+    # Test knob: GRADSYNC_SAMPLE_LOG=DIR makes every rank append "epoch id id ..." per step it trains
+    log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
+    sample_log = open(Path(log_dir) / f"samples.{os.getpid()}.r{w.rank}", "a", buffering=1) if log_dir else None  # noqa: SIM115
 
-    def save(step: int, epoch: int, batch_in_epoch: int) -> None:
+    def save(step: int, epoch: int, position: int) -> None:
         written = time.perf_counter()
-        state = _checkpoint_state(cfg, model, optimizer, step, epoch, batch_in_epoch)   # collective for zero1
+        state = resume.state_of(cfg, plan, model, optimizer, step, epoch, position, w.world_size)  # collective for zero1
         if w.rank == 0:
             checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
         stats["checkpoint_s"] += time.perf_counter() - written
         stats["checkpoints"] += 1
 
     while step < total_steps:
-        sampler.set_epoch(epoch)
-        order = sampler.indices()
-        batch_in_epoch = skip
-        for batch_in_epoch in range(skip, steps_per_epoch):
-            if step >= total_steps:
-                break
+        order = cursor.order(epoch)
+        while position < cursor.n and step < total_steps:
             step_started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, peak_lr, cfg.warmup_steps)
             optimizer.zero_grad(set_to_none=False)
+            share = cursor.share(order, position, w.world_size, w.rank)
+            step_size = cursor.step_size(position)
+            if sample_log is not None:
+                sample_log.write(f"{epoch} {' '.join(map(str, share))}\n")
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
-                first = (batch_in_epoch * cfg.grad_accum + micro) * cfg.batch_size
-                x, y = train_set[order[first:first + cfg.batch_size]]
-                if micro < cfg.grad_accum - 1:
-                    with wrapped.no_sync():
-                        loss = loss_of(cfg.model, wrapped(x), y) / cfg.grad_accum
-                        loss.backward()
-                else:
-                    loss = loss_of(cfg.model, wrapped(x), y) / cfg.grad_accum
+                ids = share[micro * cfg.batch_size:(micro + 1) * cfg.batch_size]
+                x, y = train_set[ids]
+                with wrapped.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
+                    loss = _micro_loss(cfg, wrapped(x), y, ids, step_size, step_size == global_batch, w.world_size)
                     loss.backward()
                 loss_sum += float(loss.detach())
             with trace.span("optimizer step", "compute"):
                 optimizer.step()
             step += 1
+            position += step_size
             elapsed = time.perf_counter() - step_started
             stats["comm_s"] += wrapped.comm_seconds
             stats["wait_s"] += wrapped.wait_seconds
             stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
                 stats["overlaps"].append(wrapped.last_overlap)
-            report.step(step, epoch, loss_sum, global_batch / elapsed, wrapped.last_overlap)
-            if due(step) and step < total_steps:  # mid-epoch: resume after this batch
-                save(step, epoch, batch_in_epoch + 1)
-        else:
-            batch_in_epoch = steps_per_epoch
-        skip = 0
+            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap)
+            due, stop = boundary(step)
+            if stop:
+                return _preempted(cfg, report, watch, save, wrapped, step, epoch, position)
+            if due and step < total_steps:
+                save(step, epoch, position)
+        finished_epoch = position >= cursor.n
         evaluation = evaluate(cfg, model, test_set)
         report.epoch(epoch, step, evaluation)
-        finished_epoch = batch_in_epoch >= steps_per_epoch
-        save(step, epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else batch_in_epoch)
         if finished_epoch:
-            epoch += 1
+            epoch, position = epoch + 1, 0
+        save(step, epoch, position)
     wall = time.perf_counter() - started
     if not evaluation:  # resumed from a checkpoint with no step left: still report the model's score
         evaluation = evaluate(cfg, model, test_set)
@@ -226,9 +208,22 @@ def train_worker(cfg: TrainConfig) -> dict:
     summary = report.finish(wall, step, evaluation, per_rank,
                             checkpoints=(stats["checkpoints"], stats["checkpoint_s"]))
     wrapped.close()
+    if sample_log is not None:
+        sample_log.close()
     return {"summary": summary, "digest": param_digest(model),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": trace.disable() if cfg.trace else []}
+
+
+def _preempted(cfg, report, watch, save, wrapped, step: int, epoch: int, position: int) -> dict:
+    """Every rank stops after the same step: one checkpoint, rank 0 says how to continue."""
+    save(step, epoch, position)
+    command = resume_command(cfg)
+    report.preempted(step, command, signal_at=watch.first_at)
+    wrapped.close()
+    return {"summary": None, "preempted": {"step": step, "epoch": epoch, "position": position, "command": command,
+                                           "signals": watch.received},
+            "digest": None, "params": None, "events": trace.disable() if cfg.trace else []}
 
 
 def _under_torchrun() -> bool:
@@ -242,6 +237,12 @@ def train_rank(cfg: TrainConfig) -> dict:
     return train_worker(cfg)
 
 
+def _preempt_signals(cfg: TrainConfig) -> tuple[int, ...]:
+    """What the launcher relays to the ranks: the preemption signal, for the strategies that handle it."""
+    signum = signal_number(cfg.preempt_signal)
+    return () if signum is None or cfg.strategy in MODE_OF else (signum,)
+
+
 def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
     """gs.spawn, and after a failure up to ``cfg.max_restarts`` more attempts, each resuming from the
     newest checkpoint this job wrote (an older one in --out, from another run, is never used)."""
@@ -249,7 +250,8 @@ def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
     checkpoint_path = Path(cfg.out) / CHECKPOINT_NAME
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout)
+            return gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
+                            forward_signals=_preempt_signals(cfg))
         except gs.SpawnError as exc:
             if attempt == cfg.max_restarts:
                 raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +76,21 @@ class Reporter:
                                      MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=False)
             self.progress.start()
             self.task = self.progress.add_task("training", total=self.total_steps, completed=resumed_at or 0)
+
+    def note(self, line: str) -> None:
+        """A line said before training starts (what resuming on another world size changed)."""
+        if self.enabled:
+            print(f"gradsync train: {line}", flush=True)   # plain: a log keeps the line whole
+            self._record({"event": "note", "text": line})
+
+    def preempted(self, step: int, command: str, signal_at: float | None) -> None:
+        """The job stopped on its preemption signal after ``step``, with a checkpoint."""
+        if self.progress:
+            self.progress.stop()
+        if self.enabled:
+            self._record({"event": "preempted", "step": step, "signal_at": signal_at, "checkpoint_at": time.time(),
+                          "command": command})
+            print(f"preempted at step {step}; resume with: {command}", flush=True)
 
     def setup(self, **fields) -> None:
         """Record how the job is laid out (model size, buckets, placement) for `gradsync doctor`."""

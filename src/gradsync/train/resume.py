@@ -1,0 +1,146 @@
+"""Resuming a checkpoint, on the world size that wrote it or on another.
+
+Vocabulary
+    N, M      workers that wrote the checkpoint, workers resuming it
+    b, a      samples per worker per micro-batch (--batch-size), micro-batches per step (--grad-accum)
+    G         global batch = b x a x workers: samples per optimizer step
+    P         position: samples of the interrupted epoch's order already trained on (data.EpochCursor)
+
+What carries over: the weights (whole in every checkpoint), the optimizer state (whole: ZeRO-1
+gathers it on save and keeps its own slices on load, ShardedOptimizer.load_state_dict), the step,
+the epoch and P, so the epoch continues with exactly the samples not yet seen, whatever M is.
+
+The batch (BatchPlan.for_resume): G stays as it was when M divides it: b x a = G / M per worker,
+keeping a when it still divides (else a = 1); the learning rate stays as it was. When M does not
+divide G, b and a stay, G becomes b x a x M, and the learning rate follows G as --lr-scaling says
+(linear: x G'/G). Either way, what changed is printed before the first step.
+Example: a checkpoint of N=2 x b=32 x a=1 (G=64): M=1 -> b=64, G=64; M=4 -> b=16, G=64;
+M=3 -> 64 does not divide by 3, so b=32 and G=96, lr x 1.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gradsync import checkpoint
+from gradsync.train.config import TrainConfig
+
+CHECKPOINT_NAME = "checkpoint.pt"
+IDENTITY = ("model", "dataset", "strategy", "seed")
+"""What must match for a checkpoint to continue a run; the batch is re-planned (BatchPlan)."""
+
+
+@dataclass
+class BatchPlan:
+    batch_size: int
+    grad_accum: int
+    workers: int
+    base_lr: float
+    peak_lr: float
+    changes: list[str] = field(default_factory=list)
+    """What resuming on this world changed, in words (empty: nothing)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum * self.workers
+
+    @classmethod
+    def fresh(cls, cfg: TrainConfig, workers: int) -> "BatchPlan":
+        base_lr = cfg.lr or cfg.default_lr()
+        global_batch = cfg.batch_size * cfg.grad_accum * workers
+        peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
+        return cls(cfg.batch_size, cfg.grad_accum, workers, base_lr, peak_lr)
+
+    @classmethod
+    def for_resume(cls, cfg: TrainConfig, workers: int, state: dict) -> "BatchPlan":
+        """The plan that continues ``state`` on ``workers`` workers (see module docstring)."""
+        saved = saved_plan(cfg, state)
+        if workers == saved.workers:
+            plan = cls(saved.batch_size, saved.grad_accum, workers, saved.base_lr, saved.peak_lr)
+        elif saved.global_batch % workers == 0:
+            per_worker = saved.global_batch // workers
+            accum = saved.grad_accum if per_worker % saved.grad_accum == 0 else 1
+            plan = cls(per_worker // accum, accum, workers, saved.base_lr, saved.peak_lr)
+        else:
+            scale = (saved.batch_size * saved.grad_accum * workers) / saved.global_batch
+            plan = cls(saved.batch_size, saved.grad_accum, workers, saved.base_lr,
+                       saved.peak_lr * (scale if cfg.lr_scaling == "linear" else 1.0))
+        if (plan.batch_size, plan.grad_accum) != (cfg.batch_size, cfg.grad_accum) or workers != saved.workers:
+            plan.changes = _describe(saved, plan, cfg)
+        return plan
+
+
+def _describe(saved: BatchPlan, plan: BatchPlan, cfg: TrainConfig) -> list[str]:
+    lines = [f"the checkpoint was written by {saved.workers} worker(s) x {saved.batch_size} per micro-batch x "
+             f"{saved.grad_accum} accumulation = {saved.global_batch} global, lr {saved.peak_lr:g}; "
+             f"this run has {plan.workers} worker(s)"]
+    if plan.global_batch == saved.global_batch:
+        lines.append(f"global batch {saved.global_batch} kept: {plan.batch_size} per worker per micro-batch x "
+                     f"{plan.grad_accum} accumulation x {plan.workers} workers; lr {plan.peak_lr:g} kept")
+    else:
+        lines.append(f"global batch {saved.global_batch} does not divide over {plan.workers} workers: kept "
+                     f"{plan.batch_size} per worker x {plan.grad_accum} accumulation, so the global batch is "
+                     f"{plan.global_batch}; lr {saved.peak_lr:g} -> {plan.peak_lr:g} ({cfg.lr_scaling} scaling)")
+    if (plan.batch_size, plan.grad_accum) != (cfg.batch_size, cfg.grad_accum):
+        lines.append(f"--batch-size {cfg.batch_size} --grad-accum {cfg.grad_accum} on the command line are "
+                     f"replaced by {plan.batch_size} and {plan.grad_accum}, from the checkpoint")
+    return lines
+
+
+def saved_plan(cfg: TrainConfig, state: dict) -> BatchPlan:
+    """The batch the checkpoint's run trained with (older checkpoints: from their identity)."""
+    if "batch" in state:
+        b = state["batch"]
+        return BatchPlan(b["batch_size"], b["grad_accum"], b["workers"], b["base_lr"], b["peak_lr"])
+    identity = state["identity"]
+    old = BatchPlan.fresh(TrainConfig(**{**cfg.to_dict(), "batch_size": identity["batch_size"],
+                                         "grad_accum": identity["grad_accum"]}), state["world_size"])
+    return old
+
+
+def _family(value):
+    """ddp, zero1 and local checkpoint the same things (whole weights, whole optimizer state), so one
+    resumes the others: a job of 2 ddp workers may continue as one local process."""
+    return "ddp|zero1|local" if value in ("ddp", "zero1", "local") else value
+
+
+def read(cfg: TrainConfig) -> dict:
+    """The checkpoint in ``cfg.out``, refused if it belongs to another run (IDENTITY)."""
+    state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
+    mine = {k: _family(getattr(cfg, k)) for k in IDENTITY}
+    theirs = {k: _family(state["identity"].get(k)) for k in IDENTITY}
+    if mine != theirs:
+        differing = {k: (theirs[k], mine[k]) for k in IDENTITY if mine[k] != theirs[k]}
+        raise checkpoint.CheckpointError(f"the checkpoint belongs to a different run: (checkpoint, now) = {differing}")
+    return state
+
+
+def position_of(state: dict) -> int:
+    """Samples of the interrupted epoch already trained on (older checkpoints stored whole batches)."""
+    if "position" in state:
+        return state["position"]
+    identity = state["identity"]
+    return state["batch_in_epoch"] * identity["batch_size"] * identity["grad_accum"] * state["world_size"]
+
+
+def state_of(cfg: TrainConfig, plan: BatchPlan, model, optimizer, step: int, epoch: int, position: int,
+             world_size: int) -> dict:
+    """What a checkpoint holds (optimizer.state_dict() is collective for zero1: call on every rank)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
+            "position": position, "batch_in_epoch": -(-position // plan.global_batch), "world_size": world_size,
+            "batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
+                      "base_lr": plan.base_lr, "peak_lr": plan.peak_lr},
+            "identity": {**{k: getattr(cfg, k) for k in IDENTITY}, "batch_size": plan.batch_size,
+                         "grad_accum": plan.grad_accum},
+            "rng_torch": torch.get_rng_state()}
+
+
+def apply(state: dict, model, optimizer) -> tuple[int, int, int]:
+    """Load weights, optimizer state and RNG; return (step, epoch, position)."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_torch"])
+    return state["step"], state["epoch"], position_of(state)
