@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--figure", metavar="PNG", help="also draw measured and predicted step time vs W (+ CSV)")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     parser.add_argument("--clean", action="store_true",
                         help="only delete namespaces left by cluster runs (of any process) and exit")
 
@@ -131,6 +132,13 @@ def run(args) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
+def achieved_gbit(row: dict) -> float:
+    """What the busiest link carried while the job ran, in Gbit/s: max(tx, rx) bytes per step over
+    the step time. Near the link rate: the network sets the pace; far below it: something else does."""
+    b = row["busiest"]
+    return max(b["kernel_tx"], b["kernel_rx"]) * 8 / row["step_s"] / 1e9
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
@@ -143,7 +151,7 @@ def print_table(rows: list[dict]) -> None:
                             f"({first['model_bytes'] / 1e6:.1f} MB), median of {first['reps']} reps x "
                             f"{first['steps']} steps; bytes per step on the busiest link (MB)")
         for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "predicted ms", "error", "compute ms",
-                       "comm share", "formula", "meter out/in", "kernel tx/rx"):
+                       "comm share", "formula", "meter out/in", "kernel tx/rx", "link Gbit/s"):
             table.add_column(column, justify="right")
         for r in chosen:
             b = r["busiest"]
@@ -153,8 +161,28 @@ def print_table(rows: list[dict]) -> None:
                           f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", f"{r['comm_share']:.0%}",
                           "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
                           f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
-                          f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}")
-        display.console(160).print(table)
+                          f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}")
+        display.console(170).print(table)
+
+
+def print_markdown(rows: list[dict]) -> None:
+    """The same rows as print_table, as Markdown: one table per link rate."""
+    for rate in dict.fromkeys(r["link"] for r in rows):
+        chosen = [r for r in rows if r["link"] == rate]
+        print(f"\n{rate} links, {chosen[0]['params'] / 1e6:.2f}M params ({chosen[0]['model_bytes'] / 1e6:.1f} MB); "
+              f"bytes per step on the busiest link, MB\n")
+        print("| strategy | S | W | hosts | step ms (reps) | predicted ms | error | compute ms | comm share | "
+              "formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in chosen:
+            b = r["busiest"]
+            reps = "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"])
+            formula = "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}"
+            print(f"| {r['strategy']} | {r['servers'] or '-'} | {r['workers']} | {r['hosts']}x{r['ranks_per_host']} | "
+                  f"{r['step_s'] * 1e3:.0f} ({reps}) | {r['predicted_s'] * 1e3:.0f} | {r['error']:+.0%} | "
+                  f"{r['compute_s'] * 1e3:.1f} | {r['comm_share']:.0%} | {formula} | "
+                  f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f} | "
+                  f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f} | {achieved_gbit(r):.2f} |")
 
 
 def main(args) -> int:
@@ -168,7 +196,7 @@ def main(args) -> int:
         return 0
     rows, failures = run(args)
     if rows:
-        print_table(rows)
+        (print_markdown if args.markdown else print_table)(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "failures": failures, "argv": sys.argv}, f, indent=2)
