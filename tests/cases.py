@@ -66,13 +66,21 @@ def raise_on(rank: int, fn, *args):
     return None
 
 
-def mismatched_all_reduce(kind: str, algorithm: str):
+def mismatched_all_reduce(kind: str, algorithm: str, numel: int = 12):
     """Rank 1 disagrees with the others about the tensor's size or dtype."""
     w = gs.world()
-    numel, dtype = 12, torch.float32
+    dtype = torch.float32
     if w.rank == 1:
-        numel, dtype = (13, dtype) if kind == "size" else (numel, torch.int32)
+        numel, dtype = (numel + 1, dtype) if kind == "size" else (numel, torch.int32)
     gs.all_reduce(torch.ones(numel, dtype=dtype), algorithm=algorithm)
+
+
+def all_reduce_against_broadcast(numel: int):
+    """Rank 1 broadcasts while the others all-reduce (a p2p algorithm against the shared-memory one)."""
+    if gs.world().rank == 1:
+        gs.broadcast(torch.ones(numel), src=0)
+    else:
+        gs.all_reduce(torch.ones(numel))
 
 
 def any_source_case():

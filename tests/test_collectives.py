@@ -49,7 +49,9 @@ def sizes(world_size: int):
 
 TRANSPORTS = {"auto": {},                                          # shared memory on this host
               "tcp": {"GRADSYNC_TRANSPORT": "tcp"},                  # torch.distributed for every peer
-              "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002"}}       # 2 KiB rings: messages stream and wrap
+              # 2 KiB rings: messages stream and wrap; 4 KiB staging halves: the shared-memory all-reduce
+              # splits what does not fit one half into pieces (allreduce_shared.py), the rest is direct
+              "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"}}
 SETUPS = ([(n, "auto") for n in WORLD_SIZES] + [(n, "tcp") for n in (2, 3, 5)]
           + [(n, "tiny-rings") for n in (2, 4)])
 

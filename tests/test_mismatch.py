@@ -6,16 +6,38 @@ import cases
 from world_pool import RankFailure
 
 
+# On shared memory (the default on one host) every rank compares every rank's fingerprint after one
+# barrier, and the shared-memory all-reduce carries its fingerprint with the data (agree.py, staged);
+# over TCP neighbours exchange fingerprints. Both must turn a mismatch into an error on every rank.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["size", "dtype"])
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "native"])
-def test_mismatched_tensors_raise_naming_ranks(world_of, kind, algorithm):
-    pool = world_of(3)
+@pytest.mark.parametrize("kind,algorithm,transport,numel", [
+    ("size", "ring", "shm", 12), ("dtype", "tree", "shm", 12), ("dtype", "native", "shm", 12),
+    ("size", "shared_memory", "shm", 12),      # direct all-reduce: the fingerprint staged with the data
+    ("dtype", "shared_memory", "shm", 12),
+    ("size", "shared_memory", "shm", 100_000),  # split all-reduce (400 KB): the fingerprint with the first piece
+    ("size", "ring", "tcp", 12), ("dtype", "native", "tcp", 12)])
+def test_mismatched_tensors_raise_naming_ranks(world_of, kind, algorithm, transport, numel):
+    pool = world_of(3, **({"GRADSYNC_TRANSPORT": "tcp"} if transport == "tcp" else {}))
     with pytest.raises(RankFailure) as info:
-        pool.run(cases.mismatched_all_reduce, kind, algorithm, case_timeout=30)
+        pool.run(cases.mismatched_all_reduce, kind, algorithm, numel, case_timeout=30)
     errors = info.value.errors
     assert 1 in errors, "the odd rank out must fail too"
+    if transport == "shm":
+        assert set(errors) == {0, 1, 2}, "the staged check raises on every rank"
     for rank, (name, message) in errors.items():
-        assert name == "CollectiveMismatchError"
+        assert name == "CollectiveMismatchError", (rank, name, message)
         assert "rank 1" in message and "collective mismatch between" in message
-        assert ("13 float32" in message) if kind == "size" else ("int32" in message)
+        assert (f"{numel + 1} float32" in message) if kind == "size" else ("int32" in message)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("numel", [12, 100_000])
+def test_a_broadcast_against_a_shared_memory_all_reduce_is_an_error_on_every_rank(world_of, numel):
+    pool = world_of(3)
+    with pytest.raises(RankFailure) as info:
+        pool.run(cases.all_reduce_against_broadcast, numel, case_timeout=30)
+    errors = info.value.errors
+    assert set(errors) == {0, 1, 2}
+    for rank, (name, message) in errors.items():
+        assert name == "CollectiveMismatchError", (rank, name, message)
+        assert "rank 1 called broadcast" in message and "all_reduce" in message and "shared_memory" in message

@@ -84,3 +84,27 @@ def test_receive_from_any_source_names_the_sender(world_of):
     for source, values in seen.items():
         assert torch.equal(values, torch.full((3,), float(source))), "the payload came from the rank reported"
         assert per_peer[source]["received"] == 12, "3 float32 from each sender, metered against that sender"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_memory_direct_and_split_traffic(world_of, world_size):
+    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+
+    pool = world_of(world_size)
+    small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
+    large = DIRECT_BELOW_BYTES // 4 * 3       # 768 KiB: the split one reads slices (allreduce_shared.py)
+    for numel, direct in ((small, True), (large, False)):
+        m_bytes = numel * 4
+        sizes = ring_chunks(numel, world_size).sizes
+        for rank, t in enumerate(pool.run(cases.traffic_case, numel, torch.float32, "shared_memory")):
+            if direct:
+                expected = (world_size - 1) * m_bytes
+                per_peer = {peer: m_bytes for peer in range(world_size) if peer != rank}
+            else:  # slice r from each other rank, and slice j from its owner j
+                expected = ((world_size - 1) * sizes[rank] + numel - sizes[rank]) * 4
+                per_peer = {peer: (sizes[rank] + sizes[peer]) * 4 for peer in range(world_size) if peer != rank}
+            assert t["bytes_received"] == t["bytes_sent"] == expected, (numel, rank)
+            assert {peer: c["received"] for peer, c in t["per_peer"].items()} == per_peer
+            # the staged agreement: one 64-byte fingerprint slot read from each other rank
+            assert t["control_bytes_received"] == t["control_bytes_sent"] == 64 * (world_size - 1)

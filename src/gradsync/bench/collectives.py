@@ -47,7 +47,9 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
+from gradsync.comm import shm
 from gradsync.comm.allreduce_ring import ring_bytes_sent
+from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
 from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
@@ -258,8 +260,9 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
     """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
-    if algorithm == "shared_memory":  # 2(N-1)/N * M read out of other ranks' memory (allreduce_shared.py)
-        return 2 * (n_ranks - 1) / n_ranks * nbytes
+    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
+        direct = nbytes < min(DIRECT_BELOW_BYTES, shm.stage_bytes() + 1)
+        return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
 

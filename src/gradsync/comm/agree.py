@@ -7,13 +7,20 @@ before its participants have agreed on what it is.
 Fingerprint: (kind, sequence number, element count, dtype, op, algorithm, root), six int64 values
 and the kind, sent as a control message (counted apart from payload by the meter).
 
-Two levels
-    neighbours (default)  each rank exchanges its fingerprint with its left and right ring
+Three ways, by transport
+    staged (shared memory, every rank on this host)
+                          each rank writes its fingerprint into a slot of its own shared segment
+                          and enters one barrier; then it reads every rank's slot and compares each
+                          with its own, so every rank raises, naming itself and a rank that
+                          differs. No message travels: one barrier, which the shared-memory
+                          all-reduce also needs and shares (the fingerprint goes with the data).
+    neighbours (default otherwise)
+                          each rank exchanges its fingerprint with its left and right ring
                           neighbours: 2 small messages each way, one round trip. Any disagreement
                           is seen by the ranks on both sides of it.
     everyone (debug)      a ring all-gather of all fingerprints (N-1 steps); every rank compares
                           them all and raises the same error naming both ranks. Enabled by
-                          gs.init(debug=True) or GRADSYNC_DEBUG=1.
+                          gs.init(debug=True) or GRADSYNC_DEBUG=1 (the staged check already is one).
 """
 
 from __future__ import annotations
@@ -49,14 +56,20 @@ class Fingerprint:
     algorithm: str
     root: int = 0
 
+    def values(self) -> tuple[int, ...]:
+        return (KINDS.index(self.kind), self.sequence, self.numel, DTYPES.index(self.dtype),
+                OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root)
+
     def encode(self) -> torch.Tensor:
-        return torch.tensor([KINDS.index(self.kind), self.sequence, self.numel, DTYPES.index(self.dtype),
-                             OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root],
-                            dtype=torch.int64)
+        return torch.tensor(self.values(), dtype=torch.int64)
 
     @staticmethod
     def decode(values: torch.Tensor) -> "Fingerprint":
-        k, seq, numel, dt, op, algo, root = (int(v) for v in values.tolist())
+        return Fingerprint.from_values(tuple(int(v) for v in values.tolist()))
+
+    @staticmethod
+    def from_values(values: tuple[int, ...]) -> "Fingerprint":
+        k, seq, numel, dt, op, algo, root = values[:7]
         return Fingerprint(KINDS[k], seq, numel, DTYPES[dt], OPS[op], ALGORITHMS[algo], root)
 
     def describe(self) -> str:
@@ -115,3 +128,36 @@ def check_everyone(transport: Transport, mine: Fingerprint) -> None:
         theirs = Fingerprint.decode(table[other_rank])
         if theirs != reference:
             raise mismatch_error(0, reference, other_rank, theirs)
+
+
+def uses_staged_check(transport: Transport) -> bool:
+    """True when every rank of ``transport`` is on this host with shared fingerprint slots."""
+    return hasattr(transport, "publish") and len(getattr(transport, "local_ranks", ())) == transport.world_size
+
+
+def check_staged(transport, mine: Fingerprint, spin: bool = False) -> None:
+    """The staged check: publish ``mine``, one barrier, compare every rank's (see the docstring)."""
+    transport.publish(mine.values())
+    transport.barrier(f"{mine.kind}/agree", spin)
+    compare_published(transport, mine)
+
+
+def compare_published(transport, mine: Fingerprint) -> None:
+    """After the barrier that follows ``transport.publish``: raise when any rank's fingerprint differs
+    from ``mine``, naming this rank and the first such rank. Any difference makes every rank raise
+    (if all others equalled this rank's, they would equal each other)."""
+    op = f"{mine.kind}/agree"
+    values = mine.values()
+    for other in range(transport.world_size):
+        if other != transport.rank:
+            theirs = transport.published(other, op)
+            if theirs[:7] != values:
+                raise mismatch_error(transport.rank, mine, other, _readable(theirs, other, transport.rank))
+
+
+def _readable(values: tuple[int, ...], rank: int, reader: int) -> Fingerprint:
+    try:
+        return Fingerprint.from_values(values)
+    except (IndexError, ValueError):
+        raise CollectiveMismatchError(f"rank {reader}: rank {rank} published an unreadable fingerprint {values[:7]}: "
+                                      f"it is not in a gradsync collective of this group") from None

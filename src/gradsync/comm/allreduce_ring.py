@@ -31,6 +31,8 @@ Traffic and time (alpha: latency per message, beta: seconds per byte, gamma: sec
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +62,10 @@ class Chunks:
         return flat.narrow(0, self.offsets[chunk], self.sizes[chunk])
 
 
+@functools.lru_cache(maxsize=1024)
 def ring_chunks(numel: int, world_size: int) -> Chunks:
-    """Partition ``numel`` elements into ``world_size`` chunks (see Chunks for the rule)."""
+    """Partition ``numel`` elements into ``world_size`` chunks (see Chunks for the rule); cached, since
+    a training job asks for the same few partitions on every step."""
     base, extra = divmod(numel, world_size)
     sizes = tuple(base + (1 if c < extra else 0) for c in range(world_size))
     offsets = tuple(sum(sizes[:c]) for c in range(world_size))

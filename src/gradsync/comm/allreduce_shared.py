@@ -12,9 +12,14 @@ Vocabulary
              the two halves (see ShmTransport.next_half)
     slice    slice j of a piece is ring_chunks(piece, N) chunk j; rank j reduces it
 
+Messages below DIRECT_BELOW_BYTES take the direct all-reduce instead (allreduce_shared_direct.py:
+one barrier, every rank folds every input itself). The rest go piece by piece:
+
 Phases, per piece
-    stage     rank r copies its piece into its staging half
-    barrier   every piece is staged
+    stage     rank r copies its piece into its staging half (the first piece also its fingerprint:
+              the agreement travels with the data, agree.py's staged check)
+    barrier   every piece is staged (first piece: every rank compares every rank's fingerprint
+              before reading anything)
     reduce    rank r combines slice r of every other rank's staging into slice r of its own (adds,
               for op sum; reduce_ops.py), in rank order, starting from its own: the result is
               computed once, by its owner, so every rank ends bit-identical; avg divides it by N
@@ -35,9 +40,14 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.comm.agree import Fingerprint, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.allreduce_shared_direct import allreduce_shared_direct
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
+
+DIRECT_BELOW_BYTES = 256 << 10
+"""Messages smaller than this (and fitting one staging half) take the direct all-reduce."""
 
 
 def layout_error(transport: Transport) -> str | None:
@@ -49,13 +59,18 @@ def layout_error(transport: Transport) -> str | None:
     return None
 
 
-def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM) -> None:
-    """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves."""
+def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+                     fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
+    """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves;
+    ``fingerprint``: agree on it with the first piece; ``spin``: barriers may spin (shm.py)."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
     if n_ranks == 1:
         return
     esize = flat.element_size()
+    if flat.numel() * esize < min(DIRECT_BELOW_BYTES, transport.stage_bytes + 1):
+        allreduce_shared_direct(flat, transport, reduction=reduction, fingerprint=fingerprint, spin=spin)
+        return
     piece_elems = transport.stage_bytes // esize
     # bytes this rank reads out of each other rank's staging; by symmetry, also what that rank reads
     # out of ours (slice r of theirs and slice j of ours, against slice j of ours and slice r of theirs)
@@ -63,18 +78,22 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
     for start in range(0, flat.numel(), piece_elems):
         piece = flat.narrow(0, start, min(piece_elems, flat.numel() - start))
         half = transport.next_half()
-        stages = [transport.stage(r, half)[:piece.numel() * esize].view(flat.dtype) for r in range(n_ranks)]
+        stages = transport.staged_views(half, piece.numel() * esize, flat.dtype)
         chunks = ring_chunks(piece.numel(), n_ranks)
         # stage
         stages[rank].copy_(piece)
-        transport.barrier(op)
+        if fingerprint is not None and start == 0:
+            transport.publish(fingerprint.values())
+        transport.barrier(op, spin)
+        if fingerprint is not None and start == 0:
+            compare_published(transport, fingerprint)
         # reduce
         own = chunks.view(stages[rank], rank)
         for other in range(n_ranks):
             if other != rank:
                 reduction.combine(own, chunks.view(stages[other], rank))
         reduction.finish(own, n_ranks)
-        transport.barrier(op)
+        transport.barrier(op, spin)
         # gather
         for owner in range(n_ranks):
             chunks.view(piece, owner).copy_(chunks.view(stages[owner], owner))

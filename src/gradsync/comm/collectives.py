@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from gradsync import runtime, stall
 from gradsync.comm import select
-from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, gather_control,
-                                  mismatch_error)
+from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
+                                  gather_control, mismatch_error, uses_staged_check)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
@@ -93,12 +93,23 @@ def next_sequence(place: Place) -> int:
     return _next_sequence(place.transport)
 
 
+SPIN_BELOW_BYTES = 256 << 10
+"""Collectives of fewer bytes than this may spin briefly in their barriers (shm.py's ``spin``): they
+are over in tens of microseconds, so a sleep and wake-up would dominate them."""
+
+
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
     stall.entered(fingerprint)
-    if w.debug:
+    if uses_staged_check(transport):
+        check_staged(transport, fingerprint, _spins(fingerprint))
+    elif w.debug:
         check_everyone(transport, fingerprint)
     else:
         check_neighbours(transport, fingerprint)
+
+
+def _spins(fingerprint: Fingerprint) -> bool:
+    return fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES
 
 
 def _next_sequence(transport: Transport) -> int:
@@ -145,11 +156,15 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
                else shared_problem if algorithm == "shared_memory" else None)
     if problem:
         raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
-    _agree(w, transport, Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm))
-    if flat.numel() > 0:
-        if algorithm == "native":
+    fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
+    if algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
+        stall.entered(fingerprint)
+        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=_spins(fingerprint))
+    else:
+        _agree(w, transport, fingerprint)
+        if flat.numel() > 0 and algorithm == "native":
             _native_all_reduce(flat, chosen, w)
-        else:
+        elif flat.numel() > 0:
             _IMPLEMENTATIONS[algorithm](flat, transport, reduction=chosen)
     if flat.data_ptr() != target.data_ptr() or not target.is_contiguous():
         target.copy_(flat.view_as(target))

@@ -7,6 +7,8 @@ Vocabulary
                it used to add
     finish     what the rank that owns a finished piece does once before sharing it: divide by N
                for "avg", nothing for the others
+    fold       out <- first (op) second, out of place: one pass over memory where copying first
+               into out and combining second would take two
 
 The operators, with torch's own elementwise semantics (so results equal torch.distributed's gloo):
 
@@ -23,7 +25,9 @@ The operators, with torch's own elementwise semantics (so results equal torch.di
 Every algorithm computes each element of the result on exactly one rank (the owner of its chunk,
 or the root) and then copies it to the others, so all ranks hold bit-identical values even where
 the operator is not associative in floating point (sum, product): the order only decides the last
-bits, and it is the same order on every rank.
+bits, and it is the same order on every rank. The one exception, the direct shared-memory
+all-reduce for small messages, has every rank compute every element from the same inputs in the
+same rank order, which gives the same bits on every rank just as well.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ class Reduction:
     """Divide the finished result by the number of ranks (only "avg")."""
     bitwise: bool = False
     """Only defined on integer and bool dtypes."""
+    out_of_place: Callable | None = None
+    """torch's out-of-place form of ``combine`` (called with ``out=``), for ``fold``."""
+
+    def fold(self, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+        """out <- first (op) second; ``out`` may be neither input."""
+        self.out_of_place(first, second, out=out)
 
     def finish(self, owned: torch.Tensor, n_ranks: int) -> None:
         """Called once on each finished piece by the rank that computed it, before it is shared."""
@@ -65,16 +75,16 @@ class Reduction:
             owned.div_(n_ranks)
 
 
-SUM = Reduction("sum", torch.Tensor.add_)
+SUM = Reduction("sum", torch.Tensor.add_, out_of_place=torch.add)
 REDUCTIONS = {r.name: r for r in (
     SUM,
-    Reduction("avg", torch.Tensor.add_, average=True),
-    Reduction("product", torch.Tensor.mul_),
-    Reduction("max", _maximum),
-    Reduction("min", _minimum),
-    Reduction("band", torch.Tensor.bitwise_and_, bitwise=True),
-    Reduction("bor", torch.Tensor.bitwise_or_, bitwise=True),
-    Reduction("bxor", torch.Tensor.bitwise_xor_, bitwise=True),
+    Reduction("avg", torch.Tensor.add_, average=True, out_of_place=torch.add),
+    Reduction("product", torch.Tensor.mul_, out_of_place=torch.mul),
+    Reduction("max", _maximum, out_of_place=torch.maximum),
+    Reduction("min", _minimum, out_of_place=torch.minimum),
+    Reduction("band", torch.Tensor.bitwise_and_, bitwise=True, out_of_place=torch.bitwise_and),
+    Reduction("bor", torch.Tensor.bitwise_or_, bitwise=True, out_of_place=torch.bitwise_or),
+    Reduction("bxor", torch.Tensor.bitwise_xor_, bitwise=True, out_of_place=torch.bitwise_xor),
 )}
 OPS = tuple(REDUCTIONS)
 

@@ -17,6 +17,8 @@ Segment layout (rank d's segment; slot i is the ring from local rank i to d)
     64 + i*(128 + C) + 0             head  (u64, stored by the sender)
     64 + i*(128 + C) + 64            tail  (u64, stored by d; its own cache line)
     64 + i*(128 + C) + 128 .. + C    data
+    then 2 fingerprint slots of 64 bytes: what d is about to do (agree.py's staged check); they
+                                     alternate, like the staging halves
     then 2 staging halves of S bytes (GRADSYNC_SHM_STAGE_MB): d's contribution to a collective that
                                      reads every rank's memory directly (allreduce_shared.py)
 
@@ -38,7 +40,11 @@ nothing in /dev/shm. The launcher removes the job's names if ranks die during se
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
-/proc tells), which turns a dead peer into an error within a fraction of a second.
+/proc tells), which turns a dead peer into an error within a fraction of a second. The one
+exception is a barrier the caller marks ``spin`` (small collectives, where sleeping and being woken
+costs more than the collective): it polls for at most SPIN_SECONDS before it sleeps, and only while
+every local rank can have a core of its own (``spin_allowed``); with more ranks than cores a
+spinning rank would take the core its peer needs, so it sleeps at once as before.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -75,7 +82,12 @@ stages the others read from cache."""
 SEGMENT_BYTES = 1 << 20
 """The ring all-reduce's wire unit on shared memory (the TCP default is 4 MiB): half a ring, so the
 sender fills one half while the receiver drains the other."""
+SPIN_SECONDS = 30e-6
+"""Longest a ``spin`` barrier polls before it sleeps: about what a futex sleep and wake-up cost here,
+so a peer that arrives later than this costs one wake-up more than it would have anyway."""
 SHM_DIR = "/dev/shm"
+_FINGERPRINT = struct.Struct("8q")
+"""A fingerprint slot: up to 8 int64 values (agree.Fingerprint.values)."""
 
 
 def _env_bytes(name: str, what: str, default_mb: float, smallest: int) -> int:
@@ -104,6 +116,13 @@ def stage_bytes() -> int:
 def segment_prefix(job: str) -> str:
     """Names of a job's segments start with this (the launcher removes leftovers by it)."""
     return f"gradsync-{job}-r"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _alive(pid: int) -> bool:
@@ -201,6 +220,9 @@ class ShmTransport(Transport):
         self.stage_bytes = stage_bytes()
         self._barriers = 0
         self._half = 0
+        self._published = 0
+        self._views: dict[tuple, list[torch.Tensor]] = {}
+        self.spin_allowed = len(local_ranks) <= _usable_cores()
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
@@ -216,8 +238,11 @@ class ShmTransport(Transport):
     def _segment_bytes(self) -> int:
         return self._stage_offset() + 2 * self.stage_bytes
 
-    def _stage_offset(self) -> int:
+    def _fingerprint_offset(self) -> int:
         return FRAME + len(self.local_ranks) * slot_bytes(self.capacity)
+
+    def _stage_offset(self) -> int:
+        return self._fingerprint_offset() + 2 * FRAME
 
     def _slot(self, sender: int) -> int:
         return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
@@ -287,6 +312,7 @@ class ShmTransport(Transport):
                 if bell is not None:
                     bell.release()
             self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
+            self._views = {}
             for mapping in self._mappings.values():
                 try:
                     mapping.close()
@@ -435,11 +461,18 @@ class ShmTransport(Transport):
         self._wait_until(lambda: handle.finished, timeout, peers,
                          lambda waited, limit, what: self._stuck(handle, waited, limit, what))
 
-    def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck) -> None:
+    def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
         """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
-        the timeout raises ``stuck(waited, limit, what)``."""
+        the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll up to SPIN_SECONDS first."""
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
+        if spin and self.spin_allowed:
+            until = time.perf_counter() + SPIN_SECONDS
+            while time.perf_counter() < until:
+                with self._lock:
+                    self._advance()
+                    if is_done():
+                        return
         while True:
             with self._lock:
                 seen = self._advance()
@@ -474,9 +507,9 @@ class ShmTransport(Transport):
                          rank=self.rank, peer=handle.peer, op=handle.op)
 
     # --- what allreduce_shared.py builds on -----------------------------------------------------
-    def barrier(self, op: str) -> None:
+    def barrier(self, op: str, spin: bool = False) -> None:
         """Return once every local rank has entered as many barriers as this one (with the timeout
-        and liveness checks of any wait)."""
+        and liveness checks of any wait; ``spin``: see the module docstring)."""
         self._barriers += 1
         count = self._barriers
         self._counters[self.rank].value = count
@@ -490,7 +523,26 @@ class ShmTransport(Transport):
                              f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
                              rank=self.rank, peer=behind[0] if behind else None, op=op)
 
-        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck)
+        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck, spin)
+
+    def publish(self, values: tuple[int, ...]) -> None:
+        """Write this rank's fingerprint for the next barrier into its next slot (the slots alternate:
+        a slot is rewritten two agreements later, after every rank has passed the barrier in between
+        and so has read it)."""
+        self._published += 1
+        _FINGERPRINT.pack_into(self._mappings[self.rank], self._published_offset(),
+                               *values, *(0,) * (8 - len(values)))
+
+    def published(self, rank: int, op: str) -> tuple[int, ...]:
+        """Local rank ``rank``'s fingerprint for the agreement this rank last published (read it after
+        the barrier that follows ``publish``). Metered as control bytes read out of ``rank``'s memory
+        and, by symmetry (``rank`` reads ours), as many sent."""
+        for sent in (False, True):
+            self.meter.record(peer=rank, nbytes=_FINGERPRINT.size, op=op, sent=sent, control=True)
+        return _FINGERPRINT.unpack_from(self._mappings[rank], self._published_offset())
+
+    def _published_offset(self) -> int:
+        return self._fingerprint_offset() + (self._published & 1) * FRAME
 
     def next_half(self) -> int:
         """The staging half the next piece uses: they alternate, across calls too, so a rank may
@@ -501,6 +553,19 @@ class ShmTransport(Transport):
     def stage(self, rank: int, half: int) -> torch.Tensor:
         """Local rank ``rank``'s staging half ``half`` (S bytes, uint8), readable and writable here."""
         return self._stages[rank].narrow(0, half * self.stage_bytes, self.stage_bytes)
+
+    def staged_views(self, half: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The first ``nbytes`` of every local rank's staging half ``half`` as ``dtype``, in rank order;
+        cached per (half, bytes, dtype), since small collectives repeat the same few shapes and making
+        the views costs more than the copy."""
+        key = (half, nbytes, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            views = [self.stage(r, half)[:nbytes].view(dtype) for r in self.local_ranks]
+            self._views[key] = views
+        return views
 
 
 def job_token(world: runtime.World) -> str:
