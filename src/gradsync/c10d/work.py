@@ -111,7 +111,8 @@ class CommThread:
         finally:
             with self._changed:
                 self._running = False
-                self._changed.notify_all()
+                if self._queue:  # only the thread waits on the condition, and only for queued work
+                    self._changed.notify_all()
 
     def _serve(self) -> None:
         while True:
