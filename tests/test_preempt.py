@@ -210,3 +210,27 @@ def test_a_second_sigterm_during_the_checkpoint_write_changes_nothing(tmp_path):
     after = checkpoint.load(written)
     assert after["step"] > previous["step"] and f"preempted at step {after['step']};" in stdout
     assert not list(tmp_path.glob(".checkpoint.pt.tmp-*"))
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_to_the_torchrun_agent_checkpoints_and_prints_the_torchrun_command(tmp_path):
+    """Under torchrun the agent relays SIGTERM to its workers: they stop after the same step with a
+    checkpoint and print the agent's own command line with --resume."""
+    from gradsync.runtime import free_port
+
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                            str(free_port()), "-m", "gradsync.train", *JOB, "--out", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 150
+    while (_last_step(tmp_path) or 0) < 3:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.005)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    line = [x for x in stdout.splitlines() if x.startswith("preempted at step ")]
+    assert len(line) == 1, (stdout, stderr[-3000:])
+    command = line[0].split("resume with: ", 1)[1]
+    assert "-m torch.distributed.run --nproc-per-node 2" in command and command.endswith("-m gradsync.train "
+                                                                                          + " ".join(JOB) + f" --out {tmp_path} --resume")
+    state = checkpoint.load(tmp_path / "checkpoint.pt")
+    assert state["step"] == int(line[0].split()[3].rstrip(";")) == _last_step(tmp_path)

@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     zero1.add_argument("--steps", type=_positive_int, default=10, help="timed steps per implementation (median)")
     zero1.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     sim = commands.add_parser("simulate", help="alpha-beta cost model of every strategy at any scale")
-    sim.add_argument("--params", type=_count, required=True, help="parameters, e.g. 7e9 or 7B")
+    sim.add_argument("--params", type=_count, default=None,
+                     help="parameters, e.g. 7e9 or 7B (required unless --sparse-rows)")
     sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="gradient dtype on the wire")
     sim.add_argument("--workers", type=_positive_int, required=True, help="workers W (data-parallel ranks)")
     sim.add_argument("--bandwidth", type=_bandwidth, default=_bandwidth("200Gbit"), help="per-link, e.g. 200Gbit")
@@ -201,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --calibrated: measure ring all-reduce and DDP steps on N local ranks and print "
                           "them beside the prediction")
     sim.add_argument("--json", metavar="PATH", help="with --check: also write the rows as JSON")
+    sim.add_argument("--sparse-rows", type=_count, default=None,
+                     help="instead: a sparse table of this many rows (sim/sparse.py): sparse PS vs dense ring vs "
+                          "sparse all-gather, and the crossover in touched rows")
+    sim.add_argument("--touched-rows", type=_count, default=1000, help="with --sparse-rows: unique rows per worker per step")
+    sim.add_argument("--dim", type=_positive_int, default=128, help="with --sparse-rows: elements per row")
     figs = commands.add_parser("figures", help="PNG figures + CSV from the cost model (and this machine's check)")
     figs.add_argument("--out", default="figs", help="output directory (default figs/)")
     figs.add_argument("--measured", metavar="JSON", default=None,
@@ -212,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--workers", type=_positive_int, default=3, help="processes per run")
     faults.add_argument("--timeout", type=float, default=10.0, help="the runs' --timeout in seconds")
     faults.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    faults.add_argument("--preempt", action="store_true",
+                        help="SIGTERM instead (strategies ddp,zero1,local): work lost, signal to exit, restart to "
+                             "first resumed step, samples lost or repeated")
     doctor = commands.add_parser("doctor", help="the DDP performance checklist, read from a run directory")
     doctor.add_argument("run_dir", help="a --out directory of gradsync train")
     memory = commands.add_parser("memory", help="bytes per rank of model state: plain DP and ZeRO stages 1-3")
@@ -475,6 +484,10 @@ def _simulate(args) -> int:
         if not args.calibrated:
             raise ValueError("--check compares the calibrated model with this machine: add --calibrated")
         return _simulate_check(args, link)
+    if args.sparse_rows is not None:
+        return _simulate_sparse(args, link, source)
+    if args.params is None:
+        raise ValueError("gradsync simulate needs --params (model size), or --sparse-rows for the sparse-table comparison")
     intra = cost.Link(alpha=link.alpha, beta=1 / args.intra_bandwidth, gamma=link.gamma) if args.intra_bandwidth else link
     nbytes = args.params * {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]
     table = Table(title=f"one step: {_human_count(args.params)} params, {args.dtype} gradients = {human(nbytes)}, "
@@ -487,6 +500,28 @@ def _simulate(args) -> int:
                                bucket_bytes=args.bucket_mb * 2**20)
         table.add_row(name, human(r.busiest_link_bytes), f"{r.comm_s:.3f}", f"{r.step_s:.3f}",
                       f"{r.comm_s / args.compute:.1f}:1", f"{r.efficiency:.1%}", r.note)
+    _show(table, None, None, 140)
+    return 0
+
+
+def _simulate_sparse(args, link, source: str) -> int:
+    from gradsync.sim import sparse
+    from gradsync.sim.memory import human
+
+    element_size = {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]
+    rows, touched = int(args.sparse_rows), float(args.touched_rows)
+    crossover = sparse.crossover_rows(rows, args.dim, args.workers, link, servers=args.servers, element_size=element_size)
+    table = Table(title=f"one step of a sparse table: {rows:,} x {args.dim} {args.dtype}, {touched:,.0f} rows touched per "
+                        f"worker, {args.workers} workers, {args.servers} server(s); link: {source}; sparse PS beats the "
+                        f"dense ring below {crossover:,.0f} touched rows per worker ({crossover / rows:.2%} of the table)")
+    for column in ("strategy", "busiest link bytes/step", "comm (s)", "step (s)", "vs ring"):
+        table.add_column(column, justify="right")
+    costs = sparse.sparse_costs(rows, args.dim, touched, args.workers, link, args.compute, servers=args.servers,
+                                element_size=element_size)
+    ring = next(c for c in costs if "ring" in c.name)
+    for c in costs:
+        table.add_row(c.name, human(c.busiest_link_bytes), f"{c.comm_s:.4f}", f"{c.step_s:.4f}",
+                      f"{ring.step_s / c.step_s:.2f}x")
     _show(table, None, None, 140)
     return 0
 
@@ -533,6 +568,8 @@ def _bench_faults(args) -> int:
     from gradsync.bench import faults
 
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
+    if args.preempt:
+        return _bench_preempt(args, strategies)
     rows = faults.run(strategies, args.trials, args.workers, args.timeout)
     table = Table(title=f"SIGKILL one random rank of `gradsync train --workers {args.workers} --timeout "
                         f"{args.timeout:g}`, {args.trials} trials per strategy")
@@ -544,6 +581,36 @@ def _bench_faults(args) -> int:
         problems = "; ".join(sorted({r["why"] for r in mine if r["why"]})) or "-"
         table.add_row(strategy, str(len(mine)), str(sum(r["clean"] for r in mine)),
                       f"{times[-1]:.2f}" if times else "-", f"{times[len(times) // 2]:.2f}" if times else "-", problems)
+    _show(table, rows, args.json)
+    return 0 if all(r["clean"] for r in rows) else 1
+
+
+def _bench_preempt(args, strategies: list[str]) -> int:
+    from gradsync.bench import faults
+
+    if args.strategies == "ddp,zero1,ps-sync,ps-async,ssp":   # the SIGKILL default: take the preemption one
+        strategies = list(faults.PREEMPT_STRATEGIES)
+    rows = faults.preempt_run(strategies, args.trials, args.workers, args.timeout)
+    table = Table(title=f"SIGTERM to the launcher or a rank of `gradsync train --workers {args.workers} --epochs 1 "
+                        f"--batch-size 16` (digits), then its resume command; {args.trials} trials per strategy")
+    for column in ("strategy", "trials", "clean", "steps lost (max)", "seconds lost (max)",
+                   "signal -> exit s (median, max)", "restart -> first step s (median, max)",
+                   "samples missing / repeated", "problems"):
+        table.add_column(column, justify="right")
+
+    def spread(values: list[float]) -> str:
+        values = sorted(v for v in values if v is not None)
+        return f"{values[(len(values) - 1) // 2]:.2f}, {values[-1]:.2f}" if values else "-"
+
+    for strategy in strategies:
+        mine = [r for r in rows if r["strategy"] == strategy]
+        table.add_row(strategy, str(len(mine)), str(sum(r["clean"] for r in mine)),
+                      str(max((r.get("steps_lost", 0) for r in mine), default=0)),
+                      f"{max((r.get('seconds_lost', 0.0) for r in mine), default=0.0):.3f}",
+                      spread([r.get("signal_to_exit_s") for r in mine]),
+                      spread([r.get("restart_to_first_step_s") for r in mine]),
+                      f"{sum(r.get('samples_missing', 0) for r in mine)} / {sum(r.get('samples_repeated', 0) for r in mine)}",
+                      "; ".join(sorted({r["why"] for r in mine if r["why"]})) or "-")
     _show(table, rows, args.json)
     return 0 if all(r["clean"] for r in rows) else 1
 

@@ -1,4 +1,5 @@
-"""gradsync bench faults: kill a rank of a real `gradsync train` run with SIGKILL and check what is left.
+"""gradsync bench faults: kill a rank of a real `gradsync train` run with SIGKILL and check what is left;
+with --preempt, send SIGTERM instead and measure what the preemption costs (preempt_run).
 
 One trial:
     1. start `gradsync train --strategy S --workers W --timeout T` as a subprocess;
@@ -14,8 +15,10 @@ The job's error is the launcher's one-screen summary (launch.py).
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -119,3 +122,106 @@ def run(strategies: list[str], trials: int, workers: int = 3, timeout: float = 1
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     return [kill_trial(s, seed, workers, timeout) for s in strategies for seed in range(trials)]
+
+
+# -- preemption trials -------------------------------------------------------------------------------
+PREEMPT_STRATEGIES = ("ddp", "zero1", "local")
+
+
+def _steps_logged(metrics: Path, skip_lines: int = 0) -> list[dict]:
+    """Rank 0's step records since the job last (re)started (ignoring the first ``skip_lines`` lines)."""
+    records: list[dict] = []
+    for line in metrics.read_text().splitlines()[skip_lines:] if metrics.exists() else []:
+        record = json.loads(line)
+        if record["event"] == "start":
+            records = []
+        elif record["event"] == "step":
+            records.append(record)
+    return records
+
+
+def preempt_trial(strategy: str, seed: int, workers: int = 2, timeout: float = 10.0) -> dict:
+    """One preemption trial (see preempt_run); returns what happened."""
+    out = tempfile.mkdtemp(prefix="gradsync-preempt-")
+    try:
+        return _preempt_trial(strategy, seed, 1 if strategy == "local" else workers, timeout, Path(out))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: Path) -> dict:
+    from gradsync import checkpoint
+    from gradsync.train.datasets import digits
+
+    rng = random.Random(seed)
+    (out / "ids").mkdir()
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(out / "ids")}
+    cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
+           "--timeout", str(timeout), "--epochs", "1", "--batch-size", "16", "--quiet", "--out", str(out / "run"),
+           "--seed", str(seed)]
+    row = {"strategy": strategy, "seed": seed, "clean": False}
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = out / "run" / "metrics.jsonl"
+    started = time.monotonic()
+    while not _steps_logged(metrics) and job.poll() is None and time.monotonic() - started < 120:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.5))
+    targets = {"launcher": job.pid} if strategy == "local" else {"launcher": job.pid, **{
+        f"rank {r}": pid for r, pid in _rank_pids(job.pid).items()}}
+    target = rng.choice(sorted(targets))
+    if job.poll() is not None:
+        return {**row, "why": "the job ended before the signal", "stderr": job.communicate()[1][-2000:]}
+    os.kill(targets[target], signal.SIGTERM)
+    signalled = time.monotonic()
+    try:
+        stdout, stderr = job.communicate(timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        return {**row, "why": "still running 60 s after SIGTERM", "stderr": job.communicate()[1][-2000:]}
+    row.update(target=target, exit_code=job.returncode, signal_to_exit_s=time.monotonic() - signalled)
+    lines = [x for x in stdout.splitlines() if x.startswith("preempted at step ")]
+    if job.returncode != 75 or not lines:
+        return {**row, "why": f"exit code {job.returncode}, no 'preempted at step' line", "stderr": stderr[-2000:]}
+    saved = checkpoint.load(out / "run" / "checkpoint.pt")
+    logged = _steps_logged(metrics)
+    after = [r for r in logged if r["step"] > saved["step"]]
+    row.update(step=saved["step"], steps_lost=len(after),
+               seconds_lost=sum(16 * workers / r["samples_per_s"] for r in after))
+    # restart: the printed command, timed to its first step
+    resume = shlex.split(lines[0].split("resume with: ", 1)[1])
+    before = len(metrics.read_text().splitlines())
+    restarted = time.monotonic()
+    job = subprocess.Popen([sys.executable, "-m", "gradsync.cli", *resume[1:]], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    while not _steps_logged(metrics, before) and job.poll() is None and time.monotonic() - restarted < 120:
+        time.sleep(0.01)
+    first_step_s = time.monotonic() - restarted if _steps_logged(metrics, before) else None
+    _, stderr = job.communicate(timeout=300)
+    row.update(restart_to_first_step_s=first_step_s, resume_exit_code=job.returncode)
+    # the interrupted epoch: every sample id exactly once over both runs
+    counts: dict[int, int] = {}
+    for path in (out / "ids").glob("samples.*"):
+        for line in path.read_text().splitlines():
+            for sample in line.split()[1:]:
+                counts[int(sample)] = counts.get(int(sample), 0) + 1
+    n = len(digits(seed)[0])
+    row["samples_missing"] = sum(1 for i in range(n) if i not in counts)
+    row["samples_repeated"] = sum(1 for c in counts.values() if c > 1)
+    problems = [w for w, bad in (("steps lost", row["steps_lost"] > 1), ("resume failed", job.returncode != 0),
+                                 ("samples missing", row["samples_missing"] > 0),
+                                 ("samples repeated", row["samples_repeated"] > 0)) if bad]
+    row.update(clean=not problems, why="; ".join(problems), stderr=stderr[-2000:] if job.returncode else "")
+    return row
+
+
+def preempt_run(strategies: list[str], trials: int, workers: int = 2, timeout: float = 10.0) -> list[dict]:
+    """Per strategy, ``trials`` times: start `gradsync train --epochs 1 --batch-size 16` on digits
+    (``workers`` ranks; local: one), wait for its first step plus a random 0-0.5 s, send SIGTERM to the
+    launcher or to one rank (drawn at random), and measure: the time from the signal until the job
+    has exited (with status 75), the steps and seconds trained after the checkpointed step (work a
+    restart redoes), then run the printed resume command and measure the time from its start to
+    its first step; at the end, count the sample ids both runs trained in the interrupted epoch."""
+    unknown = [s for s in strategies if s not in PREEMPT_STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown} for preemption trials; choose from {', '.join(PREEMPT_STRATEGIES)}")
+    return [preempt_trial(s, seed, workers, timeout) for s in strategies for seed in range(trials)]

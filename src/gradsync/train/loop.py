@@ -6,9 +6,13 @@ Runbook
     2 hosts x 2 ranks:    torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} \\
                               --master-addr HOST0 --master-port 29500 -m gradsync.train --dataset digits
 
-Per rank, as a recipe: build_data -> build_model -> wrap_model -> build_optimizer -> maybe_resume ->
-train epochs (sampler.set_epoch, micro-batches with no_sync, warm-up lr, step) -> evaluate ->
-checkpoint -> summarise.
+Per rank, as a recipe: build_data -> plan_batch (resume.py: the checkpoint's global batch on this
+world size) -> build_model -> wrap_model -> build_optimizer -> maybe_resume -> train epochs (the
+epoch's order from data.EpochCursor, micro-batches with no_sync, warm-up lr, step, the step-boundary
+verdict: checkpoint? preempted? -- preempt.py) -> evaluate -> checkpoint -> summarise.
+
+Preemption: SIGTERM (--preempt-signal) to the launcher or any rank stops every rank after the same
+step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exits 75.
 
 Batch math (printed at start):
     global batch = per-worker batch x workers x accumulation steps
