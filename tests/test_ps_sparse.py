@@ -227,3 +227,24 @@ def test_word2vec_sparse_ps_sync_equals_one_dense_process(tmp_path):
     assert relative_error(worker["params"], oracle) <= 2e-3
     ours, theirs = worker["summary"]["test_loss"], local[0]["summary"]["test_loss"]
     assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
+
+
+# -- cost model (no processes) -----------------------------------------------------------------------
+def test_sparse_cost_model_matches_the_docstring_example():
+    from gradsync.sim.cost import Link
+    from gradsync.sim.sparse import crossover_rows, sparse_costs
+
+    link = Link(alpha=5e-6, beta=8 / 10e9, gamma=0.0)          # 10 Gbit/s
+    table_bytes = 50_000 * 128 * 4
+    ring_s = 2 * 3 * 5e-6 + 2 * 3 / 4 * table_bytes * 8 / 10e9  # 30.78 ms
+    u_star = crossover_rows(50_000, 128, 4, link)
+    assert u_star == pytest.approx((ring_s - 8 * 5e-6) / (4 * (16 + 1024) * 8 / 10e9))
+    assert 9_000 < u_star < 9_400
+    ps, ring, gather = sparse_costs(50_000, 128, u_star, 4, link, 0.0)
+    assert ps.comm_s == pytest.approx(ring.comm_s) and ring.busiest_link_bytes == 2 * 3 / 4 * table_bytes
+    ps, ring, gather = sparse_costs(50_000, 128, 1000, 4, link, 0.0)
+    assert ps.busiest_link_bytes == 4 * 1000 * (8 + 512 + 8) + 4 * 1000 * 512
+    assert gather.busiest_link_bytes == 3 * 1000 * (8 + 512)
+    assert ring.comm_s / ps.comm_s > 9
+    two_servers = sparse_costs(50_000, 128, 1000, 4, link, 0.0, servers=2)[0]
+    assert two_servers.busiest_link_bytes == ps.busiest_link_bytes / 2
