@@ -62,8 +62,9 @@ def single_process(opt_kind, steps, workers, local_batch):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(mode, opt_kind, steps, local_batch, num_servers):
-    """Workers pull the rows of their next batch, backward, push; one final whole pull.
+def train(mode, opt_kind, steps, local_batch, num_servers, straggler_sleep_s=0.0):
+    """Workers pull the rows of their next batch, backward, push; one final whole pull. The last worker
+    sleeps ``straggler_sleep_s`` after each push, so the others run ahead (ssp) before its next pull.
 
     Returns ("server", stats, traffic) or ("worker", params, stats, traffic, untouched_ok) where
     untouched_ok says rows this worker never asked for kept the NaN it planted in them."""
@@ -87,6 +88,8 @@ def train(mode, opt_kind, steps, local_batch, num_servers):
         assert torch.isfinite(loss), "a row the batch needs was not pulled"
         loss.backward()
         ps.push()
+        if w.rank == w.world_size - 1:
+            time.sleep(straggler_sleep_s)
     untouched_ok = bool(model.emb.weight[HOT_EMB:].isnan().all()) and bool(model.bag.weight[HOT_BAG:].isnan().all())
     traffic = gs.traffic()
     ps.pull()

@@ -127,7 +127,19 @@ def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, s
     assert max(touched) < fns.EMB_ROWS + fns.HOT_BAG and all(t < fns.HOT_EMB or t >= fns.EMB_ROWS for t in touched)
 
 
-# -- async -------------------------------------------------------------------------------------------
+# -- async and ssp -----------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_sparse_ssp_bound_zero_behaves_as_sync(world_of):
+    """The straggler sleeps between its push and its next pull, so the fast worker's next push is applied
+    before the straggler pulls: bound 0 must answer from the tables as they were at the clock boundary.
+    SSP applies each push on its own (gradient / W), which plain SGD makes equal to one averaged step."""
+    steps, local_batch = 4, 4
+    ssp = world_of(3).run(fns.train, "ssp", "sgd", steps, local_batch, 1, 0.05)
+    oracle = fns.single_process("sgd", steps, 2, local_batch)
+    for _, params, _, _, _ in workers_of(ssp):
+        assert relative_error(params, oracle) <= 1e-12
+
+
 @pytest.mark.timeout(300)
 def test_sparse_async_records_staleness(world_of, tmp_path):
     steps = 5
