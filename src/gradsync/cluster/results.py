@@ -21,7 +21,12 @@ Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job'
     ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
     ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
     ring                 strategy "ring"
-    hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link()
+    hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
+                         model gives every rail its own link, here the L rails of a host share its
+                         one link, so the inter-host beta is L*beta
+"wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
+it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
+ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 """
 
@@ -34,6 +39,8 @@ from gradsync.cluster.netns import parse_rate
 from gradsync.sim import cost
 
 TCP_GOODPUT = 1448 / 1514
+HOST_S_PER_BYTE = 2.8e-9
+"""The cost model's host term on this machine (module docstring; docs/benchmarks.md, "Emulated cluster")."""
 PREDICTED_AS = {"ps-sync": "ps", "ps-async": "ps-async", "ssp": "ps-async", "ring": "ring",
                 "hierarchical": "hierarchical"}
 
@@ -57,11 +64,22 @@ def link_for(rate: str, alpha_s: float) -> cost.Link:
     return cost.Link(alpha=alpha_s, beta=1 / (parse_rate(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
 
 
-def predict(job: Job, rate: str, model_bytes: int, compute_s: float, alpha_s: float) -> cost.StrategyCost:
-    link = link_for(rate, alpha_s)
-    extra = {"ps_server": "serial"} if job.strategy == "ps-sync" else {}
-    return cost.strategy_cost(PREDICTED_AS[job.strategy], model_bytes, job.workers, link, compute_s,
-                              servers=job.servers, ranks_per_host=job.ranks_per_host, intra=cost.Link(), **extra)
+def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> cost.StrategyCost:
+    """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute)."""
+    link = link_for(row["link"], row["alpha_s"])
+    if row["strategy"] == "hierarchical":   # the host's L rails share its one link
+        link = cost.Link(alpha=link.alpha, beta=link.beta * row["ranks_per_host"], gamma=link.gamma)
+    extra = {"ps_server": "serial"} if row["strategy"] == "ps-sync" else {}
+    return cost.strategy_cost(PREDICTED_AS[row["strategy"]], row["model_bytes"], row["workers"], link,
+                              row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
+                              intra=cost.Link(), host_s_per_byte=host_s_per_byte, **extra)
+
+
+def with_predictions(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> dict:
+    """``row`` with predicted_s (host term), wire_only_s (none) and error = predicted / measured - 1."""
+    predicted = predict(row, host_s_per_byte).step_s
+    return {**row, "predicted_s": predicted, "wire_only_s": predict(row, 0.0).step_s,
+            "host_s_per_byte": host_s_per_byte, "error": predicted / row["step_s"] - 1}
 
 
 def _off_host_payload(rank: dict, job: Job) -> tuple[int, int]:
@@ -97,11 +115,9 @@ def summarize(result: dict, rate: str) -> dict:
                       "meter_sent": sent / total_steps, "meter_received": received / total_steps,
                       "kernel_tx": tx / total_steps, "kernel_rx": rx / total_steps})
     busiest = max(links, key=lambda link: link["kernel_tx"] + link["kernel_rx"])
-    predicted = predict(job, rate, model_bytes, compute_s, alpha_s)
-    return {"link": rate, "strategy": job.strategy, "servers": job.servers if job.is_ps else 0,
+    return with_predictions({"link": rate, "strategy": job.strategy, "servers": job.servers if job.is_ps else 0,
             "workers": job.workers, "ranks_per_host": job.ranks_per_host, "hosts": job.hosts,
             "params": ranks[0]["params"], "model_bytes": model_bytes, "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
             "compute_s": compute_s, "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
-            "predicted_s": predicted.step_s, "error": predicted.step_s / step_s - 1, "links": links,
-            "busiest": busiest, "job_counters": result["job_counters"]}
+            "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--figure", metavar="PNG", help="also draw measured and predicted step time vs W (+ CSV)")
+    parser.add_argument("--from-json", metavar="PATH", action="append", default=[],
+                        help="instead of running: the rows of earlier --json files (repeatable), predictions redone "
+                             "with today's model; for tables and figures")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     parser.add_argument("--clean", action="store_true",
                         help="only delete namespaces left by cluster runs (of any process) and exit")
@@ -150,14 +153,16 @@ def print_table(rows: list[dict]) -> None:
         table = Table(title=f"emulated cluster, {rate} links: {first['params'] / 1e6:.2f}M params "
                             f"({first['model_bytes'] / 1e6:.1f} MB), median of {first['reps']} reps x "
                             f"{first['steps']} steps; bytes per step on the busiest link (MB)")
-        for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "predicted ms", "error", "compute ms",
+        for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only", "predicted ms", "error",
+                       "compute ms",
                        "comm share", "formula", "meter out/in", "kernel tx/rx", "link Gbit/s"):
             table.add_column(column, justify="right")
         for r in chosen:
             b = r["busiest"]
             table.add_row(r["strategy"], str(r["servers"] or "-"), str(r["workers"]),
                           f"{r['hosts']}x{r['ranks_per_host']}", f"{r['step_s'] * 1e3:.0f}",
-                          "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['predicted_s'] * 1e3:.0f}",
+                          "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['wire_only_s'] * 1e3:.0f}",
+                          f"{r['predicted_s'] * 1e3:.0f}",
                           f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", f"{r['comm_share']:.0%}",
                           "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
                           f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
@@ -171,15 +176,16 @@ def print_markdown(rows: list[dict]) -> None:
         chosen = [r for r in rows if r["link"] == rate]
         print(f"\n{rate} links, {chosen[0]['params'] / 1e6:.2f}M params ({chosen[0]['model_bytes'] / 1e6:.1f} MB); "
               f"bytes per step on the busiest link, MB\n")
-        print("| strategy | S | W | hosts | step ms (reps) | predicted ms | error | compute ms | comm share | "
+        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | comm share | "
               "formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in chosen:
             b = r["busiest"]
             reps = "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"])
             formula = "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}"
             print(f"| {r['strategy']} | {r['servers'] or '-'} | {r['workers']} | {r['hosts']}x{r['ranks_per_host']} | "
-                  f"{r['step_s'] * 1e3:.0f} ({reps}) | {r['predicted_s'] * 1e3:.0f} | {r['error']:+.0%} | "
+                  f"{r['step_s'] * 1e3:.0f} ({reps}) | {r['wire_only_s'] * 1e3:.0f} | {r['predicted_s'] * 1e3:.0f} | "
+                  f"{r['error']:+.0%} | "
                   f"{r['compute_s'] * 1e3:.1f} | {r['comm_share']:.0%} | {formula} | "
                   f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f} | "
                   f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f} | {achieved_gbit(r):.2f} |")
@@ -187,14 +193,20 @@ def print_markdown(rows: list[dict]) -> None:
 
 def main(args) -> int:
     reason = netns.unavailable()
-    if reason:
+    if reason and not args.from_json:
         print(f"gradsync cluster: {reason}", file=sys.stderr)
         return 2
     if args.clean:
         swept = netns.sweep_stale(everything=True)
         print(f"deleted {len(swept)} namespace(s){': ' + ', '.join(swept) if swept else ''}")
         return 0
-    rows, failures = run(args)
+    if args.from_json:
+        from gradsync.cluster.results import with_predictions
+
+        rows = [with_predictions(row) for path in args.from_json for row in json.load(open(path))["rows"]]
+        failures = []
+    else:
+        rows, failures = run(args)
     if rows:
         (print_markdown if args.markdown else print_table)(rows)
     if args.json:

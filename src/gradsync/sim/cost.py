@@ -43,6 +43,16 @@ backward pass takes b = backward_share * c):
                   exposed after backward ends.
 Scaling efficiency = c / step (1.0: communication fully hidden or free).
 
+Host term (host_s_per_byte = h, default 0: a NIC that moves bytes for free): seconds of CPU per
+byte an endpoint sends or receives (gloo's copies, the kernel's TCP path, the server's checksums
+and sums). gradsync's server thread does that work between reads, so for ps and ps-async it adds
+to the wire: ps T_comm += 2*W*M/S*h (x1, the CPU is not doubled by the serial server);
+ps-async's server absorbs pushes at S/(M*(beta + 2h)). Ring-family and hierarchical transfers and
+reductions are pipelined, so a rank moves bytes at the slower of its link and its CPU:
+beta -> max(beta, 2h) per byte sent (each byte sent is matched by one received). Fitted on
+emulated links (docs/benchmarks.md, "Emulated cluster"): h = 2.8 ns/B on the loaded 2-core machine,
+the missing term there; 1 Gbit/s (beta = 8.4 ns/B) hides it for the ring, not for the server.
+
 Textbook check (a 7B model, bf16 gradients: M = 14 GB; W = 64; 200 Gbit/s = 25 GB/s): one server
 receives W*M = 896 GB and sends 896 GB per step, 35.8 s each way against 250 ms of compute
 (~140:1); ring sends 2*63/64*14 GB = 27.6 GB per rank, 1.10 s.
@@ -156,23 +166,31 @@ class StrategyCost:
 
 def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
-                  backward_share: float = 2 / 3, ps_server: str = "pipelined") -> StrategyCost:
+                  backward_share: float = 2 / 3, ps_server: str = "pipelined",
+                  host_s_per_byte: float = 0.0) -> StrategyCost:
     """One strategy's cost per training step (formulas in the module docstring). ``ps_server``
-    (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not."""
+    (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not.
+    ``host_s_per_byte``: the host term (module docstring)."""
     if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
         raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
                          f"servers={servers}, compute={compute_s}, bytes={nbytes}")
     w, m, c = workers, nbytes, compute_s
+    if host_s_per_byte < 0:
+        raise ValueError(f"host_s_per_byte must be >= 0, got {host_s_per_byte}")
+    if strategy != "ps" and strategy != "ps-async" and 2 * host_s_per_byte > link.beta:
+        link = Link(alpha=link.alpha, beta=2 * host_s_per_byte, gamma=link.gamma)   # CPU-bound rank
     if strategy == "ps":
         if ps_server not in ("pipelined", "serial"):
             raise ValueError(f"ps_server must be 'pipelined' or 'serial', got {ps_server!r}")
         link_bytes = w * m / servers
         comm = (w * link.alpha + link_bytes * link.beta) * (2 if ps_server == "serial" else 1)
+        comm += 2 * link_bytes * host_s_per_byte
         serial = f"push-then-pull server: {2 * comm:.3g} s" if ps_server == "pipelined" else "push-then-pull server"
         return StrategyCost(strategy, link_bytes, comm, c + comm, c / (c + comm),
                             f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; {serial}")
     if strategy == "ps-async":
-        server_rate = servers / (m * link.beta) if link.beta > 0 else math.inf
+        per_byte = link.beta + 2 * host_s_per_byte
+        server_rate = servers / (m * per_byte) if per_byte > 0 else math.inf
         worker_rate = w / (c + 2 * (link.alpha + m * link.beta))
         step = w / min(server_rate, worker_rate)
         return StrategyCost(strategy, w * m / servers, max(0.0, step - c), step, c / step,
