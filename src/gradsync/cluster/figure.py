@@ -1,7 +1,8 @@
 """Measured and predicted step time vs workers W on the emulated cluster, one panel per link rate.
 
 Lines: sync PS with one server and ring DDP, measured (solid, markers; the bars span the reps'
-per-step times) and predicted by the cost model (dashed, same colour). The seed's claim: PS grows
+per-step times) and predicted by the cost model (dashed, same colour; dotted: without the host
+term, the wire alone). The seed's claim: PS grows
 about linearly with W (its server link carries 2*W*M per step), ring stays flat (2(N-1)/N*M per link).
 The data behind it goes to a CSV beside the PNG.
 """
@@ -35,13 +36,15 @@ def step_time_vs_workers(rows: list[dict], png: Path) -> Path:
             high = [max(r["reps_step_s"]) - m for m, r in zip(measured, chosen)]
             ax.errorbar(w, measured, yerr=[low, high], color=colour, marker="o", capsize=3, label=f"{label}, measured")
             ax.plot(w, [r["predicted_s"] for r in chosen], "--", color=colour, label=f"{label}, cost model")
+            ax.plot(w, [r["wire_only_s"] for r in chosen], ":", color=colour, linewidth=1,
+                    label=f"{label}, cost model without the host term")
         first = next(r for r in rows if r["link"] == rate)
         ax.set(title=f"{rate} links, {first['params'] / 1e6:.1f}M params ({first['model_bytes'] / 1e6:.0f} MB)",
                xlabel="workers W", ylabel="seconds per step")
         ax.set_ylim(bottom=0)
         ax.set_xticks(sorted({r['workers'] for r in rows if r['link'] == rate}))
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle("Emulated cluster (gradsync cluster): step time vs workers", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
