@@ -14,6 +14,8 @@ import pytest
 
 from gradsync.cluster import netns
 from gradsync.cluster.jobs import Job, run_job
+from gradsync.cluster.results import summarize
+from gradsync.sim import cost
 
 RATE = "100mbit"
 PARAMS = 250_000
@@ -78,6 +80,8 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     steps = job.steps * job.reps
     assert sum(rep["bytes_received"] for rep in ranks[0]["reps"]) == w * M * steps
     assert sum(rep["bytes_sent"] for rep in ranks[0]["reps"]) == w * M * steps
+    row = summarize(result, RATE)   # the command's row: the server's link is the busiest
+    assert row["busiest"]["host"] == 0 and row["busiest"]["meter_sent"] == w * M and row["step_s"] > 0
 
 
 @pytest.mark.timeout(240)
@@ -164,3 +168,22 @@ def test_needs_root_and_says_so(monkeypatch, capsys):
     sweep.add_arguments(parser)
     assert sweep.main(parser.parse_args([])) == 2
     assert "needs root" in capsys.readouterr().err
+
+
+def test_cost_model_host_term_by_hand():
+    """The host term (sim/cost.py): serial with the wire on the PS server, the slower of link and CPU
+    for a ring rank. Numbers worked by hand: M = 16e6 B, W = 4, S = 1, c = 0.03 s, alpha = 1e-3 s,
+    beta = 8e-9 s/B, h = 3e-9 s/B."""
+    link = cost.Link(alpha=1e-3, beta=8e-9, gamma=0.0)
+    ps = cost.strategy_cost("ps", 16e6, 4, link, 0.03, ps_server="serial", host_s_per_byte=3e-9)
+    # c + 2*(W*alpha + W*M*beta) + 2*W*M*h = 0.03 + 2*(0.004 + 0.512) + 0.384
+    assert ps.step_s == pytest.approx(0.03 + 1.032 + 0.384)
+    assert cost.strategy_cost("ps", 16e6, 4, link, 0.03).step_s == pytest.approx(0.03 + 0.004 + 0.512)
+    # ring, N=4: 2h = 6e-9 < beta: unchanged; 2h = 10e-9 > beta: every byte sent costs 10 ns
+    plain = 0.03 + 6e-3 + 1.5 * 16e6 * 8e-9
+    assert cost.strategy_cost("ring", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s == pytest.approx(plain)
+    assert cost.strategy_cost("ring", 16e6, 4, link, 0.03, host_s_per_byte=5e-9).step_s == pytest.approx(
+        0.03 + 6e-3 + 1.5 * 16e6 * 10e-9)
+    # async: the server takes a push every M*(beta + 2h) = 0.224 s; W workers offer one each per
+    # c + 2*(alpha + M*beta) = 0.288 s, so the server binds: W pushes take 4 * 0.224 s
+    assert cost.strategy_cost("ps-async", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s == pytest.approx(0.896)

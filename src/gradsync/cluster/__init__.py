@@ -5,4 +5,5 @@
     worker.py    one rank: train, time, count bytes (meter and kernel counters)
     results.py   ranks' results -> one row per job: step time, per-link bytes beside the formulas
     sweep.py     `gradsync cluster`: jobs over strategies x W x link rates, the cost model beside them
+    figure.py    measured and predicted step time vs W, per link rate
 """

@@ -31,7 +31,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 
 SUBNET = ipaddress.ip_network("10.231.1.0/24")
@@ -226,12 +225,3 @@ def _main_thread() -> bool:
 
     return threading.current_thread() is threading.main_thread()
 
-
-def wait_gone(names: list[str], timeout: float = 5.0) -> list[str]:
-    """Of ``names``, those still listed after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [n for n in names if n in namespaces()]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
