@@ -270,3 +270,37 @@ def traced_overlap(steps):
             opt.step()
     events = trace.disable()
     return events, ddp.last_overlap, len(ddp.buckets), tracer.rank
+
+
+def zero_copy_train(steps, local_batch, bucket_cap_mb):
+    """big_mlp in float64 on this rank's shard; per bucket: whether it lives in a shared region, its
+    bytes; per step: the payload bytes this rank received; and the final parameters."""
+    from gradsync.comm.transport import default_transport
+
+    w = gs.world()
+    model = make_model("big_mlp", torch.float64, seed=w.rank)
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    regions = default_transport().regions
+    placed = [regions.views_of(b.flat) is not None for b in ddp.buckets]
+    opt = make_optimizer("sgd", model.parameters())
+    xs, ys = global_data(steps, w.world_size, local_batch, torch.float64)
+    received = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=False)  # the gradients stay views of the shared buckets
+        x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+        gs.traffic_reset()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        received.append(gs.traffic()["per_op"].get("all_reduce/shared_memory", {}).get("received", 0))
+        opt.step()
+    ddp.check_replicas()
+    return ({n: p.detach().clone() for n, p in model.named_parameters()}, placed,
+            [b.nbytes for b in ddp.buckets], received)
+
+
+def region_against_plain(numel):
+    """Every rank allocates a shared region; rank 1 then all-reduces a plain copy instead of it."""
+    from gradsync.comm.transport import default_transport
+
+    region = default_transport().regions.allocate(numel, torch.float32)
+    region.fill_(1.0)
+    gs.all_reduce(region.clone() if gs.world().rank == 1 else region)

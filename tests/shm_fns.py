@@ -161,3 +161,20 @@ def reinit_three_times():
         gs.all_reduce(x)
         out.append((gs.world().generation, type(default_transport()).__name__, x))
     return out
+
+
+def in_place_rewritten_at_once(numel: int, rounds: int):
+    """All-reduce a shared-region tensor, then overwrite it at once with the next round's values, as
+    backward does with a bucket: the in-place all-reduce must not let any rank write its tensor while
+    another still reads it. Returns the rounds whose result differs from the closed form."""
+    w = gs.world()
+    region = default_transport().regions.allocate(numel, torch.float64)
+    base = torch.arange(numel, dtype=torch.float64)
+    wrong = []
+    for i in range(rounds):
+        torch.mul(base, w.rank + 1 + i, out=region)
+        gs.all_reduce(region, algorithm="shared_memory")
+        expected = base * sum(r + 1 + i for r in range(w.world_size))
+        if not torch.equal(region, expected):
+            wrong.append(i)
+    return wrong

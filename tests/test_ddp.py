@@ -133,3 +133,40 @@ def test_timeline_shows_communication_during_backward(world_of, tmp_path):
         first_bucket = [e for e in comm if e["args"]["bucket"] == 0][-1]
         assert first_bucket["ts"] < ends[-1]
         assert overlap is not None and 0.0 < overlap <= 1.0
+
+
+# On one host DDP's buckets live in shared regions and buckets of DIRECT_BELOW_BYTES and more are
+# all-reduced where backward wrote them (allreduce_shared_in_place.py); smaller ones take the direct
+# all-reduce. Both must train exactly like one process, byte counts as their docstrings say.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_copy_buckets_train_like_one_process_with_exact_traffic(world_of, world_size):
+    from gradsync.comm.allreduce_ring import ring_chunks
+    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+
+    steps, local_batch = 3, 4
+    results = world_of(world_size).run(ddp_fns.zero_copy_train, steps, local_batch, 0.25)
+    oracle = ddp_fns.single_process("big_mlp", "sgd", steps, world_size, local_batch, torch.float64, False)
+    for rank, (params, placed, sizes, received) in enumerate(results):
+        assert_close(params, oracle, 1e-12, f"zero-copy N={world_size}")
+        assert all(placed), "every bucket is in a shared region"
+        assert any(size >= DIRECT_BELOW_BYTES for size in sizes) and any(size < DIRECT_BELOW_BYTES for size in sizes)
+        expected = 0
+        for size in sizes:
+            if size < DIRECT_BELOW_BYTES:
+                expected += (world_size - 1) * size
+            else:
+                chunks = ring_chunks(size // 8, world_size).sizes
+                expected += sum(chunks[rank] + chunks[other] for other in range(world_size) if other != rank) * 8
+        assert received == [expected] * steps
+    for params, *_ in results[1:]:
+        assert all(torch.equal(params[n], results[0][0][n]) for n in params), "replicas not bit-identical"
+
+
+@pytest.mark.timeout(120)
+def test_a_region_tensor_against_a_plain_one_is_a_mismatch(world_of):
+    with pytest.raises(RankFailure) as info:
+        world_of(3).run(ddp_fns.region_against_plain, 100_000, case_timeout=30)
+    assert set(info.value.errors) == {0, 1, 2}
+    for name, message in info.value.errors.values():
+        assert name == "CollectiveMismatchError" and "shared_memory_in_place" in message and "rank 1" in message

@@ -4,8 +4,9 @@ Why: gloo aborts the whole process (SIGABRT) when a receive's size differs from 
 and a dtype mismatch of equal byte count silently produces garbage. So no collective starts
 before its participants have agreed on what it is.
 
-Fingerprint: (kind, sequence number, element count, dtype, op, algorithm, root), six int64 values
-and the kind, sent as a control message (counted apart from payload by the meter).
+Fingerprint: (kind, sequence number, element count, dtype, op, algorithm, root, region), eight
+int64 values, sent as a control message or read out of a shared slot (counted apart from payload
+by the meter).
 
 Three ways, by transport
     staged (shared memory, every rank on this host)
@@ -37,7 +38,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "g
          "barrier")
 OPS = ("none",) + REDUCE_OPS
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory",
-              "linear", "pairwise")
+              "linear", "pairwise", "shared_memory_in_place")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -55,10 +56,14 @@ class Fingerprint:
     op: str
     algorithm: str
     root: int = 0
+    region: int = -1
+    """In-place shared-memory all-reduce: where the tensor lies, region k and byte offset o as
+    k * 2**40 + o (every rank's tensor must be at the same place of its copy of the region); -1
+    otherwise."""
 
     def values(self) -> tuple[int, ...]:
         return (KINDS.index(self.kind), self.sequence, self.numel, DTYPES.index(self.dtype),
-                OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root)
+                OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root, self.region)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor(self.values(), dtype=torch.int64)
@@ -69,11 +74,13 @@ class Fingerprint:
 
     @staticmethod
     def from_values(values: tuple[int, ...]) -> "Fingerprint":
-        k, seq, numel, dt, op, algo, root = values[:7]
-        return Fingerprint(KINDS[k], seq, numel, DTYPES[dt], OPS[op], ALGORITHMS[algo], root)
+        k, seq, numel, dt, op, algo, root, region = values[:8]
+        return Fingerprint(KINDS[k], seq, numel, DTYPES[dt], OPS[op], ALGORITHMS[algo], root, region)
 
     def describe(self) -> str:
         extra = f", root={self.root}" if self.kind in ("broadcast", "reduce", "gather", "scatter") else ""
+        if self.region >= 0:
+            extra += f", shared region {self.region >> 40} at byte {self.region & ((1 << 40) - 1)}"
         return (f"{self.kind} #{self.sequence} of {self.numel} {str(self.dtype).replace('torch.', '')} "
                 f"elements (op={self.op}, algorithm={self.algorithm}{extra})")
 
@@ -151,7 +158,7 @@ def compare_published(transport, mine: Fingerprint) -> None:
     for other in range(transport.world_size):
         if other != transport.rank:
             theirs = transport.published(other, op)
-            if theirs[:7] != values:
+            if theirs != values:
                 raise mismatch_error(transport.rank, mine, other, _readable(theirs, other, transport.rank))
 
 
@@ -159,5 +166,5 @@ def _readable(values: tuple[int, ...], rank: int, reader: int) -> Fingerprint:
     try:
         return Fingerprint.from_values(values)
     except (IndexError, ValueError):
-        raise CollectiveMismatchError(f"rank {reader}: rank {rank} published an unreadable fingerprint {values[:7]}: "
+        raise CollectiveMismatchError(f"rank {reader}: rank {rank} published an unreadable fingerprint {values}: "
                                       f"it is not in a gradsync collective of this group") from None

@@ -34,7 +34,8 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import allreduce_shared
+from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
+from gradsync.comm.allreduce_shared_in_place import allreduce_shared_in_place
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.allreduce_tree import allreduce_tree
@@ -156,11 +157,21 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
                else shared_problem if algorithm == "shared_memory" else None)
     if problem:
         raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
-    fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
-    if algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
+    in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
+                and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES else None)
+    if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
+        region, views = in_place
+        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
+                                  "shared_memory_in_place", region=region)
+        stall.entered(fingerprint)
+        allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
+                                  spin=_spins(fingerprint))
+    elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
+        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         stall.entered(fingerprint)
         allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=_spins(fingerprint))
     else:
+        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         _agree(w, transport, fingerprint)
         if flat.numel() > 0 and algorithm == "native":
             _native_all_reduce(flat, chosen, w)

@@ -63,6 +63,7 @@ import torch
 
 from gradsync import runtime
 from gradsync.comm.doorbell import Doorbell
+from gradsync.comm.shm_regions import SharedRegions
 from gradsync.comm.shm_ring import FRAME, Ring, slot_bytes
 from gradsync.comm.transport import Handle, PeerError, TorchTransport, Transport
 from gradsync.meter import METER, TrafficMeter
@@ -233,6 +234,7 @@ class ShmTransport(Transport):
         self._to_ring: set[int] = set()
         self._mappings: dict[int, mmap.mmap] = {}
         self._connect(world, job)
+        self.regions = SharedRegions(self, world.store, segment_prefix(job))
 
     # --- set-up -------------------------------------------------------------------------------
     def _segment_bytes(self) -> int:
@@ -263,8 +265,8 @@ class ShmTransport(Transport):
             for peer in self.local_ranks:
                 if peer == self.rank:
                     continue
-                pid, capacity, staging = (int(v) for v in
-                                          self._store_get(store, f"{key}/created/{peer}", wait, peer, "create").split())
+                created = self.store_get(store, f"{key}/created/{peer}", wait, peer, "create its segment")
+                pid, capacity, staging = (int(v) for v in created.split())
                 if (capacity, staging) != (self.capacity, self.stage_bytes):
                     raise ValueError(f"rank {self.rank}: shared-memory set-up: rank {peer} has {capacity}-byte rings and "
                                      f"{staging}-byte staging halves, this rank {self.capacity} and {self.stage_bytes}; "
@@ -277,7 +279,7 @@ class ShmTransport(Transport):
                     os.close(peer_fd)
             store.set(f"{key}/opened/{self.rank}", "1")
             for peer in self.pids:
-                self._store_get(store, f"{key}/opened/{peer}", wait, peer, "map")
+                self.store_get(store, f"{key}/opened/{peer}", wait, peer, "map its segment")
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -294,18 +296,20 @@ class ShmTransport(Transport):
         self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
                                                offset=self._stage_offset()) for rank in self.local_ranks}
 
-    def _store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
+    def store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
         try:
             store.wait([key], wait)
             return store.get(key).decode()
         except Exception as exc:
-            raise PeerError(f"rank {self.rank}: shared-memory set-up: rank {peer} did not {what} its segment "
+            raise PeerError(f"rank {self.rank}: shared-memory set-up: rank {peer} did not {what} "
                             f"within {self.timeout:.0f} s ({exc})", rank=self.rank, peer=peer,
                             op="shm/connect") from exc
 
     def close(self) -> None:
         """Unmap every segment (their names are already gone)."""
         with self._lock:
+            if hasattr(self, "regions"):
+                self.regions.close()
             for ring in list(getattr(self, "_in", {}).values()) + list(getattr(self, "_out", {}).values()):
                 ring.release()
             for bell in [getattr(self, "_bell", None), *getattr(self, "_bells", {}).values()]:

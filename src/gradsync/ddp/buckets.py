@@ -12,6 +12,11 @@ Order: parameters are taken in reverse registration order, because backward prod
 layer's gradients first. Every rank builds the same buckets from the same parameter list (the
 wrapper verifies the lists agree), so bucket i means the same thing everywhere.
 
+Where the flat buffers live: ``allocate(numel, dtype)`` may put them in shared memory (the
+wrapper does when every rank is on this host: comm/shm_regions.py), so the other ranks read a
+bucket's gradients where backward wrote them and the all-reduce copies nothing in
+(comm/allreduce_shared_in_place.py); otherwise, or when it returns None, ordinary zeroed memory.
+
 Example: four float32 parameters of 1, 2, 3 and 4 MiB registered in that order, cap 5 MiB:
     reversed: 4, 3, 2, 1 MiB -> first bucket [4] (alone: already over the 1 MiB first cap),
     then [3, 2] (3+2 = 5 fits), then [1] (5+1 > 5).
@@ -20,6 +25,7 @@ Example: four float32 parameters of 1, 2, 3 and 4 MiB registered in that order, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -48,7 +54,8 @@ class Bucket:
 
 
 def build_buckets(params: list[torch.nn.Parameter], names: list[str], bucket_cap_bytes: int,
-                  first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES) -> list[Bucket]:
+                  first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
+                  allocate: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> list[Bucket]:
     """Group ``params`` (registration order) into buckets, last parameter first; see module docstring."""
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {bucket_cap_bytes}")
@@ -73,7 +80,10 @@ def build_buckets(params: list[torch.nn.Parameter], names: list[str], bucket_cap
     for index, members in enumerate(groups):
         numels = [params[i].numel() for i in members]
         offsets = [sum(numels[:k]) for k in range(len(members))]
-        flat = torch.zeros(sum(numels), dtype=params[members[0]].dtype, device=params[members[0]].device)
+        first = params[members[0]]
+        flat = allocate(sum(numels), first.dtype) if allocate is not None and first.device.type == "cpu" else None
+        if flat is None:
+            flat = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
         buckets.append(Bucket(index, [params[i] for i in members], [names[i] for i in members],
                               offsets, numels, flat, [False] * len(members)))
     return buckets

@@ -14,7 +14,8 @@ Construction, as a recipe
     verify_same_model     every rank lists the same parameters (name, shape, dtype) in the same
                           order; otherwise a clear error naming the rank and the first difference
     broadcast_state       rank 0's parameters and buffers overwrite everyone else's
-    build_buckets         reverse order, ``bucket_cap_mb`` cap, 1 MiB first bucket (ddp/buckets.py)
+    build_buckets         reverse order, ``bucket_cap_mb`` cap, 1 MiB first bucket (ddp/buckets.py);
+                          in shared memory when every rank is on this host (zero-copy all-reduce)
     attach_reducer        post-accumulate-grad hooks, async reduction (ddp/reducer.py)
 
 Each forward: with ``broadcast_buffers`` rank 0's buffers (BatchNorm running statistics) are
@@ -30,7 +31,9 @@ import torch
 from torch import nn
 
 from gradsync import runtime, trace
+from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.collectives import ALGORITHMS
+from gradsync.comm.transport import default_transport
 from gradsync.ddp import torch_arguments
 from gradsync.ddp.buckets import build_buckets
 from gradsync.ddp.hooks import BUILTIN
@@ -38,6 +41,18 @@ from gradsync.ddp.reducer import Reducer
 from gradsync.replicas import ReplicaMismatchError, broadcast_coalesced, first_mismatch, verify_same_model
 
 __all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
+
+
+def _shared_buckets(world, algorithm: str):
+    """Where buckets go when the all-reduce can read them in place: a shared region of the world's
+    transport (every rank on this host, shared-memory transport, algorithm auto or shared_memory);
+    None otherwise (ordinary memory)."""
+    if world.world_size == 1 or algorithm not in ("auto", "shared_memory"):
+        return None
+    transport = default_transport()
+    if shared_layout_error(transport) is not None:
+        return None
+    return transport.regions.allocate
 
 
 class DistributedDataParallel(nn.Module):
@@ -83,7 +98,8 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_state()
         self._has_buffers = any(b.numel() for b in module.buffers())
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
-        self.buckets = build_buckets([p for _, p in named], self._param_names, self.bucket_cap_bytes)
+        self.buckets = build_buckets([p for _, p in named], self._param_names, self.bucket_cap_bytes,
+                                     allocate=_shared_buckets(self.world, algorithm))
         self.reducer = Reducer(self.buckets, algorithm, comm_hook, find_unused_parameters)
 
     # -- construction ------------------------------------------------------------------------------

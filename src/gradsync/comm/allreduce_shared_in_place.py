@@ -1,0 +1,67 @@
+"""In-place shared-memory all-reduce: tensors that live in a shared region need no staging copy.
+
+For ranks of one host, and tensors inside a shared region (shm_regions.py; DDP's gradient buckets
+are allocated there). The split all-reduce (allreduce_shared.py) first copies each rank's tensor into
+its staging half so the others can read it; here every rank reads the others' tensors where they
+are. Same vocabulary: N ranks, slice j = ring_chunks(n, N) chunk j, owned by rank j.
+
+Phases
+    barrier   every rank's tensor is final (and every rank has published its fingerprint, with the
+              region and offset: agree.py, staged; a mismatch raises on every rank here)
+    reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
+              then the others in rank order; avg divides by N. Rank r writes only its slice r,
+              which no other rank reads in this phase (each reads its own slice)
+    barrier   every slice is reduced
+    gather    rank r copies slice j of rank j's tensor into its own, for every j != r; it writes only
+              slices other ranks do not read in this phase (each reads slice j from its owner j)
+    barrier   every rank has finished reading: only now may a rank write its tensor again (the next
+              backward accumulates into it)
+
+Every element is computed once, by its owner, and copied: bit-identical on every rank, as in the
+split all-reduce (same order within a slice: own first, then rank order).
+
+Traffic (bytes read out of another rank's memory, metered as the split all-reduce's):
+    bytes_received = bytes_sent = 2(N-1)/N * M
+Memory traffic per rank, against the split all-reduce's: no stage (read M + write M saved);
+reduce reads M and writes M/N; gather reads and writes (N-1)/N * M. One barrier more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.reduce_ops import SUM, Reduction
+
+
+def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
+                              reduction: Reduction = SUM, fingerprint: Fingerprint | None = None,
+                              spin: bool = False) -> None:
+    """In-place all-reduce of ``flat``, which is ``views[rank]``; ``views[j]`` is rank j's copy."""
+    op = "all_reduce/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    if fingerprint is not None:
+        transport.publish(fingerprint.values())
+    transport.barrier(op, spin)
+    if fingerprint is not None:
+        compare_published(transport, fingerprint)
+    if flat.numel() == 0:
+        return
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    own = chunks.view(flat, rank)
+    for other in range(n_ranks):
+        if other != rank:
+            reduction.combine(own, chunks.view(views[other], rank))
+    reduction.finish(own, n_ranks)
+    transport.barrier(op, spin)
+    for owner in range(n_ranks):
+        if owner != rank:
+            chunks.view(flat, owner).copy_(chunks.view(views[owner], owner))
+    transport.barrier(op, spin)
+    esize = flat.element_size()
+    for other in range(n_ranks):
+        if other != rank:
+            exchanged = (chunks.sizes[rank] + chunks.sizes[other]) * esize
+            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=False)
+            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=True)
