@@ -85,12 +85,23 @@ def test_unsupported_sparse_optimizers_are_refused_by_name(make, words):
 
 
 # -- sync equivalence and traffic -------------------------------------------------------------------
+_RUNS: dict[tuple, list] = {}
+
+
+def sync_run(world_of, optimizer, world_size, servers, steps=3, local_batch=4):
+    """fns.train in sync mode, run once per argument tuple and shared by the tests that read it."""
+    key = (optimizer, world_size, servers, steps, local_batch)
+    if key not in _RUNS:
+        _RUNS[key] = world_of(world_size).run(fns.train, "sync", optimizer, steps, local_batch, servers)
+    return _RUNS[key]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 @pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 2)])
 def test_sparse_sync_equals_one_process_with_global_batch(world_of, optimizer, world_size, servers):
     steps, local_batch = 3, 4
-    results = world_of(world_size).run(fns.train, "sync", optimizer, steps, local_batch, servers)
+    results = sync_run(world_of, optimizer, world_size, servers, steps, local_batch)
     workers = world_size - servers
     oracle = fns.single_process(optimizer, steps, workers, local_batch)
     for _, params, stats, _, _ in workers_of(results):
@@ -104,7 +115,7 @@ def test_sparse_sync_equals_one_process_with_global_batch(world_of, optimizer, w
 @pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 2)])
 def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, servers):
     steps, local_batch, esize = 3, 4, 8
-    results = world_of(world_size).run(fns.train, "sync", "sgd", steps, local_batch, servers)
+    results = sync_run(world_of, "sgd", world_size, servers, steps, local_batch)
     workers = world_size - servers
     ids, bags, _ = fns.global_data(steps, workers, local_batch)
     dense_bytes = sum(p.numel() for p in fns.SparseNet().out.parameters()) * esize
