@@ -145,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--workers", type=_positive_int, default=2, help="local ranks (default 2)")
     coll.add_argument("--sizes", type=_sizes, default=_sizes("4K,64K,1M,16M,64M"),
                       help="message sizes, e.g. 4K,64K,1M,16M,64M")
-    coll.add_argument("--algorithms", default="ring,halving_doubling,tree,naive,shared_memory",
-                      help="comma-separated subset of ring,halving_doubling,tree,naive,shared_memory "
-                           "(shared_memory only on the shm transport)")
+    coll.add_argument("--algorithms", default="ring,halving_doubling,tree,naive,shared_memory,auto",
+                      help="comma-separated subset of ring,halving_doubling,tree,naive,shared_memory,auto "
+                           "(shared_memory only on the shm transport; auto shows what it picked)")
     coll.add_argument("--reps", type=_positive_int, default=10, help="timed calls per size and algorithm (median)")
     coll.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     coll.add_argument("--transport", type=_transports, default=None,
@@ -320,7 +320,8 @@ def _bench_collectives(args) -> int:
         table.add_column(column, justify="right")
     baselines_first = {"native": 0, mpi_peer.ALGORITHM: 1}
     for r in sorted(result["rows"], key=lambda r: (r["size"], baselines_first.get(r["algorithm"], 2), r["transport"])):
-        cells = [collectives.human_bytes(r["size"]), r["transport"], r["algorithm"], f"{r['time_s'] * 1e6:,.0f}",
+        name = f"auto ({r['picked']})" if r["algorithm"] == "auto" else r["algorithm"]
+        cells = [collectives.human_bytes(r["size"]), r["transport"], name, f"{r['time_s'] * 1e6:,.0f}",
                  f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                  "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
                  "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",

@@ -20,6 +20,9 @@ GRADSYNC_TRANSPORT is an error (``resolve_transport``), so a run never measures 
 than the one its environment pins. The memory-copy bandwidth printed above the table is the
 ceiling every transport on this host works under (``memory_copy_bandwidth``).
 
+"auto" is a row of its own: what algorithm="auto" picks at that size (shown beside it, e.g.
+"auto (shared_memory)") and what it costs, so a wrong choice shows as auto slower than another row.
+
 "bytes/rank" is what the TrafficMeter measured on the busiest rank in one call; "formula" is
 the prediction for that algorithm (the ring's exact uneven-chunk formula, sim/cost.py for the rest). torch's own all_reduce is not metered (its bytes
 never pass through our transport), so its measured column is empty.
@@ -50,11 +53,12 @@ import gradsync as gs
 from gradsync.comm import shm
 from gradsync.comm.allreduce_ring import ring_bytes_sent
 from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+from gradsync.comm.collectives import here, resolve_algorithm
 from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
-OURS = ("ring", "halving_doubling", "tree", "naive", "shared_memory")
+OURS = ("ring", "halving_doubling", "tree", "naive", "shared_memory", "auto")
 SHARED_ONLY = ("shared_memory",)
 """Algorithms that need the shared-memory transport; a tcp run leaves them out."""
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -113,7 +117,8 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
                 times[name].append(_timed(run, tensor, source))
                 correct[name] = bool(torch.all(tensor == w.world_size))   # ones from N ranks: N
         for name in runners:
-            rows.append({"size": tensor.numel() * 4, "workers": w.world_size, "algorithm": name,
+            picked = resolve_algorithm(here(), tensor, name) if name != "native" else None
+            rows.append({"size": tensor.numel() * 4, "workers": w.world_size, "algorithm": name, "picked": picked,
                          "time_s": statistics.median(times[name]), "times_s": times[name],
                          "bytes_per_rank": measured_bytes.get(name), "warmup_calls": warmup,
                          "result_correct": correct[name]})
@@ -228,7 +233,7 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
     native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
         _add_bandwidths(r)
-        r["formula_bytes"] = _formula_bytes(r["algorithm"], r["size"], r["workers"])
+        r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"])
         r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["time_s"] > 0 else None
     return {"rows": rows, "fit": fitted}
 

@@ -131,6 +131,22 @@ def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
     return options
 
 
+def resolve_algorithm(place: Place, flat: torch.Tensor, algorithm: str = "auto") -> str:
+    """The algorithm all_reduce runs for ``flat`` on ``place``: ``algorithm``, or auto's choice
+    (select.py); raises when the layout does not admit it."""
+    w, transport = place.world, place.transport
+    shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
+    if algorithm == "auto":
+        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
+                                  shared_memory=shared_problem is None,
+                                  link=None if shared_problem is None else select.shared_link(w))
+    problem = (layout_error(w.hosts) if algorithm == "hierarchical"
+               else shared_problem if algorithm == "shared_memory" else None)
+    if problem:
+        raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
+    return algorithm
+
+
 @stall.tracked
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` across all ranks in place (op: see the module docstring) and return it."""
@@ -148,15 +164,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         return tensor
     target = tensor.detach()
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
-    shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
-    if algorithm == "auto":
-        algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
-                                  shared_memory=shared_problem is None,
-                                  link=None if shared_problem is None else select.shared_link(w))
-    problem = (layout_error(w.hosts) if algorithm == "hierarchical"
-               else shared_problem if algorithm == "shared_memory" else None)
-    if problem:
-        raise RuntimeError(f"all_reduce: {problem}; use another algorithm")
+    algorithm = resolve_algorithm(place, flat, algorithm)
     in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
                 and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES else None)
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
