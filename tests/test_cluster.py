@@ -100,6 +100,7 @@ def test_ring_link_bytes_match_the_formula(can_build):
         assert sum(rep["bytes_sent"] for rep in rank["reps"]) == 2 * (n - 1) * M // n * job.steps * job.reps
 
 
+@pytest.mark.timeout(60)
 def test_a_failing_job_still_deletes_everything(can_build):
     with pytest.raises(ZeroDivisionError):
         with netns.EmulatedCluster(2, RATE) as cluster:
@@ -109,6 +110,7 @@ def test_a_failing_job_still_deletes_everything(can_build):
     assert not _ours_in_root_namespace()
 
 
+@pytest.mark.timeout(60)
 def test_leftovers_of_a_killed_run_are_swept(can_build):
     """A run killed with SIGKILL cannot clean up; the next cluster deletes namespaces whose pid is dead."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
