@@ -234,3 +234,42 @@ def test_sigterm_to_the_torchrun_agent_checkpoints_and_prints_the_torchrun_comma
                                                                                           + " ".join(JOB) + f" --out {tmp_path} --resume")
     state = checkpoint.load(tmp_path / "checkpoint.pt")
     assert state["step"] == int(line[0].split()[3].rstrip(";")) == _last_step(tmp_path)
+
+
+def _worker_of_rank(agent_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank among the agent's children."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} among {children}")
+
+
+@pytest.mark.timeout(400)
+def test_a_torchrun_restart_continues_from_the_last_checkpoint(tmp_path):
+    """Elastic torchrun on one host (--nnodes 1:2, c10d rendezvous, --max-restarts 1), no --resume: a
+    worker is SIGKILLed mid-training; the agent restarts both workers with the same command, and they
+    continue from the job's last --checkpoint-every checkpoint (TORCHELASTIC_RESTART_COUNT) and finish."""
+    from gradsync.runtime import free_port
+
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                            f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1", "-m", "gradsync.train",
+                            *JOB, "--checkpoint-every", "5", "--out", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 200
+    while (_last_step(tmp_path) or 0) < 12:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.005)
+    os.kill(_worker_of_rank(job.pid, 1), signal.SIGKILL)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+    assert len(starts) == 2, "one start, one restart"
+    killed_at = max(r["step"] for r in records[:starts[1]] if r["event"] == "step")
+    resumed_at = next(r["step"] for r in records[starts[1]:] if r["event"] == "step") - 1
+    assert resumed_at % 5 == 0 and 10 <= resumed_at <= killed_at, (resumed_at, killed_at)   # not from step 0
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    assert summary["steps"] == 135 and summary["accuracy"] >= 0.9, summary

@@ -20,6 +20,7 @@ M=3 -> 64 does not divide by 3, so b=32 and G=96, lr x 1.5.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,32 @@ def _family(value):
     """ddp, zero1 and local checkpoint the same things (whole weights, whole optimizer state), so one
     resumes the others: a job of 2 ddp workers may continue as one local process."""
     return "ddp|zero1|local" if value in ("ddp", "zero1", "local") else value
+
+
+def _parent_started_at() -> float | None:
+    """When this process's parent (a torchrun agent) started, in time.time() seconds (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
+def wanted(cfg: TrainConfig) -> bool:
+    """Resume? With --resume; and when a torchrun agent has restarted the workers
+    (TORCHELASTIC_RESTART_COUNT >= 1: --max-restarts, or an elastic --nnodes MIN:MAX membership change)
+    and finds a checkpoint in --out written since the agent started: the agent reruns the same command,
+    which must continue the job, not start it over (an older checkpoint, from another job, is left alone)."""
+    if cfg.resume:
+        return True
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:
+        return False
+    path = Path(cfg.out) / CHECKPOINT_NAME
+    started = _parent_started_at()
+    # /proc's start time has clock-tick resolution: one second of slack
+    return path.exists() and (started is None or path.stat().st_mtime >= started - 1.0)
 
 
 def read(cfg: TrainConfig) -> dict:
