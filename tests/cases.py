@@ -51,6 +51,17 @@ def traffic_case(numel: int, dtype: torch.dtype, algorithm: str):
     return gs.traffic()
 
 
+def scatter_gather_traffic(numel: int):
+    """The meter's counts for one reduce_scatter and one all_gather of float64."""
+    w = gs.world()
+    gs.traffic_reset()
+    shard = gs.reduce_scatter(contribution(w.rank, numel, torch.float64))
+    scattered = gs.traffic()
+    gs.traffic_reset()
+    gs.all_gather(shard)
+    return scattered, gs.traffic()
+
+
 def broadcast_case(shape: tuple, src: int, transpose: bool):
     w = gs.world()
     t = torch.full(shape, float(w.rank)) + torch.arange(shape[-1])
@@ -73,6 +84,15 @@ def mismatched_all_reduce(kind: str, algorithm: str, numel: int = 12):
     if w.rank == 1:
         numel, dtype = (numel + 1, dtype) if kind == "size" else (numel, torch.int32)
     gs.all_reduce(torch.ones(numel, dtype=dtype), algorithm=algorithm)
+
+
+def mismatched_scatter_gather(kind: str):
+    """Rank 1 passes int32 where the others pass float32 (all_gather: shard sizes may differ, dtypes not)."""
+    dtype = torch.int32 if gs.world().rank == 1 else torch.float32
+    if kind == "reduce_scatter":
+        gs.reduce_scatter(torch.ones(12, dtype=dtype))
+    else:
+        gs.all_gather(torch.ones(4 + gs.world().rank, dtype=dtype))
 
 
 def all_reduce_against_broadcast(numel: int):

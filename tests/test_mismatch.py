@@ -41,3 +41,15 @@ def test_a_broadcast_against_a_shared_memory_all_reduce_is_an_error_on_every_ran
     for rank, (name, message) in errors.items():
         assert name == "CollectiveMismatchError", (rank, name, message)
         assert "rank 1 called broadcast" in message and "all_reduce" in message and "shared_memory" in message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+def test_shared_memory_reduce_scatter_and_all_gather_mismatches(world_of, kind):
+    pool = world_of(3)
+    with pytest.raises(RankFailure) as info:
+        pool.run(cases.mismatched_scatter_gather, kind, case_timeout=30)
+    assert set(info.value.errors) == {0, 1, 2}
+    for rank, (name, message) in info.value.errors.items():
+        assert name == "CollectiveMismatchError", (rank, name, message)
+        assert "rank 1" in message and "int32" in message and kind in message

@@ -108,3 +108,20 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
             assert {peer: c["received"] for peer, c in t["per_peer"].items()} == per_peer
             # the staged agreement: one 64-byte fingerprint slot read from each other rank
             assert t["control_bytes_received"] == t["control_bytes_sent"] == 64 * (world_size - 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_memory_reduce_scatter_and_all_gather_traffic(world_of, world_size):
+    numel = 1000 * world_size + 1  # uneven chunks
+    sizes = ring_chunks(numel, world_size).sizes
+    for rank, (scattered, gathered) in enumerate(world_of(world_size).run(cases.scatter_gather_traffic, numel)):
+        # reduce-scatter: this rank's chunk from each other rank; each other rank j reads chunk j from it
+        assert {p: c["received"] for p, c in scattered["per_peer"].items()} == {
+            p: sizes[rank] * 8 for p in range(world_size) if p != rank}
+        assert {p: c["sent"] for p, c in scattered["per_peer"].items()} == {
+            p: sizes[p] * 8 for p in range(world_size) if p != rank}
+        # all-gather: every other rank's shard from its owner
+        assert {p: c["received"] for p, c in gathered["per_peer"].items()} == {
+            p: sizes[p] * 8 for p in range(world_size) if p != rank}
+        assert gathered["bytes_sent"] == (world_size - 1) * sizes[rank] * 8

@@ -43,7 +43,7 @@ def test_zero1_equals_one_process_with_full_optimizer(world_of, world_size, opti
                      if isinstance(t, torch.Tensor) and t.dim() > 0)
     for r in results:
         assert relative_error(r["params"], oracle) <= 1e-12
-        assert r["sent"] == r["ring_bytes"], "reduce-scatter + all-gather must send exactly one ring all-reduce's bytes"
+        assert r["sent"] == r["expected_bytes"], "reduce-scatter + all-gather must send exactly their formula's bytes"
         # state is 1/N of the unsharded state, up to one element per bucket and state tensor
         per_element = full_state / sum(p.numel() for p in oracle.values())
         assert abs(r["state_bytes"] - full_state / world_size) <= r["buckets"] * per_element, (r["state_bytes"], full_state)

@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.comm.allreduce_ring import ring_bytes_sent
+from gradsync.comm.allreduce_ring import ring_bytes_sent, ring_chunks
+from gradsync.comm.shm import ShmTransport
+from gradsync.comm.transport import default_transport
 
 import ddp_fns
 
@@ -39,9 +41,20 @@ def one_process(opt_kind, xs, ys):
     return model, opt
 
 
+def scatter_gather_bytes(numel: int, world_size: int, rank: int) -> int:
+    """Bytes rank ``rank`` sends in one reduce-scatter + all-gather of ``numel`` float64, by the
+    formulas in the algorithms' docstrings: the ring's equal one ring all-reduce; over shared memory
+    (one host) the reduce-scatter sends the other ranks their chunks (M - s_r) and the all-gather
+    its own chunk to each (N-1) s_r."""
+    if not isinstance(default_transport(), ShmTransport):
+        return ring_bytes_sent(numel, world_size, rank, 8)
+    own = ring_chunks(numel, world_size).sizes[rank]
+    return (numel - own + (world_size - 1) * own) * 8
+
+
 def zero_train(opt_kind, steps, local_batch, bucket_cap_mb):
     """ShardedOptimizer on this rank's slice of ddp_fns.global_data. Returns the parameters, the
-    gathered state_dict (rank 0; None elsewhere), bytes sent and the ring formula's bytes, this
+    gathered state_dict (rank 0; None elsewhere), bytes sent and scatter_gather_bytes' figure, this
     rank's optimizer-state bytes, the number of buckets and every bucket's shard sizes."""
     cls, kwargs = OPTIMIZERS[opt_kind]
     w = gs.world()
@@ -55,9 +68,9 @@ def zero_train(opt_kind, steps, local_batch, bucket_cap_mb):
         loss_fn(model(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
         opt.step()
     sent = gs.traffic()["bytes_sent"]
-    expected = steps * sum(ring_bytes_sent(b.numel, w.world_size, w.rank, 8) for b in opt.buckets)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "state_dict": opt.state_dict(), "sent": sent, "ring_bytes": expected,
+            "state_dict": opt.state_dict(), "sent": sent, "expected_bytes": steps * sum(
+                scatter_gather_bytes(b.numel, w.world_size, w.rank) for b in opt.buckets),
             "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets),
             "shard_sizes": [b.chunks.sizes for b in opt.buckets]}
 

@@ -17,7 +17,8 @@ One step, per bucket (Rajbhandari et al., "ZeRO", SC 2020):
     2. update          the wrapped optimizer steps over this rank's shards only
     3. all-gather      the updated shards, so every rank again holds every parameter
 Traffic: reduce-scatter (N-1)/N*M + all-gather (N-1)/N*M = 2(N-1)/N*M bytes per rank, exactly what
-one ring all-reduce sends. Memory: optimizer state (Adam: m and v, 8 bytes per fp32 parameter)
+one ring all-reduce sends (across hosts, the ring; on one host the shared-memory reduce-scatter and
+all-gather move as much, M - s_r + (N-1) s_r for chunk s_r, with no forwarding). Memory: optimizer state (Adam: m and v, 8 bytes per fp32 parameter)
 is 1/N of the unsharded state on every rank; ``state_bytes()`` measures it.
 
 Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped

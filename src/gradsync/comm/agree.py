@@ -149,17 +149,23 @@ def check_staged(transport, mine: Fingerprint, spin: bool = False) -> None:
     compare_published(transport, mine)
 
 
-def compare_published(transport, mine: Fingerprint) -> None:
+def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) -> list[int]:
     """After the barrier that follows ``transport.publish``: raise when any rank's fingerprint differs
     from ``mine``, naming this rank and the first such rank. Any difference makes every rank raise
-    (if all others equalled this rank's, they would equal each other)."""
+    (if all others equalled this rank's, they would equal each other). ``sizes_differ``: element
+    counts may differ (all_gather's shards); returns every rank's element count in rank order."""
     op = f"{mine.kind}/agree"
     values = mine.values()
+    counts = []
     for other in range(transport.world_size):
-        if other != transport.rank:
-            theirs = transport.published(other, op)
-            if theirs != values:
-                raise mismatch_error(transport.rank, mine, other, _readable(theirs, other, transport.rank))
+        if other == transport.rank:
+            counts.append(mine.numel)
+            continue
+        theirs = transport.published(other, op)
+        if (theirs[:2] + theirs[3:] != values[:2] + values[3:]) if sizes_differ else theirs != values:
+            raise mismatch_error(transport.rank, mine, other, _readable(theirs, other, transport.rank))
+        counts.append(theirs[2])
+    return counts
 
 
 def _readable(values: tuple[int, ...], rank: int, reader: int) -> Fingerprint:

@@ -5,6 +5,7 @@
                                                  the first n mod N ranks get one extra element)
     all_gather(shard) -> full                    concatenation of every rank's shard in rank order
                                                  (any shard sizes; the inverse of reduce_scatter)
+    (both by ring, or on one host over shared memory by reduce_scatter_shared.py / all_gather_shared.py)
     broadcast(t, src=0)                          in place; returns t
 
 Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
@@ -38,9 +39,11 @@ from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
 from gradsync.comm.allreduce_shared_in_place import allreduce_shared_in_place
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
+from gradsync.comm.all_gather_shared import all_gather_shared
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.broadcast import broadcast_binomial
+from gradsync.comm.reduce_scatter_shared import reduce_scatter_shared
 from gradsync.comm.transport import Transport, default_transport
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
@@ -107,6 +110,11 @@ def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> 
         check_everyone(transport, fingerprint)
     else:
         check_neighbours(transport, fingerprint)
+
+
+def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
+    """Every rank on this host over shared memory, and a CPU tensor: the shared-memory algorithms."""
+    return not tensor.is_cuda and shared_layout_error(transport) is None
 
 
 def _spins(fingerprint: Fingerprint) -> bool:
@@ -205,9 +213,16 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
     w, transport = place.world, place.transport
     _check_tensor(tensor, "reduce_scatter", w)
     chosen = reduction(op, tensor.dtype, "reduce_scatter")
-    work = tensor.detach().reshape(-1).clone()
     if w.world_size == 1:
-        return work
+        return tensor.detach().reshape(-1).clone()
+    if _shared(transport, tensor):  # one barrier per staging half; the fingerprint with the data
+        flat = tensor.detach().reshape(-1)
+        fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+                                  "shared_memory")
+        stall.entered(fingerprint)
+        return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
+                                     spin=_spins(fingerprint))
+    work = tensor.detach().reshape(-1).clone()
     _agree(w, transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
     shard = chunks.view(work, w.rank)
@@ -231,6 +246,11 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     flat_shard = shard.detach().reshape(-1)
     if w.world_size == 1:
         return flat_shard.clone()
+    if _shared(transport, shard):
+        mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none",
+                           "shared_memory")
+        stall.entered(mine)
+        return all_gather_shared(flat_shard, transport, mine, spin=_spins(mine))
     mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")

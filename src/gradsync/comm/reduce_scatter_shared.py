@@ -1,0 +1,69 @@
+"""Shared-memory reduce-scatter: every rank reduces its own chunk straight out of the others' staging.
+
+For ranks of one host (ShmTransport). The ring reduce-scatter forwards partial sums N-1 times; here
+each rank stages its whole input once and then reads only its own chunk from every other rank.
+
+Vocabulary (as allreduce_shared.py): N ranks; n elements; chunk r = ring_chunks(n, N) chunk r, the
+result rank r returns; piece = at most S bytes of the input (one staging half), pieces alternating
+between the two halves.
+
+Per piece
+    stage     rank r copies the piece of its input into its staging half (the first piece also its
+              fingerprint: agree.py, staged)
+    barrier   every rank has staged (first piece: fingerprints compared before anything is read)
+    reduce    rank r folds the part of chunk r inside this piece from every rank's staging, own
+              first, then the others in rank order, into its result
+No closing barrier (as the direct all-reduce): a half is staged into again two pieces later, after
+a barrier no rank passes before every rank has read it. avg divides the finished chunk by N.
+
+Traffic (bytes read out of another rank's memory): rank r reads its chunk from each other rank and
+each other rank j reads chunk j from r:
+    received from j = |chunk r|,  sent to j = |chunk j|;  total sent = M - |chunk r|, about (N-1)/N * M
+    (the ring reduce-scatter's figure, with no forwarding)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.reduce_ops import SUM, Reduction
+
+
+def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+                          fingerprint: Fingerprint | None = None, spin: bool = False) -> torch.Tensor:
+    """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged)."""
+    op = "reduce_scatter/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    esize = flat.element_size()
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    low, high = chunks.offsets[rank], chunks.offsets[rank] + chunks.sizes[rank]
+    shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
+    piece_elems = transport.stage_bytes // esize
+    for start in range(0, max(flat.numel(), 1), piece_elems):
+        length = min(piece_elems, flat.numel() - start)
+        stages = transport.staged_views(transport.next_half(), length * esize, flat.dtype)
+        stages[rank].copy_(flat.narrow(0, start, length))
+        if fingerprint is not None and start == 0:
+            transport.publish(fingerprint.values())
+        transport.barrier(op, spin)
+        if fingerprint is not None and start == 0:
+            compare_published(transport, fingerprint)
+        lo, hi = max(low, start), min(high, start + length)
+        if lo < hi:
+            out = shard.narrow(0, lo - low, hi - lo)
+            parts = [stage.narrow(0, lo - start, hi - lo) for stage in stages]
+            order = [rank] + [r for r in range(n_ranks) if r != rank]
+            if n_ranks == 1:
+                out.copy_(parts[rank])
+            else:
+                reduction.fold(out, parts[order[0]], parts[order[1]])
+                for other in order[2:]:
+                    reduction.combine(out, parts[other])
+    reduction.finish(shard, n_ranks)
+    for other in range(n_ranks):
+        if other != rank:
+            transport.meter.record(peer=other, nbytes=chunks.sizes[rank] * esize, op=op, sent=False)
+            transport.meter.record(peer=other, nbytes=chunks.sizes[other] * esize, op=op, sent=True)
+    return shard
