@@ -595,7 +595,8 @@ def _bench_preempt(args, strategies: list[str]) -> int:
     table = Table(title=f"SIGTERM to the launcher or a rank of `gradsync train --workers {args.workers} --epochs 1 "
                         f"--batch-size 16` (digits), then its resume command; {args.trials} trials per strategy")
     for column in ("strategy", "trials", "clean", "steps lost (max)", "seconds lost (max)",
-                   "signal -> exit s (median, max)", "restart -> first step s (median, max)",
+                   "signal -> checkpoint s (median, max)", "signal -> exit s (median, max)",
+                   "restart -> first step s (median, max)",
                    "samples missing / repeated", "problems"):
         table.add_column(column, justify="right")
 
@@ -608,6 +609,7 @@ def _bench_preempt(args, strategies: list[str]) -> int:
         table.add_row(strategy, str(len(mine)), str(sum(r["clean"] for r in mine)),
                       str(max((r.get("steps_lost", 0) for r in mine), default=0)),
                       f"{max((r.get('seconds_lost', 0.0) for r in mine), default=0.0):.3f}",
+                      spread([r.get("signal_to_checkpoint_s") for r in mine]),
                       spread([r.get("signal_to_exit_s") for r in mine]),
                       spread([r.get("restart_to_first_step_s") for r in mine]),
                       f"{sum(r.get('samples_missing', 0) for r in mine)} / {sum(r.get('samples_repeated', 0) for r in mine)}",

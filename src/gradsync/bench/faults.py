@@ -172,7 +172,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
     if job.poll() is not None:
         return {**row, "why": "the job ended before the signal", "stderr": job.communicate()[1][-2000:]}
     os.kill(targets[target], signal.SIGTERM)
-    signalled = time.monotonic()
+    signalled, signalled_wall = time.monotonic(), time.time()
     try:
         stdout, stderr = job.communicate(timeout=timeout + 60)
     except subprocess.TimeoutExpired:
@@ -185,8 +185,10 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
     saved = checkpoint.load(out / "run" / "checkpoint.pt")
     logged = _steps_logged(metrics)
     after = [r for r in logged if r["step"] > saved["step"]]
+    preempted = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "preempted"' in x]
     row.update(step=saved["step"], steps_lost=len(after),
-               seconds_lost=sum(16 * workers / r["samples_per_s"] for r in after))
+               seconds_lost=sum(16 * workers / r["samples_per_s"] for r in after),
+               signal_to_checkpoint_s=preempted[-1]["checkpoint_at"] - signalled_wall if preempted else None)
     # restart: the printed command, timed to its first step
     resume = shlex.split(lines[0].split("resume with: ", 1)[1])
     before = len(metrics.read_text().splitlines())
