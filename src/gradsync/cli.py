@@ -280,7 +280,9 @@ def _train(args) -> int:
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
 
-    from gradsync.train.preempt import EXIT_PREEMPTED
+    import signal
+
+    from gradsync.train.preempt import EXIT_PREEMPTED, signal_number
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -291,6 +293,9 @@ def _train(args) -> int:
         print_neighbours(results)
         return 0
     results = run(cfg)
+    signum = signal_number(cfg.preempt_signal)
+    if signum is not None:   # training is over: a preemption signal now must not turn success into a kill
+        signal.signal(signum, signal.SIG_IGN)
     return EXIT_PREEMPTED if any(r.get("preempted") for r in results) else 0
 
 
@@ -593,7 +598,7 @@ def _bench_preempt(args, strategies: list[str]) -> int:
         strategies = list(faults.PREEMPT_STRATEGIES)
     rows = faults.preempt_run(strategies, args.trials, args.workers, args.timeout)
     table = Table(title=f"SIGTERM to the launcher or a rank of `gradsync train --workers {args.workers} --epochs 1 "
-                        f"--batch-size 16` (digits), then its resume command; {args.trials} trials per strategy")
+                        f"--batch-size 4` (digits), then its resume command; {args.trials} trials per strategy")
     for column in ("strategy", "trials", "clean", "steps lost (max)", "seconds lost (max)",
                    "signal -> checkpoint s (median, max)", "signal -> exit s (median, max)",
                    "restart -> first step s (median, max)",

@@ -84,7 +84,7 @@ def _name_process(name: str) -> None:
 
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
-               init_kwargs: dict, parent_pid: int, job: str) -> None:
+               init_kwargs: dict, parent_pid: int, job: str, forward_signals: tuple[int, ...] = ()) -> None:
     _die_with_parent()
     _name_process(f"gradsync-r{rank}")
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
@@ -102,6 +102,8 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     try:
         gradsync.init(**init_kwargs)
         result = fn(*args)
+        for signum in forward_signals:   # fn is done: a relayed signal now would only lose its result
+            signal.signal(signum, signal.SIG_IGN)
         tmp = out / f"{rank}.result.tmp"
         torch.save(result, tmp)
         os.replace(tmp, out / f"{rank}.result")
@@ -169,7 +171,8 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
     job = f"{os.getpid()}x{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix=f"gradsync-spawn-{os.getpid()}-") as out_dir:
         processes = [ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
-                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid(), job))
+                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, os.getpid(), job,
+                                       tuple(forward_signals)))
                      for rank in range(nprocs)]
         try:
             for p in processes:

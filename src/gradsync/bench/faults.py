@@ -157,7 +157,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
     (out / "ids").mkdir()
     env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(out / "ids")}
     cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
-           "--timeout", str(timeout), "--epochs", "1", "--batch-size", "16", "--quiet", "--out", str(out / "run"),
+           "--timeout", str(timeout), "--epochs", "1", "--batch-size", "4", "--quiet", "--out", str(out / "run"),
            "--seed", str(seed)]
     row = {"strategy": strategy, "seed": seed, "clean": False}
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -187,7 +187,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
     after = [r for r in logged if r["step"] > saved["step"]]
     preempted = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "preempted"' in x]
     row.update(step=saved["step"], steps_lost=len(after),
-               seconds_lost=sum(16 * workers / r["samples_per_s"] for r in after),
+               seconds_lost=sum(4 * workers / r["samples_per_s"] for r in after),
                signal_to_checkpoint_s=preempted[-1]["checkpoint_at"] - signalled_wall if preempted else None)
     # restart: the printed command, timed to its first step
     resume = shlex.split(lines[0].split("resume with: ", 1)[1])
@@ -217,7 +217,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
 
 
 def preempt_run(strategies: list[str], trials: int, workers: int = 2, timeout: float = 10.0) -> list[dict]:
-    """Per strategy, ``trials`` times: start `gradsync train --epochs 1 --batch-size 16` on digits
+    """Per strategy, ``trials`` times: start `gradsync train --epochs 1 --batch-size 4` on digits
     (``workers`` ranks; local: one), wait for its first step plus a random 0-0.5 s, send SIGTERM to the
     launcher or to one rank (drawn at random), and measure: the time from the signal until the job
     has exited (with status 75), the steps and seconds trained after the checkpointed step (work a
