@@ -2,7 +2,9 @@
 
 For every message size and algorithm, each rank times ``reps`` calls after ``warmup`` untimed
 calls (the same number for ours and native; ours are metered on the last of them), each call
-preceded by a barrier; a call's time is the slowest rank's (an all-reduce of the per-rank times
+preceded by a barrier (each side's own, as MPI's calls start from MPI_Barrier: gloo's for torch's
+all-reduce, the shared-memory transport's for ours on one host, gloo's otherwise; a barrier that
+lets ranks leave far apart would charge the skew to the collective); a call's time is the slowest rank's (an all-reduce of the per-rank times
 with MAX), and the table shows the median over calls. Algorithms are interleaved within each
 repetition so machine noise hits them alike. Every call, timed or not, starts from the same input
 (reset outside the timed region: reducing one tensor in place again and again would multiply it
@@ -82,14 +84,23 @@ def human_bytes(nbytes: float) -> str:
     return f"{nbytes:g}"
 
 
-def _timed(fn, tensor: torch.Tensor, source: torch.Tensor) -> float:
+def _timed(fn, tensor: torch.Tensor, source: torch.Tensor, barrier=dist.barrier) -> float:
     tensor.copy_(source)   # every call reduces the same input; the copy is not timed
-    dist.barrier()
+    barrier()
     started = time.perf_counter()
     fn()
     elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def _own_barrier():
+    """The barrier each of our timed calls starts from: the shared-memory transport's own (as MPI's
+    calls start from MPI_Barrier and gloo's from gloo's), else torch.distributed's."""
+    transport = default_transport()
+    if isinstance(transport, ShmTransport) and len(transport.local_ranks) == transport.world_size:
+        return lambda: transport.barrier("bench/barrier", spin=True)
+    return dist.barrier
 
 
 def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int) -> list[dict]:
@@ -99,13 +110,14 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
         source = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         tensor = torch.empty_like(source)
         runners = {"native": lambda: dist.all_reduce(tensor)}
+        barriers = {name: dist.barrier if name == "native" else _own_barrier() for name in ["native", *algorithms]}
         runners.update({a: (lambda a=a: gs.all_reduce(tensor, algorithm=a)) for a in algorithms})
         measured_bytes = {}
         for name, run in runners.items():
             for call in range(warmup):
                 if call == warmup - 1:   # meter ours on the last warm-up call, so no side gets an extra one
                     gs.traffic_reset()
-                _timed(run, tensor, source)
+                _timed(run, tensor, source, barriers[name])
             if name != "native":
                 sent = torch.tensor([gs.traffic()["bytes_sent"]], dtype=torch.int64)
                 dist.all_reduce(sent, op=dist.ReduceOp.MAX)
@@ -114,7 +126,7 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
         correct = {}
         for _ in range(reps):
             for name, run in runners.items():
-                times[name].append(_timed(run, tensor, source))
+                times[name].append(_timed(run, tensor, source, barriers[name]))
                 correct[name] = bool(torch.all(tensor == w.world_size))   # ones from N ranks: N
         for name in runners:
             picked = resolve_algorithm(here(), tensor, name) if name != "native" else None
