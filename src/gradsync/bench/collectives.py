@@ -4,12 +4,15 @@ For every message size and algorithm, each rank times ``reps`` calls after ``war
 calls (the same number for ours and native; ours are metered on the last of them), each call
 preceded by a barrier (each side's own, as MPI's calls start from MPI_Barrier: gloo's for torch's
 all-reduce, the shared-memory transport's for ours on one host, gloo's otherwise; a barrier that
-lets ranks leave far apart would charge the skew to the collective); a call's time is the slowest rank's (an all-reduce of the per-rank times
-with MAX), and the table shows the median over calls. Algorithms are interleaved within each
-repetition so machine noise hits them alike. Every call, timed or not, starts from the same input
+lets ranks leave far apart would charge the skew to the collective); a call's time is the slowest
+rank's (an all-reduce of the per-rank times with MAX, once after the calls), and the table shows
+the median over calls. Every call, timed or not, starts from the same input
 (reset outside the timed region: reducing one tensor in place again and again would multiply it
 by N per call and reach inf in float32), and the last call's result is checked against the closed
-form (every rank contributes ones, so every element is N).
+form (every rank contributes ones, so every element is N). Each side's timed calls run back to back
+(all of torch's, then all of each of ours), as MPI's do in their own launch: a gloo collective
+between two of ours slows the next one of ours by tens of microseconds at small sizes (gloo's
+threads take the same 2 cores), which is the other side's cost, not ours.
 
     algbw = M / t                     (M: message bytes, t: median seconds)
     busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
@@ -89,9 +92,16 @@ def _timed(fn, tensor: torch.Tensor, source: torch.Tensor, barrier=dist.barrier)
     barrier()
     started = time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    return time.perf_counter() - started
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Each call's time on the slowest rank: one all-reduce (MAX) of this rank's list after the calls,
+    not one per call (a gloo collective between two of our calls slows the next one by tens of
+    microseconds: its threads compete for the same cores)."""
+    elapsed = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return elapsed.tolist()
 
 
 def _own_barrier():
@@ -124,10 +134,11 @@ def _bench_rank(sizes: list[int], algorithms: list[str], reps: int, warmup: int)
                 measured_bytes[name] = int(sent)
         times = {name: [] for name in runners}
         correct = {}
-        for _ in range(reps):
-            for name, run in runners.items():
+        for name, run in runners.items():   # each side's calls back to back, as MPI's run in a launch of their own
+            for _ in range(reps):
                 times[name].append(_timed(run, tensor, source, barriers[name]))
                 correct[name] = bool(torch.all(tensor == w.world_size))   # ones from N ranks: N
+        times = {name: _slowest(values) for name, values in times.items()}
         for name in runners:
             picked = resolve_algorithm(here(), tensor, name) if name != "native" else None
             rows.append({"size": tensor.numel() * 4, "workers": w.world_size, "algorithm": name, "picked": picked,
