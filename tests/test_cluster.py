@@ -129,7 +129,7 @@ def test_leftovers_of_a_killed_run_are_swept(can_build):
 def test_interrupted_command_deletes_its_namespaces_and_processes(can_build, signum):
     """Ctrl-C or SIGTERM while the hosts' torchruns start: the command exits and leaves nothing."""
     cmd = [sys.executable, "-m", "gradsync.cluster", "--strategy", "ring", "--workers", "2", "--link", RATE,
-           "--params", "250K", "--steps", "50"]
+           "--params", "250K", "--steps", "5000"]   # minutes of work: the signal always comes first
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     prefix = f"gsc{proc.pid}-"
     started = time.monotonic()
