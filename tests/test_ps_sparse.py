@@ -8,18 +8,7 @@ import torch
 import ps_sparse_fns as fns
 from gradsync.ps import row_sharding
 from gradsync.ps.sparse_optim import SparseRows, sparse_rule
-
-
-def relative_error(ours: dict, oracle: dict) -> float:
-    return max(((ours[n] - oracle[n]).abs().max() / oracle[n].abs().max().clamp_min(1e-30)).item() for n in oracle)
-
-
-def workers_of(results):
-    return [r for r in results if r[0] == "worker"]
-
-
-def servers_of(results):
-    return [r for r in results if r[0] == "server"]
+from test_ps import relative_error, servers_of, workers_of
 
 
 # -- row sharding and the sparse rules (no processes) ------------------------------------------------

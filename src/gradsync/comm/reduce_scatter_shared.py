@@ -54,13 +54,10 @@ def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction
         if lo < hi:
             out = shard.narrow(0, lo - low, hi - lo)
             parts = [stage.narrow(0, lo - start, hi - lo) for stage in stages]
-            order = [rank] + [r for r in range(n_ranks) if r != rank]
-            if n_ranks == 1:
-                out.copy_(parts[rank])
-            else:
-                reduction.fold(out, parts[order[0]], parts[order[1]])
-                for other in order[2:]:
-                    reduction.combine(out, parts[other])
+            order = [rank] + [r for r in range(n_ranks) if r != rank]   # N >= 2: a world of one never comes here
+            reduction.fold(out, parts[order[0]], parts[order[1]])
+            for other in order[2:]:
+                reduction.combine(out, parts[other])
     reduction.finish(shard, n_ranks)
     for other in range(n_ranks):
         if other != rank:
