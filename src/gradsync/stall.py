@@ -99,10 +99,16 @@ def _watch(world, limit: float, event: threading.Event) -> None:
             continue
         reported = (sequence, int(waited // limit))
         try:
-            print(_report(world, _describe(op), sequence, waited), file=sys.stderr, flush=True)
+            _say(_report(world, _describe(op), sequence, waited))
         except Exception as exc:  # noqa: BLE001 - the inspector must never take the rank down
-            print(f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}",
-                  file=sys.stderr, flush=True)
+            _say(f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}")
+
+
+def _say(line: str) -> None:
+    """Write one report as a single write, newline included, so that reports of ranks sharing a
+    terminal or pipe never interleave (print writes the text and the newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _report(world, op: str, sequence: int, waited: float) -> str:
