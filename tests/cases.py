@@ -124,6 +124,13 @@ def transport_kind() -> str:
     return type(default_transport()).__name__
 
 
+def single_copy_state() -> tuple:
+    """(whether this rank's shared-memory transport reads peers' tensors in one copy, why not)."""
+    from gradsync.comm.transport import default_transport
+    transport = default_transport()
+    return transport.single_copy, transport.single_copy_problem
+
+
 # --- every op x dtype x algorithm (test_collectives.py) -------------------------------------------
 
 WIDE_BASE = {torch.float64: 2 ** 40, torch.float32: 2 ** 14, torch.float16: 2 ** 5, torch.bfloat16: 2 ** 3,

@@ -81,6 +81,32 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
     check()
 
 
+# From DIRECT_BELOW_BYTES up, a tensor outside a shared region is read where it lies, one kernel copy
+# per slice (allreduce_shared_single_copy.py); with GRADSYNC_SHM_SINGLE_COPY=0 it is staged piece by
+# piece (allreduce_shared.py). Every dtype and op, sizes not divisible by N, and one float32 case whose
+# slices span several PIECE_BYTES pieces, against the fold, gloo and across ranks bit for bit.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_size, single_copy):
+    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+    from gradsync.comm.allreduce_shared_single_copy import PIECE_BYTES
+
+    pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
+    states = pool.run(cases.single_copy_state)
+    if single_copy == "1" and "Operation not permitted" in str(states[0][1]):
+        pytest.skip(f"the kernel refuses cross-process reads here: {states[0][1]}")
+    assert [state[0] for state in states] == [single_copy == "1"] * world_size, states
+    batch = [("shared_memory", dtype, op, DIRECT_BELOW_BYTES // dtype.itemsize + 2 * world_size + 1)
+             for dtype in DTYPES for op in applicable_ops(dtype)]
+    batch.append(("shared_memory", torch.float32, "sum", 5 * PIECE_BYTES // 4 * world_size // 2 + 3))
+    answers = pool.run(cases.op_dtype_algorithm_cases, batch, case_timeout=300)
+    for index, (algorithm, dtype, op, numel) in enumerate(batch):
+        label = f"{dtype} op={op} n={numel} N={world_size} single_copy={single_copy}"
+        problems = [answers[rank][index][0] for rank in range(world_size) if answers[rank][index][0]]
+        assert not problems, f"{label}: {problems[0]}"
+        assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"{label}: ranks disagree"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,transport", [(3, "auto"), (4, "tiny-rings"), (3, "tcp")])
 def test_ring_pipelined_across_many_segments(world_of, world_size, transport):

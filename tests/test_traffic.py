@@ -93,7 +93,7 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    large = DIRECT_BELOW_BYTES // 4 * 3       # 768 KiB: the split one reads slices (allreduce_shared.py)
+    large = DIRECT_BELOW_BYTES // 4 * 3       # 768 KiB: the single-copy one reads slices
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes
@@ -101,13 +101,15 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
             if direct:
                 expected = (world_size - 1) * m_bytes
                 per_peer = {peer: m_bytes for peer in range(world_size) if peer != rank}
-            else:  # slice r from each other rank, and slice j from its owner j
+            else:  # slice r from each other rank, and slice j from its owner j (as the split one would)
                 expected = ((world_size - 1) * sizes[rank] + numel - sizes[rank]) * 4
                 per_peer = {peer: (sizes[rank] + sizes[peer]) * 4 for peer in range(world_size) if peer != rank}
             assert t["bytes_received"] == t["bytes_sent"] == expected, (numel, rank)
             assert {peer: c["received"] for peer, c in t["per_peer"].items()} == per_peer
-            # the staged agreement: one 64-byte fingerprint slot read from each other rank
-            assert t["control_bytes_received"] == t["control_bytes_sent"] == 64 * (world_size - 1)
+            # the staged agreement: one 64-byte fingerprint slot read from each other rank; the large
+            # one reads each tensor where it lies (allreduce_shared_single_copy.py), so its address too
+            control = 64 + (0 if direct else 8)
+            assert t["control_bytes_received"] == t["control_bytes_sent"] == control * (world_size - 1)
 
 
 @pytest.mark.timeout(300)

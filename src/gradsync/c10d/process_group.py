@@ -163,8 +163,9 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     def _run(self, what: str, tensors: list[torch.Tensor], operation, opts=None):
         """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``. A
-        synchronous call (torch's opts.asyncOp False) does not wake the communication thread: the
-        caller waits at once and so runs the operation itself (work.py)."""
+        synchronous call (torch's opts.asyncOp False) runs at once on the caller's thread when
+        nothing is queued, and otherwise does not wake the communication thread: the caller waits
+        at once and so runs the operation itself when its turn comes (work.py)."""
         for t in tensors:
             if t.is_sparse:
                 raise RuntimeError(f"gradsync backend: {what} got a sparse tensor ({dtype_name(t.dtype)}); "
@@ -173,6 +174,10 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         def run():
             operation()
             return tensors
+        if not getattr(opts, "asyncOp", True):
+            done = self._thread.run_now(run)
+            if done is not None:
+                return done
         return self._thread.submit(run, wake=getattr(opts, "asyncOp", True))
 
     def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0,

@@ -90,6 +90,28 @@ class CommThread:
                 self._changed.notify_all()
         return FutureWork(queued.outcome, self, queued)
 
+    def run_now(self, operation: Callable[[], object]):
+        """Run ``operation()`` on the caller's thread when nothing is queued or running (a
+        synchronous call: the order is the same as if it were queued and waited for), and return a
+        finished torch Work; None when the queue is busy (then submit it)."""
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("this gradsync process group was shut down; create a new one")
+            if self._running or self._queue:
+                return None
+            self._running = True
+        try:
+            outcome = operation()
+        except BaseException as exc:  # carried to Work.wait(), as for a queued operation
+            outcome = _Failure(exc)
+        finally:
+            stall.left()
+            with self._changed:
+                self._running = False
+                if self._queue:
+                    self._changed.notify_all()
+        return DoneWork(outcome)
+
     def wake(self) -> None:
         """Make sure the thread looks at the queue (an operation queued without waking it is
         about to be waited for some other way than Work.wait())."""
@@ -173,6 +195,35 @@ class FutureWork(dist.Work):
         if self._future is None:
             self._future = self._outcome.then(_unwrap)
         return self._future
+
+
+class DoneWork(dist.Work):
+    """A torch Work over an operation that has already run (CommThread.run_now): its value or a
+    _Failure, which wait() raises and whose future C++ sees as failed."""
+
+    def __init__(self, outcome) -> None:
+        super().__init__()
+        self._outcome = outcome
+
+    def wait(self, timeout=None) -> bool:
+        if isinstance(self._outcome, _Failure):
+            raise self._outcome.exception
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return not isinstance(self._outcome, _Failure)
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outcome
+
+    def get_future(self) -> torch.futures.Future:
+        done = torch.futures.Future()
+        done.set_result(self._outcome)
+        return done.then(_unwrap)
 
 
 class TransferWork(dist.Work):

@@ -38,7 +38,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "g
          "barrier")
 OPS = ("none",) + REDUCE_OPS
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory",
-              "linear", "pairwise", "shared_memory_in_place")
+              "linear", "pairwise", "shared_memory_in_place", "shared_memory_single_copy")
 
 
 class CollectiveMismatchError(RuntimeError):

@@ -17,8 +17,9 @@ Segment layout (rank d's segment; slot i is the ring from local rank i to d)
     64 + i*(128 + C) + 0             head  (u64, stored by the sender)
     64 + i*(128 + C) + 64            tail  (u64, stored by d; its own cache line)
     64 + i*(128 + C) + 128 .. + C    data
-    then 2 fingerprint slots of 64 bytes: what d is about to do (agree.py's staged check); they
-                                     alternate, like the staging halves
+    then 2 fingerprint slots of 128 bytes: what d is about to do (agree.py's staged check), and
+                                     where its tensor lies for single-copy reads; they alternate,
+                                     like the staging halves
     then 2 staging halves of S bytes (GRADSYNC_SHM_STAGE_MB): d's contribution to a collective that
                                      reads every rank's memory directly (allreduce_shared.py)
 
@@ -37,6 +38,11 @@ also listen on TCP); otherwise it raises and asks for a tag.
 Cleanup: each rank creates its segment, every local peer maps it, and then the name is unlinked at
 once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
 nothing in /dev/shm. The launcher removes the job's names if ranks die during set-up.
+
+Single-copy reads (single_copy.py): at set-up every rank tries to read a token out of each local
+peer's segment through process_vm_readv, and the ranks agree: ``single_copy`` is True only when
+every rank can read every other. Then large all-reduces read the peers' tensors where they lie
+(allreduce_shared_single_copy.py) instead of staging them.
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
@@ -62,6 +68,7 @@ from datetime import timedelta
 import torch
 
 from gradsync import runtime
+from gradsync.comm import single_copy
 from gradsync.comm.doorbell import Doorbell
 from gradsync.comm.shm_regions import SharedRegions
 from gradsync.comm.shm_ring import FRAME, Ring, slot_bytes
@@ -88,6 +95,7 @@ SPIN_SECONDS = 30e-6
 so a peer that arrives later than this costs one wake-up more than it would have anyway."""
 SHM_DIR = "/dev/shm"
 _FINGERPRINT = struct.Struct("8q")
+_ADDRESS = struct.Struct("Q")
 """A fingerprint slot: up to 8 int64 values (agree.Fingerprint.values)."""
 
 
@@ -233,6 +241,9 @@ class ShmTransport(Transport):
         self._any: collections.deque = collections.deque()
         self._to_ring: set[int] = set()
         self._mappings: dict[int, mmap.mmap] = {}
+        self.single_copy = False
+        self.single_copy_problem = "not probed"
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         self._connect(world, job)
         self.regions = SharedRegions(self, world.store, segment_prefix(job))
 
@@ -244,7 +255,7 @@ class ShmTransport(Transport):
         return FRAME + len(self.local_ranks) * slot_bytes(self.capacity)
 
     def _stage_offset(self) -> int:
-        return self._fingerprint_offset() + 2 * FRAME
+        return self._fingerprint_offset() + 4 * FRAME
 
     def _slot(self, sender: int) -> int:
         return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
@@ -260,13 +271,16 @@ class ShmTransport(Transport):
             self._mappings[self.rank] = mmap.mmap(fd, self._segment_bytes())
             os.close(fd)
             fd = -1
-            store.set(f"{key}/created/{self.rank}", f"{os.getpid()} {self.capacity} {self.stage_bytes}")
-            self.pids = {}
+            own = self._mappings[self.rank]
+            own[self._fingerprint_offset():self._fingerprint_offset() + 16] = secrets.token_bytes(16)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(own))
+            store.set(f"{key}/created/{self.rank}", f"{os.getpid()} {self.capacity} {self.stage_bytes} {base}")
+            self.pids, bases = {}, {}
             for peer in self.local_ranks:
                 if peer == self.rank:
                     continue
                 created = self.store_get(store, f"{key}/created/{peer}", wait, peer, "create its segment")
-                pid, capacity, staging = (int(v) for v in created.split())
+                pid, capacity, staging, bases[peer] = (int(v) for v in created.split())
                 if (capacity, staging) != (self.capacity, self.stage_bytes):
                     raise ValueError(f"rank {self.rank}: shared-memory set-up: rank {peer} has {capacity}-byte rings and "
                                      f"{staging}-byte staging halves, this rank {self.capacity} and {self.stage_bytes}; "
@@ -277,9 +291,13 @@ class ShmTransport(Transport):
                     self._mappings[peer] = mmap.mmap(peer_fd, self._segment_bytes())
                 finally:
                     os.close(peer_fd)
-            store.set(f"{key}/opened/{self.rank}", "1")
-            for peer in self.pids:
-                self.store_get(store, f"{key}/opened/{peer}", wait, peer, "map its segment")
+            problems = [self._probe(peer, bases[peer]) for peer in self.pids]
+            mine = next((f"rank {self.rank}: {p}" for p in problems if p), "")
+            store.set(f"{key}/opened/{self.rank}", f"1 {mine}")
+            theirs = [self.store_get(store, f"{key}/opened/{peer}", wait, peer, "map its segment")[2:]
+                      for peer in self.pids]
+            self.single_copy_problem = next((p for p in [mine, *theirs] if p), None)
+            self.single_copy = self.single_copy_problem is None
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -295,6 +313,13 @@ class ShmTransport(Transport):
         self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
         self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
                                                offset=self._stage_offset()) for rank in self.local_ranks}
+
+    def _probe(self, peer: int, base: int) -> str | None:
+        """Why a single-copy read from ``peer`` does not work here (None when it does): read the token
+        at the start of its fingerprint slots and compare with what its mapping shows."""
+        offset = self._fingerprint_offset()
+        expected = bytes(self._mappings[peer][offset:offset + 16])
+        return single_copy.probe(self.pids[peer], base + offset, expected)
 
     def store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
         try:
@@ -529,13 +554,14 @@ class ShmTransport(Transport):
 
         self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck, spin)
 
-    def publish(self, values: tuple[int, ...]) -> None:
+    def publish(self, values: tuple[int, ...], address: int = 0) -> None:
         """Write this rank's fingerprint for the next barrier into its next slot (the slots alternate:
         a slot is rewritten two agreements later, after every rank has passed the barrier in between
-        and so has read it)."""
+        and so has read it), and ``address``: where its tensor lies, for single-copy reads."""
         self._published += 1
-        _FINGERPRINT.pack_into(self._mappings[self.rank], self._published_offset(),
-                               *values, *(0,) * (8 - len(values)))
+        offset = self._published_offset()
+        _FINGERPRINT.pack_into(self._mappings[self.rank], offset, *values, *(0,) * (8 - len(values)))
+        _ADDRESS.pack_into(self._mappings[self.rank], offset + FRAME, address)
 
     def published(self, rank: int, op: str) -> tuple[int, ...]:
         """Local rank ``rank``'s fingerprint for the agreement this rank last published (read it after
@@ -545,8 +571,30 @@ class ShmTransport(Transport):
             self.meter.record(peer=rank, nbytes=_FINGERPRINT.size, op=op, sent=sent, control=True)
         return _FINGERPRINT.unpack_from(self._mappings[rank], self._published_offset())
 
+    def published_address(self, rank: int, op: str) -> int:
+        """The address local rank ``rank`` published with its last fingerprint (metered as control
+        bytes, like the fingerprint)."""
+        for sent in (False, True):
+            self.meter.record(peer=rank, nbytes=_ADDRESS.size, op=op, sent=sent, control=True)
+        return _ADDRESS.unpack_from(self._mappings[rank], self._published_offset() + FRAME)[0]
+
+    def read_from(self, rank: int, address: int, into: torch.Tensor, op: str) -> None:
+        """Single-copy read of ``into``'s size from ``address`` in local rank ``rank``'s memory."""
+        try:
+            single_copy.read(self.pids[rank], address, into)
+        except single_copy.SingleCopyError as exc:
+            gone = "" if _alive(self.pids[rank]) else f" (rank {rank} has exited)"
+            raise PeerError(f"rank {self.rank}: {op}: reading rank {rank}'s tensor failed{gone}: {exc}",
+                            rank=self.rank, peer=rank, op=op) from exc
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A private buffer of at least ``nbytes``, kept between calls (uint8)."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
     def _published_offset(self) -> int:
-        return self._fingerprint_offset() + (self._published & 1) * FRAME
+        return self._fingerprint_offset() + (self._published & 1) * 2 * FRAME
 
     def next_half(self) -> int:
         """The staging half the next piece uses: they alternate, across calls too, so a rank may
