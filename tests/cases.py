@@ -232,6 +232,14 @@ def segmented_case(numel: int, dtype: torch.dtype, op: str, segment_bytes: int):
     return t, shard, halves
 
 
+def uneven_all_gather_case(sizes: list[int]) -> list:
+    """gs.all_gather of shards of the given sizes (this rank's: sizes[rank]) twice, then once of a
+    5-element shard; float64 values that name the rank and the position."""
+    w = gs.world()
+    shard = torch.arange(sizes[w.rank], dtype=torch.float64) + 1e9 * w.rank
+    return [gs.all_gather(shard), gs.all_gather(shard * 2), gs.all_gather(torch.full((5,), float(w.rank)))]
+
+
 def scatter_gather_closed_cases(cases: list) -> list:
     """For each (dtype, op, numel): gs.reduce_scatter then gs.all_gather, beside torch.distributed's
     all-reduce of the same input."""

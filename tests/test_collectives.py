@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 import cases
+from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import DTYPES, REDUCTIONS
 
 ALGORITHMS = ["ring", "halving_doubling", "tree", "naive", "native", "auto", "hierarchical"]
@@ -105,6 +106,46 @@ def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_s
         problems = [answers[rank][index][0] for rank in range(world_size) if answers[rank][index][0]]
         assert not problems, f"{label}: {problems[0]}"
         assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"{label}: ranks disagree"
+
+
+# The same for reduce-scatter and all-gather: a reduce-scatter input of DIRECT_BELOW_BYTES or more is
+# read chunk by chunk where it lies (reduce_scatter_single_copy.py); an all-gather shard that large is
+# read where it lies and a smaller one through staging, each owner choosing for its own shard
+# (all_gather_single_copy.py): the first size gives every rank a large shard, the second only a
+# large input; the uneven case mixes large, small and empty shards in one call.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (4, "1"), (3, "0")])
+def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, world_size, single_copy):
+    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+
+    pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
+    batch = []
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+        elements = DIRECT_BELOW_BYTES // dtype.itemsize
+        for op in applicable_ops(dtype)[:3]:
+            batch += [(dtype, op, world_size * (elements + 2) + 1), (dtype, op, elements + 2 * world_size + 1)]
+    answers = pool.run(cases.scatter_gather_closed_cases, batch, case_timeout=300)
+    for index, (dtype, op, numel) in enumerate(batch):
+        closed = cases.folded(world_size, numel, dtype, op)
+        exact = not (op == "product" and dtype.is_floating_point)
+        rtol = cases.product_rtol(dtype, world_size) if not exact else 0.0
+        chunks = ring_chunks(numel, world_size)
+        for rank in range(world_size):
+            shard, full, native = answers[rank][index]
+            label = f"{dtype} op={op} n={numel} N={world_size} rank {rank} single_copy={single_copy}"
+            for name, reference in (("closed form", closed), ("torch.distributed", native)):
+                piece = chunks.view(reference, rank)
+                if exact:
+                    assert torch.equal(shard, piece) and torch.equal(full, reference), f"{label}: differs from {name}"
+                else:
+                    assert torch.allclose(shard.double(), piece.double(), rtol=rtol), f"{label}: differs from {name}"
+                    assert torch.allclose(full.double(), reference.double(), rtol=rtol), f"{label}: differs from {name}"
+    large = DIRECT_BELOW_BYTES // 8
+    sizes = [large + 3, 5, 0, 2 * large + 1][:world_size] if world_size > 2 else [large + 3, 5]
+    expected = torch.cat([torch.arange(size, dtype=torch.float64) + 1e9 * rank for rank, size in enumerate(sizes)])
+    for rank, (first, second, small) in enumerate(pool.run(cases.uneven_all_gather_case, sizes)):
+        assert torch.equal(first, expected) and torch.equal(second, expected * 2), f"uneven shards, rank {rank}"
+        assert torch.equal(small, torch.arange(world_size, dtype=torch.float64).repeat_interleave(5)), rank
 
 
 @pytest.mark.timeout(300)

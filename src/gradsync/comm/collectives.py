@@ -5,7 +5,8 @@
                                                  the first n mod N ranks get one extra element)
     all_gather(shard) -> full                    concatenation of every rank's shard in rank order
                                                  (any shard sizes; the inverse of reduce_scatter)
-    (both by ring, or on one host over shared memory by reduce_scatter_shared.py / all_gather_shared.py)
+    (both by ring, or on one host over shared memory by reduce_scatter_shared.py / all_gather_shared.py,
+    or their single-copy twins where the kernel lets ranks read each other's memory)
     broadcast(t, src=0)                          in place; returns t
 
 Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
@@ -41,10 +42,12 @@ from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_c
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.all_gather_shared import all_gather_shared
+from gradsync.comm.all_gather_single_copy import all_gather_single_copy
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.reduce_scatter_shared import reduce_scatter_shared
+from gradsync.comm.reduce_scatter_single_copy import reduce_scatter_single_copy
 from gradsync.comm.transport import Transport, default_transport
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
@@ -225,10 +228,16 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
     chosen = reduction(op, tensor.dtype, "reduce_scatter")
     if w.world_size == 1:
         return tensor.detach().reshape(-1).clone()
-    if _shared(transport, tensor):  # one barrier per staging half; the fingerprint with the data
+    if _shared(transport, tensor):  # the fingerprint with the data
         flat = tensor.detach().reshape(-1)
+        if transport.single_copy and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES:
+            fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+                                      "shared_memory_single_copy")  # each rank reads its chunk where it lies
+            stall.entered(fingerprint)
+            return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
+                                              spin=_spins(fingerprint))
         fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
-                                  "shared_memory")
+                                  "shared_memory")  # one barrier per staging half
         stall.entered(fingerprint)
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=_spins(fingerprint))
@@ -260,7 +269,8 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
         mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none",
                            "shared_memory")
         stall.entered(mine)
-        return all_gather_shared(flat_shard, transport, mine, spin=_spins(mine))
+        gather = all_gather_single_copy if transport.single_copy else all_gather_shared
+        return gather(flat_shard, transport, mine, spin=_spins(mine))
     mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")

@@ -1,0 +1,65 @@
+"""Single-copy reduce-scatter: every rank reduces its own chunk straight out of the others' inputs.
+
+For ranks of one host whose kernel allows cross-memory reads (single_copy.py) and inputs of
+DIRECT_BELOW_BYTES or more. The staged reduce-scatter (reduce_scatter_shared.py) copies each
+whole input into a staging half first; here each rank publishes its input's address and the others
+read only the chunk they reduce, with process_vm_readv, in one kernel copy.
+
+Vocabulary as reduce_scatter_shared.py: N ranks, n elements, chunk r = ring_chunks(n, N) chunk r,
+the result rank r returns.
+
+Phases
+    barrier   every rank's input is final, and every rank has published its fingerprint with the
+              input's address (agree.py, staged)
+    reduce    rank r copies chunk r of its own input into its result, then for every other rank j
+              in rank order reads chunk r of j's input into a scratch buffer (at most PIECE_BYTES
+              at a time) and combines it in; avg divides the finished chunk by N
+    barrier   every rank has finished reading: only now may a rank return (and its caller write to
+              or free its input)
+
+Same order as the staged reduce-scatter (own first, then rank order), so the same bits.
+
+Traffic (bytes read out of another rank's memory, metered as the staged one):
+    received from j = |chunk r|,  sent to j = |chunk j|
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.allreduce_shared_single_copy import PIECE_BYTES
+from gradsync.comm.reduce_ops import SUM, Reduction
+
+
+def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+                               fingerprint: Fingerprint | None = None, spin: bool = False) -> torch.Tensor:
+    """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged)."""
+    op = "reduce_scatter/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    transport.publish(fingerprint.values() if fingerprint is not None else (), flat.data_ptr())
+    transport.barrier(op, spin)
+    if fingerprint is not None:
+        compare_published(transport, fingerprint)
+    esize = flat.element_size()
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    shard = chunks.view(flat, rank).clone()
+    piece_elems = max(1, PIECE_BYTES // esize)
+    scratch = transport.scratch(min(shard.numel(), piece_elems) * esize).view(flat.dtype)
+    for other in range(n_ranks):
+        if other == rank:
+            continue
+        address = transport.published_address(other, op) + chunks.offsets[rank] * esize
+        for start in range(0, shard.numel(), piece_elems):
+            piece = shard.narrow(0, start, min(piece_elems, shard.numel() - start))
+            theirs = scratch[:piece.numel()]
+            transport.read_from(other, address + start * esize, theirs, op)
+            reduction.combine(piece, theirs)
+    reduction.finish(shard, n_ranks)
+    transport.barrier(op, spin)
+    for other in range(n_ranks):
+        if other != rank:
+            transport.meter.record(peer=other, nbytes=chunks.sizes[rank] * esize, op=op, sent=False)
+            transport.meter.record(peer=other, nbytes=chunks.sizes[other] * esize, op=op, sent=True)
+    return shard
