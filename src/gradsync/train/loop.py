@@ -111,7 +111,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         trace.enable(w.rank)
     # build_data, plan_batch
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    saved = resume.read(cfg) if resume.wanted(cfg) else None
+    saved = resume.read(cfg) if resume.agreed(cfg) else None
     plan = resume.BatchPlan.for_resume(cfg, w.world_size, saved) if saved else resume.BatchPlan.fresh(cfg, w.world_size)
     cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     global_batch, peak_lr = plan.global_batch, plan.peak_lr

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import gradsync as gs
 from gradsync import checkpoint
 from gradsync.train.config import TrainConfig
 
@@ -132,6 +133,28 @@ def wanted(cfg: TrainConfig) -> bool:
     started = _parent_started_at()
     # /proc's start time has clock-tick resolution: one second of slack
     return path.exists() and (started is None or path.stat().st_mtime >= started - 1.0)
+
+
+def agreed(cfg: TrainConfig) -> bool:
+    """``wanted`` on any rank: the ranks resume together or not at all. A node that joins an elastic
+    job later runs under a fresh agent (TORCHELASTIC_RESTART_COUNT 0) while the others' agents have
+    restarted: deciding alone, it would start over while they continue. Every rank must then find
+    the checkpoint in --out (a filesystem every node shares); one that does not raises, naming it."""
+    w = gs.world()
+    mine = wanted(cfg)
+    if w.world_size == 1:
+        return mine
+    flag = torch.tensor([int(mine), int((Path(cfg.out) / CHECKPOINT_NAME).exists())])
+    flags = gs.all_gather(flag).view(w.world_size, 2)
+    if not bool(flags[:, 0].any()):
+        return False
+    missing = [rank for rank in range(w.world_size) if not flags[rank, 1]]
+    if missing:
+        asking = int(flags[:, 0].nonzero()[0])
+        raise checkpoint.CheckpointError(
+            f"rank {asking} resumes from {Path(cfg.out) / CHECKPOINT_NAME}, but rank(s) {missing} have no such file: "
+            f"--out must be a directory every node shares (or pass --resume with a copy on every node)")
+    return True
 
 
 def read(cfg: TrainConfig) -> dict:
