@@ -108,7 +108,7 @@ def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_s
         assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"{label}: ranks disagree"
 
 
-# The same for reduce-scatter and all-gather: a reduce-scatter input of DIRECT_BELOW_BYTES or more is
+# The same for reduce-scatter and all-gather: a reduce-scatter input of FROM_BYTES or more is
 # read chunk by chunk where it lies (reduce_scatter_single_copy.py); an all-gather shard that large is
 # read where it lies and a smaller one through staging, each owner choosing for its own shard
 # (all_gather_single_copy.py): the first size gives every rank a large shard, the second only a
@@ -116,12 +116,12 @@ def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (4, "1"), (3, "0")])
 def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, world_size, single_copy):
-    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+    from gradsync.comm.single_copy import FROM_BYTES
 
     pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
     batch = []
     for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
-        elements = DIRECT_BELOW_BYTES // dtype.itemsize
+        elements = FROM_BYTES // dtype.itemsize
         for op in applicable_ops(dtype)[:3]:
             batch += [(dtype, op, world_size * (elements + 2) + 1), (dtype, op, elements + 2 * world_size + 1)]
     answers = pool.run(cases.scatter_gather_closed_cases, batch, case_timeout=300)
@@ -140,7 +140,7 @@ def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, wo
                 else:
                     assert torch.allclose(shard.double(), piece.double(), rtol=rtol), f"{label}: differs from {name}"
                     assert torch.allclose(full.double(), reference.double(), rtol=rtol), f"{label}: differs from {name}"
-    large = DIRECT_BELOW_BYTES // 8
+    large = FROM_BYTES // 8
     sizes = [large + 3, 5, 0, 2 * large + 1][:world_size] if world_size > 2 else [large + 3, 5]
     expected = torch.cat([torch.arange(size, dtype=torch.float64) + 1e9 * rank for rank, size in enumerate(sizes)])
     for rank, (first, second, small) in enumerate(pool.run(cases.uneven_all_gather_case, sizes)):

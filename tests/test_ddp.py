@@ -135,14 +135,14 @@ def test_timeline_shows_communication_during_backward(world_of, tmp_path):
         assert overlap is not None and 0.0 < overlap <= 1.0
 
 
-# On one host DDP's buckets live in shared regions and buckets of DIRECT_BELOW_BYTES and more are
+# On one host DDP's buckets live in shared regions and buckets of IN_PLACE_FROM_BYTES and more are
 # all-reduced where backward wrote them (allreduce_shared_in_place.py); smaller ones take the direct
 # all-reduce. Both must train exactly like one process, byte counts as their docstrings say.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_copy_buckets_train_like_one_process_with_exact_traffic(world_of, world_size):
     from gradsync.comm.allreduce_ring import ring_chunks
-    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+    from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
 
     steps, local_batch = 3, 4
     results = world_of(world_size).run(ddp_fns.zero_copy_train, steps, local_batch, 0.25)
@@ -150,10 +150,10 @@ def test_zero_copy_buckets_train_like_one_process_with_exact_traffic(world_of, w
     for rank, (params, placed, sizes, received) in enumerate(results):
         assert_close(params, oracle, 1e-12, f"zero-copy N={world_size}")
         assert all(placed), "every bucket is in a shared region"
-        assert any(size >= DIRECT_BELOW_BYTES for size in sizes) and any(size < DIRECT_BELOW_BYTES for size in sizes)
+        assert any(size >= IN_PLACE_FROM_BYTES for size in sizes) and any(size < IN_PLACE_FROM_BYTES for size in sizes)
         expected = 0
         for size in sizes:
-            if size < DIRECT_BELOW_BYTES:
+            if size < IN_PLACE_FROM_BYTES:
                 expected += (world_size - 1) * size
             else:
                 chunks = ring_chunks(size // 8, world_size).sizes

@@ -135,7 +135,7 @@ def test_shutdown_and_init_again_in_the_same_job():
 
 @pytest.mark.timeout(180)
 def test_in_place_all_reduce_of_a_region_rewritten_at_once(world_of):
-    # 1 MiB of float64 per rank: above DIRECT_BELOW_BYTES, so the in-place all-reduce; 3 ranks on
+    # 1 MiB of float64 per rank: above IN_PLACE_FROM_BYTES, so the in-place all-reduce; 3 ranks on
     # 2 cores interleave unpredictably, which is what a missing barrier needs to show
     results = world_of(3).run(shm_fns.in_place_rewritten_at_once, 1 << 17, 60)
     assert results == [[], [], []]

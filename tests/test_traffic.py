@@ -93,7 +93,7 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    large = DIRECT_BELOW_BYTES // 4 * 3       # 768 KiB: the single-copy one reads slices
+    large = DIRECT_BELOW_BYTES // 4 + 3       # just over: the single-copy one reads slices
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes

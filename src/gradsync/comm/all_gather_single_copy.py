@@ -7,7 +7,7 @@ address and the others read it with process_vm_readv straight into their result.
 in size, so each rank chooses for its own shard, and the readers follow what each owner published.
 
 Vocabulary: N ranks; shard r of s_r elements at offset o_r = s_0 + ... + s_{r-1} of the result;
-T = min(DIRECT_BELOW_BYTES, S), S the staging half's size.
+T = min(single_copy.FROM_BYTES, S), S the staging half's size.
 
 Phases
     offer     a shard of T bytes or more: its address, published with the fingerprint; a smaller
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.agree import Fingerprint, compare_published
-from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+from gradsync.comm import single_copy
 
 
 def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerprint,
@@ -39,7 +39,7 @@ def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerpr
     n_ranks, rank = transport.world_size, transport.rank
     esize = shard.element_size()
     half = transport.next_half()
-    offered = shard.numel() * esize >= min(DIRECT_BELOW_BYTES, transport.stage_bytes)
+    offered = shard.numel() * esize >= min(single_copy.FROM_BYTES, transport.stage_bytes)
     if not offered:
         transport.stage(rank, half).narrow(0, 0, shard.numel() * esize).view(shard.dtype).copy_(shard)
     transport.publish(fingerprint.values(), shard.data_ptr() if offered else 0)

@@ -34,6 +34,10 @@ from gradsync.comm.agree import Fingerprint, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
 
+IN_PLACE_FROM_BYTES = 256 << 10
+"""Tensors in a shared region of at least this many bytes are all-reduced in place; smaller ones
+take the direct all-reduce (allreduce_shared_direct.py)."""
+
 
 def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
                               reduction: Reduction = SUM, fingerprint: Fingerprint | None = None,

@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime, stall
-from gradsync.comm import select
+from gradsync.comm import select, single_copy
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
                                   gather_control, mismatch_error, uses_staged_check)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
 from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
-from gradsync.comm.allreduce_shared_in_place import allreduce_shared_in_place
+from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
 from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
@@ -180,7 +180,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
     algorithm = resolve_algorithm(place, flat, algorithm)
     in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
-                and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES else None)
+                and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
         region, views = in_place
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
@@ -230,7 +230,7 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
         return tensor.detach().reshape(-1).clone()
     if _shared(transport, tensor):  # the fingerprint with the data
         flat = tensor.detach().reshape(-1)
-        if transport.single_copy and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES:
+        if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
             fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                       "shared_memory_single_copy")  # each rank reads its chunk where it lies
             stall.entered(fingerprint)

@@ -1,7 +1,7 @@
 """Single-copy reduce-scatter: every rank reduces its own chunk straight out of the others' inputs.
 
 For ranks of one host whose kernel allows cross-memory reads (single_copy.py) and inputs of
-DIRECT_BELOW_BYTES or more. The staged reduce-scatter (reduce_scatter_shared.py) copies each
+single_copy.FROM_BYTES or more. The staged reduce-scatter (reduce_scatter_shared.py) copies each
 whole input into a staging half first; here each rank publishes its input's address and the others
 read only the chunk they reduce, with process_vm_readv, in one kernel copy.
 

@@ -25,6 +25,9 @@ import os
 import torch
 
 ENV = "GRADSYNC_SHM_SINGLE_COPY"
+FROM_BYTES = 256 << 10
+"""Reduce-scatter inputs and all-gather shards of at least this many bytes are read where they lie;
+smaller ones go through the staging halves (one barrier fewer). (All-reduce: DIRECT_BELOW_BYTES.)"""
 
 
 class SingleCopyError(OSError):
