@@ -5,6 +5,11 @@ length as 8 little-endian bytes, then the payload (torch.save of a dict of tenso
 strings). Writing goes to a temporary file in the same directory, is fsynced, then renamed over
 the target and the directory fsynced: a crash at any moment leaves the previous checkpoint intact.
 Loading checks magic, length and checksum before unpickling anything, with weights_only=True.
+
+Off the training thread: ``snapshot(state)`` copies every tensor (a memory copy, milliseconds), and
+a BackgroundWriter serialises, checksums, writes and fsyncs that copy on a thread of its own while
+training goes on. Writes are taken one at a time, in order (a new one first waits for the last),
+and a failed write raises at the next submit or wait.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +48,52 @@ def save(path: str | Path, state: dict) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def snapshot(state):
+    """A copy of ``state`` (nested dicts, lists, tuples) whose tensors no longer share memory with the
+    live ones, so training may change those while the copy is written."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {key: snapshot(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(value) for value in state)
+    return state
+
+
+class BackgroundWriter:
+    """save() on a thread of its own, one checkpoint at a time; ``seconds``: time spent writing."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, path: str | Path, state: dict) -> None:
+        """Write ``state`` (a snapshot: nothing else may change it) to ``path`` in the background."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(Path(path), state),
+                                        name="gradsync-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _write(self, path: Path, state: dict) -> None:
+        started = time.perf_counter()
+        try:
+            save(path, state)
+        except BaseException as exc:  # carried to the training thread by wait()
+            self._error = exc
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Return once no write is under way; raise if the last one failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint in the background failed: {error}") from error
 
 
 def load(path: str | Path) -> dict:

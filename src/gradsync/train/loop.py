@@ -153,10 +153,17 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = open(Path(log_dir) / f"samples.{os.getpid()}.r{w.rank}", "a", buffering=1) if log_dir else None  # noqa: SIM115
 
-    def save(step: int, epoch: int, position: int) -> None:
+    writer = checkpoint.BackgroundWriter()
+
+    def save(step: int, epoch: int, position: int, background: bool = True) -> None:
+        """Checkpoint: rank 0 snapshots the state and writes it in the background while training goes
+        on; ``background`` False (preemption: the job exits next) writes it before returning."""
         written = time.perf_counter()
         state = resume.state_of(cfg, plan, model, optimizer, step, epoch, position, w.world_size)  # collective for zero1
-        if w.rank == 0:
+        if w.rank == 0 and background:
+            writer.submit(Path(cfg.out) / CHECKPOINT_NAME, checkpoint.snapshot(state))
+        elif w.rank == 0:
+            writer.wait()
             checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
         stats["checkpoint_s"] += time.perf_counter() - written
         stats["checkpoints"] += 1
@@ -193,8 +200,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap)
             due, stop = boundary(step)
             if stop:
-                return _preempted(cfg, report, watch, save, wrapped, step, epoch, position)
-            if due and step < total_steps:
+                return _preempted(cfg, report, watch, lambda *at: save(*at, background=False), wrapped, step, epoch,
+                                  position)
+            if due and step < total_steps and position < cursor.n:  # at an epoch's end the epoch's save follows
                 save(step, epoch, position)
         finished_epoch = position >= cursor.n
         evaluation = evaluate(cfg, model, test_set)
@@ -202,6 +210,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         if finished_epoch:
             epoch, position = epoch + 1, 0
         save(step, epoch, position)
+    waited = time.perf_counter()
+    writer.wait()   # the last checkpoint is on disk before the job reports and exits
+    stats["checkpoint_s"] += time.perf_counter() - waited
     wall = time.perf_counter() - started
     if not evaluation:  # resumed from a checkpoint with no step left: still report the model's score
         evaluation = evaluate(cfg, model, test_set)
@@ -210,7 +221,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                          statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank,
-                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"]))
+                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds))
     wrapped.close()
     if sample_log is not None:
         sample_log.close()

@@ -115,10 +115,11 @@ class Reporter:
 
     def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
                workers: int | None = None, staleness: dict | None = None,
-               checkpoints: tuple[int, float] | None = None) -> dict | None:
+               checkpoints: tuple[int, float, float] | None = None) -> dict | None:
         """``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
         ``workers``: ranks that train (default: all; parameter servers do not). ``staleness``: for
-        parameter-server runs, {"mean": versions, "max": versions, "updates": count}, shown instead of overlap."""
+        parameter-server runs, {"mean": versions, "max": versions, "updates": count}, shown instead of overlap.
+        ``checkpoints``: (how many, seconds on the training thread, seconds writing in the background)."""
         if self.progress:
             self.progress.stop()
         if not self.enabled:
@@ -135,7 +136,8 @@ class Reporter:
                    "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
                    "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers,
                    "staleness": staleness, "checkpoints": checkpoints[0] if checkpoints else None,
-                   "checkpoint_s": checkpoints[1] if checkpoints else None}
+                   "checkpoint_s": checkpoints[1] if checkpoints else None,
+                   "checkpoint_write_s": checkpoints[2] if checkpoints else None}
         self._record({"event": "summary", **summary})
         table = Table(title="gradsync train: summary")
         table.add_column("")
@@ -153,7 +155,8 @@ class Reporter:
         table.add_row("compute / comm / exposed wait",
                       f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
         if checkpoints is not None:
-            table.add_row("checkpoints", f"{checkpoints[0]} written in {checkpoints[1]:.2f} s (rank 0, on the training thread)")
+            table.add_row("checkpoints", f"{checkpoints[0]} written: {checkpoints[1]:.2f} s on the training thread "
+                                         f"(snapshots, waits), {checkpoints[2]:.2f} s writing in the background (rank 0)")
         table.add_row("stragglers", ", ".join(f"rank {r} ({compute[r] / median_compute:.2f}x median compute)"
                                               for r in stragglers) or "none")
         self.console.print(table)
