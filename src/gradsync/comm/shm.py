@@ -499,7 +499,8 @@ class ShmTransport(Transport):
 
     def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
         """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
-        the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll up to SPIN_SECONDS first."""
+        the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll up to SPIN_SECONDS first (up to
+        YIELD_SECONDS, yielding the core between polls, with more local ranks than cores)."""
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
         if spin:
