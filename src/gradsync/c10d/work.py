@@ -66,9 +66,9 @@ class CommThread:
     """A process group's operations, run one at a time in the order they were issued.
 
     A daemon thread takes them off the queue. A caller that waits for an operation still at the
-    head of the queue, with nothing running, runs it itself instead: a synchronous call
-    (dist.all_reduce without async_op) then costs no hand-over between threads, and the order is
-    the same either way."""
+    head of the queue, with nothing running, runs it itself instead, and a synchronous call
+    (dist.all_reduce without async_op) made while nothing is queued runs at once (run_now, no
+    Future): it then costs no hand-over between threads, and the order is the same either way."""
 
     def __init__(self, name: str) -> None:
         self._queue: collections.deque[_Operation] = collections.deque()
