@@ -170,8 +170,9 @@ def test_checkpoints_are_written_off_the_training_thread_from_a_snapshot(tmp_pat
     """Every checkpoint write takes 0.2 s longer (tests/checkpoint_slow_write.py sleeps before it
     serialises), less than the 90 steps between checkpoints take: training does not wait for them
     (the training thread's checkpoint time stays below half the writes'), and what is written is the
-    state at the checkpoint's step (a copy taken mid-run resumes to an uninterrupted run's
-    parameters bit for bit, though training went on for 0.2 s before it was serialised)."""
+    state at the checkpoint's step (a copy taken mid-run resumes to an uninterrupted run's final
+    parameters bit for bit, though training went on for 0.2 s before it was serialised). Every run
+    is a process of its own, so nothing an earlier test left in this one changes its arithmetic."""
     import json
     import shutil
     import time
@@ -179,30 +180,35 @@ def test_checkpoints_are_written_off_the_training_thread_from_a_snapshot(tmp_pat
     from gradsync import checkpoint
 
     common = ["--strategy", "local", "--workers", "1", "--epochs", "2", "--batch-size", "8", "--quiet", "--seed", "4"]
-    straight = run(TrainConfig(out=str(tmp_path / "straight"), strategy="local", workers=1, epochs=2, batch_size=8,
-                               quiet=True, seed=4))
-    job = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "checkpoint_slow_write.py"), "0.2",
-                            "train", *common, "--checkpoint-every", "90", "--out", str(tmp_path / "slow")],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def train(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    straight = train("-m", "gradsync.cli", "train", *common, "--out", str(tmp_path / "straight"))
+    slow = train(os.path.join(os.path.dirname(__file__), "checkpoint_slow_write.py"), "0.2", "train", *common,
+                 "--checkpoint-every", "90", "--out", str(tmp_path / "slow"))
     written, copied = tmp_path / "slow" / "checkpoint.pt", tmp_path / "copy"
     copied.mkdir()
     deadline = time.monotonic() + 120
     while not written.exists():
-        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        assert slow.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.002)
     shutil.copy(written, copied / "checkpoint.pt")
-    out, err = job.communicate(timeout=150)
-    assert job.returncode == 0, err[-3000:]
+    for job in (straight, slow):
+        out, err = job.communicate(timeout=150)
+        assert job.returncode == 0, err[-3000:]
     summary = [json.loads(x) for x in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()
                if '"summary"' in x][-1]
     assert summary["checkpoints"] == 4 and summary["checkpoint_write_s"] >= 0.2 * 4, summary  # 90, 180, 270, 360
     assert summary["checkpoint_s"] < 0.5 * summary["checkpoint_write_s"], summary
-    state = checkpoint.load(copied / "checkpoint.pt")
-    assert state["step"] == 90, state["step"]
-    resumed = run(TrainConfig(out=str(copied), resume=True, strategy="local", workers=1, epochs=2, batch_size=8,
-                              quiet=True, seed=4))
-    for name, value in straight[0]["params"].items():
-        assert torch.equal(value, resumed[0]["params"][name]), name
+    assert checkpoint.load(copied / "checkpoint.pt")["step"] == 90
+    resumed = train("-m", "gradsync.cli", "train", *common, "--resume", "--out", str(copied))
+    out, err = resumed.communicate(timeout=150)
+    assert resumed.returncode == 0, err[-3000:]
+    final, again = (checkpoint.load(path / "checkpoint.pt") for path in (tmp_path / "straight", copied))
+    assert final["step"] == again["step"] == 360
+    for name, value in final["model"].items():
+        assert torch.equal(value, again["model"][name]), name
 
 
 @pytest.mark.timeout(120)
