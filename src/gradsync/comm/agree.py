@@ -149,6 +149,17 @@ def check_staged(transport, mine: Fingerprint, spin: bool = False) -> None:
     compare_published(transport, mine)
 
 
+def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: str, spin: bool = False) -> list[int]:
+    """The staged check for single-copy reads: publish ``mine`` with ``flat``'s address, one barrier,
+    compare every rank's fingerprint; returns every rank's tensor address in rank order."""
+    transport.publish(mine.values() if mine is not None else (), flat.data_ptr())
+    transport.barrier(op, spin)
+    if mine is not None:
+        compare_published(transport, mine)
+    return [flat.data_ptr() if other == transport.rank else transport.published_address(other, op)
+            for other in range(transport.world_size)]
+
+
 def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) -> list[int]:
     """After the barrier that follows ``transport.publish``: raise when any rank's fingerprint differs
     from ``mine``, naming this rank and the first such rank. Any difference makes every rank raise

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import Fingerprint, offer_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
 
@@ -49,12 +49,7 @@ def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Re
     """In-place all-reduce of the 1-D contiguous CPU tensor ``flat`` (``transport.single_copy`` True)."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    transport.publish(fingerprint.values() if fingerprint is not None else (), flat.data_ptr())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
-    addresses = [flat.data_ptr() if other == rank else transport.published_address(other, op)
-                 for other in range(n_ranks)]
+    addresses = offer_staged(transport, flat, fingerprint, op, spin)
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
     own = chunks.view(flat, rank)

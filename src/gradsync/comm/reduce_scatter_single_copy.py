@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import Fingerprint, offer_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.allreduce_shared_single_copy import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
@@ -38,10 +38,7 @@ def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Redu
     """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged)."""
     op = "reduce_scatter/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    transport.publish(fingerprint.values() if fingerprint is not None else (), flat.data_ptr())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
+    addresses = offer_staged(transport, flat, fingerprint, op, spin)
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
     shard = chunks.view(flat, rank).clone()
@@ -50,7 +47,7 @@ def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Redu
     for other in range(n_ranks):
         if other == rank:
             continue
-        address = transport.published_address(other, op) + chunks.offsets[rank] * esize
+        address = addresses[other] + chunks.offsets[rank] * esize
         for start in range(0, shard.numel(), piece_elems):
             piece = shard.narrow(0, start, min(piece_elems, shard.numel() - start))
             theirs = scratch[:piece.numel()]
