@@ -82,7 +82,7 @@ def test_trace_file_is_written(tmp_path):
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--strategy", "ps-sync", "--workers", "2", "--servers", "2"], "servers < workers"),
     (["--model", "charlm", "--dataset", "digits"], "cannot train on"),
-    (["--strategy", "ps-async", "--workers", "3", "--resume"], "optimizer state lives on the parameter servers"),
+    (["--strategy", "ps-async", "--workers", "3", "--checkpoint-every", "10"], "checkpoints on preemption and at its end"),
     (["--out", "/proc/forbidden/run"], "not a writable directory"),
 ])
 def test_bad_flags_give_clear_errors(argv, message, capsys):

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--timeout", type=float, default=10.0, help="the runs' --timeout in seconds")
     faults.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     faults.add_argument("--preempt", action="store_true",
-                        help="SIGTERM instead (strategies ddp,zero1,local): work lost, signal to exit, restart to "
+                        help="SIGTERM instead (every strategy; ps-*/ssp add one server to --workers): work lost, signal to exit, restart to "
                              "first resumed step, samples lost or repeated")
     doctor = commands.add_parser("doctor", help="the DDP performance checklist, read from a run directory")
     doctor.add_argument("run_dir", help="a --out directory of gradsync train")
@@ -286,13 +286,11 @@ def _train(args) -> int:
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    if cfg.model == "word2vec":
+    results = run(cfg)
+    if cfg.model == "word2vec" and not any(r.get("preempted") for r in results):
         from gradsync.train.word2vec import print_neighbours
 
-        results = run(cfg)
         print_neighbours(results)
-        return 0
-    results = run(cfg)
     signum = signal_number(cfg.preempt_signal)
     if signum is not None:   # training is over: a preemption signal now must not turn success into a kill
         signal.signal(signum, signal.SIG_IGN)
@@ -598,7 +596,8 @@ def _bench_preempt(args, strategies: list[str]) -> int:
         strategies = list(faults.PREEMPT_STRATEGIES)
     rows = faults.preempt_run(strategies, args.trials, args.workers, args.timeout)
     table = Table(title=f"SIGTERM to the launcher or a rank of `gradsync train --workers {args.workers} --epochs 1 "
-                        f"--batch-size 4` (digits), then its resume command; {args.trials} trials per strategy")
+                        f"--batch-size 4` (digits; ps-*/ssp: 1 server + {args.workers} workers), then its resume "
+                        f"command; {args.trials} trials per strategy")
     for column in ("strategy", "trials", "clean", "steps lost (max)", "seconds lost (max)",
                    "signal -> checkpoint s (median, max)", "signal -> exit s (median, max)",
                    "restart -> first step s (median, max)",

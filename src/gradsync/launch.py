@@ -20,7 +20,11 @@ Recipe
 Signals: the launcher stops ranks with its own STOP_SIGNAL (SIGUSR2), so that SIGTERM stays the
 scheduler's: ``forward_signals`` (gradsync train passes its preemption signal) are relayed from
 the launcher to every rank instead of killing the launcher, and a rank that handles one (stop at
-the next step with a checkpoint, train/preempt.py) is never mistaken for a stopped one.
+the next step with a checkpoint, train/preempt.py) is never mistaken for a stopped one. A rank
+holds them from its first line (hold_signals: counted, not acted on) and says so with a file
+{rank}.ready; until then the launcher keeps a relayed signal back and delivers it once the file is
+there, so a signal during start-up (interpreter, imports, rendezvous) is not a kill. Whoever handles
+the signal later takes the held count (take_held).
 
 Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
 OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
@@ -54,6 +58,28 @@ STOP_SIGNAL = signal.SIGUSR2
 """How the launcher stops the other ranks after a failure (not SIGTERM: that one is the scheduler's)."""
 
 
+_HELD: dict[int, list] = {}
+"""signal number -> [times received while held, time.time() of the first]."""
+
+
+def _count_held(signum, frame) -> None:
+    entry = _HELD.setdefault(signum, [0, time.time()])
+    entry[0] += 1
+
+
+def hold_signals(signums: tuple[int, ...]) -> None:
+    """Count ``signums`` instead of acting on them, until a handler takes them over (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in signums:
+            signal.signal(signum, _count_held)
+
+
+def take_held(signum: int) -> tuple[int, float | None]:
+    """(how many times ``signum`` arrived while held, when the first did), and forget them."""
+    count, first = _HELD.pop(signum, [0, None])
+    return count, first
+
+
 class SpawnError(RuntimeError):
     """A rank raised or died. ``rank`` is the first rank that failed; ``tracebacks`` maps rank -> text."""
 
@@ -85,6 +111,8 @@ def _name_process(name: str) -> None:
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, parent_pid: int, job: str, forward_signals: tuple[int, ...] = ()) -> None:
+    hold_signals(forward_signals)
+    (Path(out_dir) / f"{rank}.ready").touch()
     _die_with_parent()
     _name_process(f"gradsync-r{rank}")
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
@@ -177,7 +205,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
         try:
             for p in processes:
                 p.start()
-            with _relaying(forward_signals, processes):
+            with _relaying(forward_signals, processes, Path(out_dir)):
                 failed = _watch(processes, join_timeout)
             if failed is not None:
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
@@ -192,22 +220,44 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
 
 
 @contextlib.contextmanager
-def _relaying(signums: tuple[int, ...], processes: list):
-    """While the ranks run, each of ``signums`` reaching the launcher is sent on to every live rank
-    (only the main thread can install handlers; elsewhere the signals keep their actions)."""
+def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
+    """While the ranks run, each of ``signums`` reaching the launcher is sent on to every live rank,
+    to a rank that is still starting once it is ready (only the main thread can install handlers;
+    elsewhere the signals keep their actions)."""
     if not signums or threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    def send(p, signum) -> None:
+        if p.pid is not None and p.exitcode is None:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def send_when_ready(starting: list[tuple[int, Any]], signum) -> None:
+        deadline = time.monotonic() + 600
+        while starting and time.monotonic() < deadline:
+            for rank, p in list(starting):
+                if (out_dir / f"{rank}.ready").exists() or p.exitcode is not None:
+                    send(p, signum)
+                    starting.remove((rank, p))
+            time.sleep(0.01)
+
     def relay(signum, frame) -> None:
-        for p in processes:
-            if p.pid is not None and p.exitcode is None:
-                try:
-                    os.kill(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        starting = []
+        for rank, p in enumerate(processes):
+            if (out_dir / f"{rank}.ready").exists():
+                send(p, signum)
+            else:
+                starting.append((rank, p))
+        if starting:
+            threading.Thread(target=send_when_ready, args=(starting, signum), daemon=True).start()
 
     previous = {signum: signal.signal(signum, relay) for signum in signums}
+    for signum in signums:   # held by the launcher before it started relaying (hold_signals)
+        if take_held(signum)[0]:
+            relay(signum, None)
     try:
         yield
     finally:

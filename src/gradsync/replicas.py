@@ -42,6 +42,18 @@ def gather_ints(values: list[int]) -> list[list[int]]:
     return out
 
 
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes, in rank order (lengths may differ; an empty one travels as nothing)."""
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
+    flat = all_gather(mine)
+    out, start = [], 0
+    for count in counts:
+        out.append(flat[start:start + count].numpy().tobytes())
+        start += count
+    return out
+
+
 def gather_strings(lines: list[str]) -> list[list[str]]:
     """Every rank's list of strings (used only to explain a mismatch, so simplicity beats speed)."""
     texts = gather_ints([ord(c) for c in "\n".join(lines)])  # any int64 list travels the same way

@@ -78,6 +78,7 @@ def kill_trial(strategy: str, seed: int, workers: int = 3, timeout: float = 10.0
 
 def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> dict:
     rng = random.Random(seed)
+    ps = strategy in PS_STRATEGIES
     cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
            "--timeout", str(timeout), "--steps", "100000", "--quiet", "--out", out, "--seed", str(seed)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,7 +126,8 @@ def run(strategies: list[str], trials: int, workers: int = 3, timeout: float = 1
 
 
 # -- preemption trials -------------------------------------------------------------------------------
-PREEMPT_STRATEGIES = ("ddp", "zero1", "local")
+PREEMPT_STRATEGIES = ("ddp", "zero1", "local", "ps-sync", "ps-async", "ssp")
+PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
 
 
 def _steps_logged(metrics: Path, skip_lines: int = 0) -> list[dict]:
@@ -144,7 +146,8 @@ def preempt_trial(strategy: str, seed: int, workers: int = 2, timeout: float = 1
     """One preemption trial (see preempt_run); returns what happened."""
     out = tempfile.mkdtemp(prefix="gradsync-preempt-")
     try:
-        return _preempt_trial(strategy, seed, 1 if strategy == "local" else workers, timeout, Path(out))
+        ranks = 1 if strategy == "local" else workers + 1 if strategy in PS_STRATEGIES else workers
+        return _preempt_trial(strategy, seed, ranks, timeout, Path(out))
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -156,6 +159,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
     rng = random.Random(seed)
     (out / "ids").mkdir()
     env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(out / "ids")}
+    ps = strategy in PS_STRATEGIES
     cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
            "--timeout", str(timeout), "--epochs", "1", "--batch-size", "4", "--quiet", "--out", str(out / "run"),
            "--seed", str(seed)]
@@ -184,10 +188,20 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
         return {**row, "why": f"exit code {job.returncode}, no 'preempted at step' line", "stderr": stderr[-2000:]}
     saved = checkpoint.load(out / "run" / "checkpoint.pt")
     logged = _steps_logged(metrics)
-    after = [r for r in logged if r["step"] > saved["step"]]
     preempted = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "preempted"' in x]
-    row.update(step=saved["step"], steps_lost=len(after),
-               seconds_lost=sum(4 * workers / r["samples_per_s"] for r in after),
+    if ps:   # each worker's steps trained (its sample-log lines) beyond its clock in the checkpoint
+        trained = {int(path.name.rsplit(".r", 1)[1]): len(path.read_text().splitlines())
+                   for path in (out / "ids").glob("samples.*")}
+        lost = max((trained.get(rank, 0) - clock for rank, clock in enumerate(saved["ps"]["clocks"], start=1)),
+                   default=0)
+        step_s = sorted(4 * (workers - 1) / r["samples_per_s"] for r in logged)
+        row.update(step=saved["step"], steps_lost=lost, seconds_lost=lost * (step_s[len(step_s) // 2] if step_s else 0.0),
+                   clocks=saved["ps"]["clocks"])
+    else:
+        after = [r for r in logged if r["step"] > saved["step"]]
+        row.update(step=saved["step"], steps_lost=len(after), seconds_lost=sum(4 * workers / r["samples_per_s"]
+                                                                              for r in after))
+    row.update(
                signal_to_checkpoint_s=preempted[-1]["checkpoint_at"] - signalled_wall if preempted else None)
     # restart: the printed command, timed to its first step
     resume = shlex.split(lines[0].split("resume with: ", 1)[1])
@@ -206,14 +220,29 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
         for line in path.read_text().splitlines():
             for sample in line.split()[1:]:
                 counts[int(sample)] = counts.get(int(sample), 0) + 1
-    n = len(digits(seed)[0])
-    row["samples_missing"] = sum(1 for i in range(n) if i not in counts)
+    expected = _expected_ids(seed, workers - 1) if ps else range(len(digits(seed)[0]))
+    row["samples_missing"] = sum(1 for i in expected if i not in counts)
     row["samples_repeated"] = sum(1 for c in counts.values() if c > 1)
     problems = [w for w, bad in (("steps lost", row["steps_lost"] > 1), ("resume failed", job.returncode != 0),
                                  ("samples missing", row["samples_missing"] > 0),
                                  ("samples repeated", row["samples_repeated"] > 0)) if bad]
     row.update(clean=not problems, why="; ".join(problems), stderr=stderr[-2000:] if job.returncode else "")
     return row
+
+
+def _expected_ids(seed: int, workers: int) -> list[int]:
+    """The sample ids a parameter-server run of one epoch trains: each worker's shard of the epoch's
+    order (data.DistributedSampler), in whole steps of 4 (the shard's tail that fills no step is skipped)."""
+    from gradsync.data import DistributedSampler
+    from gradsync.train.datasets import build_dataset
+
+    train_set, _ = build_dataset("digits", seed=seed)
+    ids = []
+    for worker in range(workers):
+        sampler = DistributedSampler(train_set, num_replicas=workers, rank=worker, shuffle=True, seed=seed)
+        sampler.set_epoch(0)
+        ids += [int(i) for i in sampler.indices()[:len(sampler) // 4 * 4]]
+    return ids
 
 
 def preempt_run(strategies: list[str], trials: int, workers: int = 2, timeout: float = 10.0) -> list[dict]:

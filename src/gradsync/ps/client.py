@@ -14,6 +14,10 @@
               gradient pushes zeros, a table without one pushes no rows.
     close()   CLOSE to every server, then wait for each one's BYE.
 
+Stopping early: push(stop=True) sets FLAG_STOP on the PUSH headers; a PARAMS answer with FLAG_STOP
+(from any server) sets ``stopping``: the parameters just pulled are the job's last, and the worker
+should close() instead of computing another step (server.py says when the servers set it).
+
 A server that stopped on an error sends ABORT; the next pull() or close() raises ServerAbortedError
 naming the rank at fault. A server that stops answering gives a PeerError after the timeout.
 """
@@ -51,6 +55,7 @@ class Client:
         self.clock = 0
         self.pulled_since_push = True
         self.closed = False
+        self.stopping = False
         self.pull_wait_seconds = 0.0
         self.push_seconds = 0.0
 
@@ -81,6 +86,7 @@ class Client:
             for (spec, table), ids in zip(self.tables, wanted[server]):
                 self._receive_answer(server, spec, table, ids)
             self.versions[server] = header.version
+            self.stopping |= bool(header.flags & wire.FLAG_STOP)
         for handle, server in sends:
             self._wait(handle, server)
         self.pulled_since_push = True
@@ -139,7 +145,7 @@ class Client:
                 split[server].append(ids[positions])
         return split
 
-    def push(self) -> None:
+    def push(self, stop: bool = False) -> None:
         self._check_open("push")
         if self.mode == "sync" and not self.pulled_since_push:
             raise RuntimeError(f"worker rank {self.rank}: push() twice without pull() in sync mode: the server "
@@ -152,7 +158,8 @@ class Client:
         for server in self.servers:
             payload = gather_shard(grads, self.plan.pieces[server], self.buffers[server])
             header = Header(wire.PUSH, self.rank, self.versions[server], server, payload.numel(),
-                            payload.numel() * payload.element_size(), wire.checksum(payload))
+                            payload.numel() * payload.element_size(), wire.checksum(payload),
+                            wire.FLAG_STOP if stop else 0)
             handles.append((self._send_header(server, header), server))
             if payload.numel():
                 handles.append((self.transport.isend(payload, server, "ps/push", tag=self.channel.payload_tag),
@@ -171,6 +178,12 @@ class Client:
         self.clock += 1
         self.pulled_since_push = False
         self.push_seconds += time.monotonic() - started
+
+    def load(self, whole: dict, index: int) -> None:
+        """Continue as worker ``index`` of a whole state (resharding.py): its clock, the servers' version."""
+        self.clock = whole["clocks"][index]
+        self.versions = [whole["version"]] * len(self.servers)
+        self.pulled_since_push = False
 
     def close(self) -> None:
         if self.closed:

@@ -12,6 +12,15 @@
         ps.close()
     ps.stats()                            # this rank's counters (see Server.stats / Client.stats)
 
+Stopping early and checkpoints (a preemption: train/loop_ps.py)
+    ps.serve(stop=lambda: asked)          # a server polls stop() between messages
+    ps.push(stop=True)                    # a worker asks; either way the servers answer the next
+    if ps.stopping: ps.close()            # pulls with a stop flag (sync: all on the same version)
+    state = ps.state_dict()               # collective, after serve()/close(): the whole state, no
+                                          # trace of S (resharding.py), on every rank
+    ps.load_state_dict(state)             # collective-free, before serve()/pull(), with any S and
+                                          # the same W: each server takes its part, each worker its clock
+
 Construction, as a recipe (collective: every rank calls it with the same arguments)
     verify_same_model   every rank built the same model (replicas.py)
     broadcast_state     rank 0's parameters become everyone's, so the servers' shards start equal
@@ -36,15 +45,18 @@ from typing import Callable
 import torch
 from torch import nn
 
+import io
+
 from gradsync import runtime
 from gradsync.comm.transport import default_transport
+from gradsync.ps import resharding
 from gradsync.ps.client import Client
 from gradsync.ps.protocol import Channel
 from gradsync.ps.server import MODES, Server
 from gradsync.ps.sharding import plan_shards
 from gradsync.ps.sparse_optim import sparse_rule
 from gradsync.ps.sparse_tables import TableSpec, find_sparse
-from gradsync.replicas import broadcast_coalesced, verify_same_model
+from gradsync.replicas import broadcast_coalesced, gather_bytes, verify_same_model
 
 _INSTANCES = [0]
 
@@ -74,6 +86,7 @@ class ParameterServer:
         tables = [(TableSpec(i, name, t.shape[0], t[0].numel() if t.shape[0] else 0, t.element_size()), t)
                   for i, (name, t) in enumerate(sparse.items())]
         self.tables = [spec for spec, _ in tables]
+        self.dense = dense
         self.plan = plan_shards([p.numel() for p in dense], num_servers)
         self.workers = list(range(num_servers, world.world_size))
         self.is_server = world.rank < num_servers
@@ -115,12 +128,13 @@ class ParameterServer:
         return params
 
     # -- server ------------------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Serve this rank's shard until every worker has closed (servers only)."""
+    def serve(self, stop: Callable[[], bool] | None = None) -> None:
+        """Serve this rank's shard until every worker has closed (servers only). ``stop()``, polled
+        between messages, asks to end the job early (see the module docstring)."""
         if not self.is_server:
             raise RuntimeError(f"rank {self.world.rank} is a worker (servers are ranks 0..{self.num_servers - 1}); "
                                f"workers call pull(), push() and close()")
-        self._server.serve()
+        self._server.serve(stop)
 
     # -- worker ------------------------------------------------------------------------------------
     def pull(self, rows: dict | None = None) -> None:
@@ -131,9 +145,15 @@ class ParameterServer:
         ``rows=None`` fetches every table whole. Dense parameters are always fetched whole."""
         self._worker("pull").pull(rows)
 
-    def push(self) -> None:
-        """Send this rank's gradients to the servers and clear them (workers only)."""
-        self._worker("push").push()
+    def push(self, stop: bool = False) -> None:
+        """Send this rank's gradients to the servers and clear them (workers only); ``stop`` asks the
+        servers to end the job early: the next pulls answer with ``stopping`` set."""
+        self._worker("push").push(stop)
+
+    @property
+    def stopping(self) -> bool:
+        """Worker: a pull's answer said the job ends here (close() next). Server: the job was asked to end early."""
+        return self._server.stopped if self.is_server else self._client.stopping
 
     def close(self) -> None:
         """Leave the parameter server; the servers' serve() returns once every worker has closed."""
@@ -144,6 +164,33 @@ class ParameterServer:
             raise RuntimeError(f"rank {self.world.rank} is a server: call serve(); {what}() is for workers "
                                f"(ranks {self.num_servers}..{self.world.world_size - 1})")
         return self._client
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole state, the same on every rank (collective; call after serve() and close() have
+        returned): dense parameters, tables, server optimizer state, version and every worker's clock,
+        with no trace of the number of servers (resharding.py)."""
+        buffer = io.BytesIO()
+        if self.is_server:
+            torch.save(self._server.part(), buffer)
+        parts = [torch.load(io.BytesIO(data), weights_only=True)
+                 for data in gather_bytes(buffer.getvalue())[:self.num_servers]]
+        return resharding.whole_state(parts, [p.numel() for p in self.dense], [tuple(p.shape) for p in self.dense])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (state_dict() of a job with any number of servers and the same
+        number of workers); every rank calls it after construction, before serve() or pull()."""
+        if not isinstance(state, dict) or not {"version", "clocks", "params", "tables"} <= set(state):
+            raise ValueError("load_state_dict needs what ParameterServer.state_dict() returned (keys version, "
+                             "clocks, params, dense_state, param_groups, tables)")
+        if len(state["clocks"]) != len(self.workers):
+            raise ValueError(f"the parameter-server state was written with {len(state['clocks'])} workers, this job "
+                             f"has {len(self.workers)}: each worker's data shard and clock are its own, so resume "
+                             f"with {len(state['clocks'])} workers (the number of servers may change)")
+        if self.is_server:
+            self._server.load_part(state, self.plan.pieces[self.world.rank])
+        else:
+            self._client.load(state, self.world.rank - self.num_servers)
 
     def stats(self) -> dict:
         """This rank's counters: bytes in/out per step, staleness histogram (servers), wait times (workers)."""

@@ -4,7 +4,8 @@ Every message starts with a header of HEADER_WORDS int64 words, sent on the chan
 
     word  name      meaning
     0     magic     MAGIC (0x6773_7073, "gsps"): anything else is not ours
-    1     kind      PUSH, PULL, PARAMS, CLOSE, BYE, ABORT or ROWS
+    1     kind      PUSH, PULL, PARAMS, CLOSE, BYE, ABORT or ROWS in the low byte; flags above it
+                    (FLAG_STOP << 8: see "Stopping early" below)
     2     sender    rank of the sender (checked against the rank the transport saw)
     3     version   PUSH: server version the gradient was computed on; PULL: the worker's clock
                     (pushes done so far); PARAMS: the server's version; ABORT: the rank at fault or -1
@@ -28,6 +29,10 @@ A model with sparse tables (sparse_wire.py) follows every PUSH, PULL and PARAMS 
 section per table: a ROWS header (version word = table index, numel = rows) then raw row ids
 and/or row values. Dense payloads of 0 elements (a model with only sparse tables) are not sent.
 
+Stopping early (a preemption, train/loop_ps.py): a PUSH with FLAG_STOP asks the servers to end
+the job; a PARAMS with FLAG_STOP tells the worker that the parameters it carries are the last ones
+(sync: every worker gets it with the same version; server.py says when a server sets it).
+
 Headers travel as control traffic in the TrafficMeter; payloads as "ps/push" and "ps/pull".
 
 Each ParameterServer instance talks on its own Channel: its own pair of tags (so messages left
@@ -50,6 +55,8 @@ HEADER_WORDS = 8
 TAG_BASE = 7100
 
 PUSH, PULL, PARAMS, CLOSE, BYE, ABORT, ROWS = 1, 2, 3, 4, 5, 6, 7
+FLAG_STOP = 1
+FLAG_SHIFT = 8
 KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE: "BYE", ABORT: "ABORT",
               ROWS: "ROWS"}
 
@@ -85,9 +92,11 @@ class Header:
     numel: int = 0
     nbytes: int = 0
     checksum: int = 0
+    flags: int = 0
+    """FLAG_STOP or 0; travels in the kind word, above the kind's byte."""
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([MAGIC, self.kind, self.sender, self.version, self.shard, self.numel,
+        return torch.tensor([MAGIC, self.kind | self.flags << FLAG_SHIFT, self.sender, self.version, self.shard, self.numel,
                              self.nbytes, self.checksum], dtype=torch.int64)
 
     def describe(self) -> str:
@@ -116,10 +125,15 @@ def decode(buffer: torch.Tensor, seen_from: int) -> Header:
     if words[0] != MAGIC:
         raise ProtocolError(f"rank {seen_from} sent a message that is not a gradsync parameter-server header "
                             f"(magic {words[0]:#x}, expected {MAGIC:#x}); refused", seen_from)
-    if words[1] not in KIND_NAMES:
+    kind, flags = words[1] & ((1 << FLAG_SHIFT) - 1), words[1] >> FLAG_SHIFT
+    if kind not in KIND_NAMES or flags & ~FLAG_STOP:
         raise ProtocolError(f"rank {seen_from} sent an unknown message kind {words[1]} "
-                            f"(known: {', '.join(f'{k}={n}' for k, n in KIND_NAMES.items())}); refused", seen_from)
-    header = Header(*words[1:])
+                            f"(known: {', '.join(f'{k}={n}' for k, n in KIND_NAMES.items())}, with "
+                            f"FLAG_STOP << {FLAG_SHIFT} on PUSH and PARAMS); refused", seen_from)
+    if flags and kind not in (PUSH, PARAMS):
+        raise ProtocolError(f"rank {seen_from} sent {KIND_NAMES[kind]} with flags {flags}; only PUSH and PARAMS "
+                            f"carry FLAG_STOP; refused", seen_from)
+    header = Header(kind, *words[2:], flags=flags)
     if header.sender != seen_from:
         raise ProtocolError(f"rank {seen_from} sent a header that claims to come from rank {header.sender}; refused",
                             seen_from)

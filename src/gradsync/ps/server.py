@@ -34,6 +34,14 @@ as gradient / W. SSP with bound 0 answers from the tables as they were at the cl
 full copy of this server's blocks per version: correct, and slow for big tables; a bound >= 1 or
 sync needs no copy).
 
+Stopping early (preemption): ``serve(stop)`` polls ``stop()`` between messages, and a PUSH may
+carry FLAG_STOP (protocol.py); either asks this server to end the job. sync: the ask is read when a
+version is stepped, and every PARAMS answer of that version and later carries FLAG_STOP, so every
+worker stops on the same version (each worker ORs its S servers' flags; all of them answer version v
+alike). async and ssp: from the ask on, every answer carries FLAG_STOP and each worker stops at its own
+clock. serve() still returns only when every worker has closed; ``stopped`` says whether it ended
+early. part() and load_part() carry this server's state into a checkpoint and back (resharding.py).
+
 Failures: a worker that is not waiting on the server and sends nothing for ``timeout`` seconds is
 declared dead; so is one whose transfer fails. A malformed or unexpected message is refused (never
 applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank.
@@ -51,7 +59,7 @@ from torch import nn
 from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
-from gradsync.ps import sparse_wire
+from gradsync.ps import resharding, sparse_wire
 from gradsync.ps.sharding import Piece, gather_shard
 from gradsync.ps.sparse_optim import sparse_rule
 from gradsync.ps.sparse_tables import TableBlock, TableSpec
@@ -115,11 +123,20 @@ class Server:
         self.staleness = Counter()
         self.gaps = Counter()
         self.idle_seconds = 0.0
+        self.stop_asked = False
+        self.final_version: int | None = None   # sync: the version from which answers carry FLAG_STOP
+
+    @property
+    def stopped(self) -> bool:
+        """The job was asked to end early (its workers closed on a FLAG_STOP answer, or will)."""
+        return self.stop_asked
 
     # -- the loop ---------------------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, stop=None) -> None:
         try:
             while self.open:
+                if stop is not None and not self.stop_asked and stop():
+                    self._ask_stop()
                 header = self._next_header()
                 self.last_seen[header.sender] = time.monotonic()
                 self._handle(header)
@@ -194,6 +211,8 @@ class Server:
             except PeerError as exc:
                 raise self._lost(sender, "its gradient payload never arrived") from exc
         wire.check_payload(header, self.incoming, sender)
+        if header.flags & wire.FLAG_STOP and not self.stop_asked:
+            self._ask_stop()
         # every section is read and checked before anything is applied: a refused push changes nothing
         rows = [self._receive_rows(sender, table, sparse_wire.PUSH_SECTION) for table in self.tables]
         self.counts["pushes"] += 1
@@ -213,6 +232,17 @@ class Server:
             workers = len(self.workers)
             self._step(self.incoming / workers, [(local, grad / workers) for local, grad in rows])
             self._advance_boundary()
+
+    def _ask_stop(self) -> None:
+        self.stop_asked = True
+        if self.mode != "sync":
+            self.final_version = self.version
+
+    def _stop_flag(self, version: int) -> int:
+        """FLAG_STOP on an answer of ``version`` (see the module docstring), else 0."""
+        if self.mode == "sync":
+            return wire.FLAG_STOP if self.final_version is not None and version >= self.final_version else 0
+        return wire.FLAG_STOP if self.stop_asked else 0
 
     def _receive_rows(self, sender: int, table: TableBlock, section: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ROWS section from ``sender``: (local row ids, gradient rows or None for a pull request)."""
@@ -257,6 +287,8 @@ class Server:
         self._step(self.grad_sum / pushers, [table.take_mean(pushers) for table in self.tables])
         self.grad_sum.zero_()
         self.pushed_this_version.clear()
+        if self.stop_asked and self.final_version is None:
+            self.final_version = self.version
 
     def _step(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows."""
@@ -291,7 +323,8 @@ class Server:
             if self.mode == "ssp" and self.staleness_bound == 0:
                 version, payload, blocks = self.boundary[self.clock[worker]]
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
-                            payload.numel() * payload.element_size(), wire.checksum(payload))
+                            payload.numel() * payload.element_size(), wire.checksum(payload),
+                            self._stop_flag(version))
             self._send_header(worker, header)
             if payload.numel():
                 self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
@@ -353,6 +386,53 @@ class Server:
                                      tag=self.channel.header_tag).wait(timeout=2.0)
             except (PeerError, RuntimeError):  # gloo refuses to send on a connection it closed
                 pass
+
+    # -- checkpoints (resharding.py) ---------------------------------------------------------------
+    def _dense_index(self) -> int | None:
+        """The shard's index among the torch optimizer's parameters (None: it is not one of them)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return next((i for i, p in enumerate(params) if p is self.shard), None)
+
+    def part(self) -> dict:
+        """This server's state (after serve() has returned: nothing is in flight)."""
+        saved = self.optimizer.state_dict()
+        index = self._dense_index()
+        dense_state = saved["state"].get(index, {}) if index is not None else {}
+        return {"shard": self.shard.detach().clone(), "version": self.version,
+                "clocks": [self.clock[w] for w in self.workers],
+                "dense_state": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dense_state.items()},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
+                "tables": {t.spec.name: {"block": t.block.detach().clone(), "t": t.optimizer.t,
+                                         "state": {k: v.clone() for k, v in t.optimizer.state.items()}}
+                           for t in self.tables}}
+
+    def load_part(self, whole: dict, pieces: list) -> None:
+        """Take this server's part of a whole state (before serve()); ``pieces`` are this server's."""
+        shard, dense_state = resharding.dense_part(whole, pieces, self.shard.numel())
+        with torch.no_grad():
+            self.shard.copy_(shard)
+        saved = self.optimizer.state_dict()
+        index = self._dense_index()
+        if len(saved["param_groups"]) != len(whole["param_groups"]):
+            raise ValueError(f"the checkpoint's server optimizer has {len(whole['param_groups'])} parameter groups, "
+                             f"this one {len(saved['param_groups'])}")
+        groups = [{**old, "params": mine["params"]} for old, mine in zip(whole["param_groups"], saved["param_groups"])]
+        state = {index: dense_state} if index is not None and dense_state else {}
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for table in self.tables:
+            part = resharding.table_part(whole["tables"][table.spec.name], self.rank, self.num_servers)
+            with torch.no_grad():
+                table.block.copy_(part["block"])
+            table.optimizer.t = part["t"]
+            table.optimizer.state = part["state"]
+            table.optimizer.group = next(g for g in self.optimizer.param_groups
+                                         if any(p is table.block for p in g["params"]))
+        self.version = whole["version"]
+        self.clock = dict(zip(self.workers, whole["clocks"]))
+        self.min_clock = min(self.clock.values())
+        self.published = self.shard.detach().clone()
+        self.published_tables = self._publish_tables()
+        self.boundary = {self.min_clock: (self.version, self.published, self.published_tables)}
 
     # -- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -77,8 +77,8 @@ class TrainConfig:
 
     preempt_signal: Literal["SIGTERM", "SIGUSR1", "none"] = "SIGTERM"
     """The signal that stops the job at the next step boundary with a checkpoint, exit status 75
-    (train/preempt.py); sent to the launcher or to any rank. 'none': the signal's default action.
-    Not for the parameter-server strategies (their optimizer state lives on the servers)."""
+    (train/preempt.py, train/loop_ps.py); sent to the launcher or to any rank. 'none': the signal's
+    default action."""
 
     def checkpoint_interval(self) -> tuple[int | None, float | None]:
         """(steps, seconds) from ``checkpoint_every``; at most one is set."""
@@ -140,15 +140,14 @@ class TrainConfig:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
         if self.max_restarts and self.strategy in ("ps-sync", "ps-async", "ssp"):
-            raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: a restart resumes "
-                               f"from a checkpoint, and the optimizer state lives on the parameter servers")
-        if self.resume and self.strategy in ("ps-sync", "ps-async", "ssp"):
-            raise RuntimeError(f"--resume is not supported with --strategy {self.strategy}: the optimizer state "
-                               f"lives on the parameter servers; use ddp, zero1 or local to resume")
+            raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: a parameter-server "
+                               f"job checkpoints on preemption and at its end, not periodically, so a restart after "
+                               f"a failure would start over; use ddp, zero1 or local, or --resume after a preemption")
         self.checkpoint_interval()
         if self.checkpoint_every and self.strategy in ("ps-sync", "ps-async", "ssp"):
-            raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: the optimizer "
-                               f"state lives on the parameter servers; use ddp, zero1 or local")
+            raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: a parameter-server "
+                               f"job checkpoints on preemption and at its end only (its servers and workers reach a "
+                               f"common point only when they stop); use ddp, zero1 or local")
         if self.strategy == "local" and self.workers != 1:
             raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()

@@ -35,6 +35,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync import checkpoint, trace
+from gradsync.launch import hold_signals
 from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
@@ -253,9 +254,9 @@ def train_rank(cfg: TrainConfig) -> dict:
 
 
 def _preempt_signals(cfg: TrainConfig) -> tuple[int, ...]:
-    """What the launcher relays to the ranks: the preemption signal, for the strategies that handle it."""
+    """What the launcher relays to the ranks: the preemption signal."""
     signum = signal_number(cfg.preempt_signal)
-    return () if signum is None or cfg.strategy in MODE_OF else (signum,)
+    return () if signum is None else (signum,)
 
 
 def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
@@ -281,6 +282,7 @@ def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
 def run(cfg: TrainConfig) -> list[dict]:
     """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    hold_signals(_preempt_signals(cfg))   # a preemption during start-up stops the job after its first step
     if _under_torchrun() or cfg.strategy == "local":
         gs.init(timeout=cfg.timeout)
         try:

@@ -8,6 +8,9 @@ Vocabulary
     verdict            what the ranks decide after each step, in ONE all-reduce(max) of two integers:
                        [rank 0's checkpoint clock has run out, some rank received the signal]
 
+A signal that arrives while the rank starts up (before the watch is installed) was held
+(launch.hold_signals) and counts as received: the job stops after its first step.
+
 Sequence: the handler only counts (a rank inside a collective finishes it: the step in flight is
 completed, not lost); at the next boundary every rank learns the verdict, so all ranks stop after
 the same step S, write one checkpoint (atomic: checkpoint.py), rank 0 prints
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
+from gradsync.launch import take_held
 from gradsync.train.config import TrainConfig
 
 EXIT_PREEMPTED = 75
@@ -67,6 +71,9 @@ class PreemptWatch:
     def __enter__(self) -> "PreemptWatch":
         if self.signum is not None and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(self.signum, self._on_signal)
+            held, first = take_held(self.signum)   # arrived during start-up (launch.hold_signals)
+            self.received += held
+            self.first_at = self.first_at or first
         return self
 
     def __exit__(self, *exc) -> None:
