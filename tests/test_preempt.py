@@ -216,6 +216,24 @@ def test_a_second_sigterm_during_the_checkpoint_write_changes_nothing(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_sigterm_during_start_up_stops_after_the_first_step(tmp_path):
+    """SIGTERM to the launcher as soon as its rank processes exist (still importing, not yet joined):
+    the ranks hold it and the launcher delivers it once they can, so the job stops after step 1 with
+    a checkpoint (exit 75) instead of losing its ranks to the signal during set-up."""
+    job = _cli(["--workers", "2", *JOB], tmp_path)
+    deadline = time.monotonic() + 60
+    while not _rank_pids(job.pid):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.001)
+    assert not (tmp_path / "metrics.jsonl").exists()   # no rank has started training yet
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == EXIT_PREEMPTED, (job.returncode, stderr[-3000:])
+    assert "preempted at step 1;" in stdout, stdout
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["step"] == 1
+
+
+@pytest.mark.timeout(200)
 def test_sigterm_to_the_torchrun_agent_checkpoints_and_prints_the_torchrun_command(tmp_path):
     """Under torchrun the agent relays SIGTERM to its workers: they stop after the same step with a
     checkpoint and print the agent's own command line with --resume."""
