@@ -30,9 +30,9 @@ table (row_sharding.py). A PUSH carries each worker's unique touched rows, k_w o
 those rows, D*esize bytes each. A version steps the dense shard and every table at once (one
 optimizer step, sparse_optim.py), so staleness, clocks and SSP gaps count the same as for dense
 parameters. Sync mode averages the touched rows over the W pushes; async applies each push's rows
-as gradient / W. SSP with bound 0 answers from the tables as they were at the clock boundary (a
-full copy of this server's blocks per version: correct, and slow for big tables; a bound >= 1 or
-sync needs no copy).
+as gradient / W. SSP with bound 0 answers from the tables as they were at the clock boundary:
+a copy-on-write snapshot per boundary (row_history.py) keeps the old values of the rows written
+since, k rows per push instead of a copy of the whole block; a bound >= 1 or sync needs none.
 
 Stopping early (preemption): ``serve(stop)`` polls ``stop()`` between messages, and a PUSH may
 carry FLAG_STOP (protocol.py); either asks this server to end the job. sync: the ask is read when a
@@ -60,6 +60,7 @@ from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
 from gradsync.ps import resharding, sparse_wire
+from gradsync.ps.row_history import RowHistory
 from gradsync.ps.sharding import Piece, gather_shard
 from gradsync.ps.sparse_optim import sparse_rule
 from gradsync.ps.sparse_tables import TableBlock, TableSpec
@@ -115,9 +116,11 @@ class Server:
         self.last_seen = {w: time.monotonic() for w in self.workers}
         self.min_clock = 0
         self.snapshot_tables = mode == "ssp" and staleness_bound == 0
+        self.histories = [RowHistory(t.block.detach()) for t in self.tables] if self.snapshot_tables else []
         self.published_tables = self._publish_tables()
         self.pending_rows: dict[int, list[torch.Tensor]] = {}   # worker -> local rows wanted, per table
         self.boundary = {0: (0, self.published, self.published_tables)}   # ssp, bound 0: clock -> (version, ...)
+        self._keep_snapshots()
         self.sends: list[Handle] = []
         self.counts = Counter()
         self.staleness = Counter()
@@ -278,6 +281,17 @@ class Server:
         self.min_clock = max(self.min_clock, lowest)
         for clock in [c for c in self.boundary if c < self.min_clock]:
             del self.boundary[clock]
+        self._keep_snapshots()
+
+    def _keep_snapshots(self) -> None:
+        """Bound-0 SSP: a table snapshot for every version a boundary answers from, no other."""
+        if not self.histories:
+            return
+        keys = {tables for _, _, tables in self.boundary.values()}
+        for history in self.histories:
+            for key in keys:
+                history.keep(key)
+            history.drop(keys)
 
     def _maybe_step_sync(self) -> None:
         if self.mode != "sync" or not self.pushed_this_version or not self.open <= self.pushed_this_version:
@@ -295,15 +309,18 @@ class Server:
         self.shard.grad = gradient
         self.optimizer.step()
         self.shard.grad = None
-        for table, (rows, grad) in zip(self.tables, table_rows):
+        for index, (table, (rows, grad)) in enumerate(zip(self.tables, table_rows)):
+            if self.histories:
+                self.histories[index].before_write(rows)
             table.step(rows, grad)
         self.version += 1
         self.published = self.shard.detach().clone()
         self.published_tables = self._publish_tables()
 
-    def _publish_tables(self) -> list[torch.Tensor]:
-        """What pulls read rows from: the live blocks (rows are copied when answered), or copies for bound-0 SSP."""
-        return [t.block.detach().clone() if self.snapshot_tables else t.block.detach() for t in self.tables]
+    def _publish_tables(self) -> list[torch.Tensor] | int:
+        """What pulls read rows from: the live blocks (rows are copied when answered); for bound-0 SSP
+        the version, whose snapshot (row_history.py) a boundary recorded now answers from."""
+        return self.version if self.snapshot_tables else [t.block.detach() for t in self.tables]
 
     # -- answering pulls ---------------------------------------------------------------------------
     def _may_answer(self, worker: int) -> bool:
@@ -330,8 +347,9 @@ class Server:
                 self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
-            for table, block, local in zip(self.tables, blocks, self.pending_rows.pop(worker, [])):
-                values = block.index_select(0, local)
+            for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
+                history = self.histories[index] if self.histories else None
+                values = history.read(blocks, local) if history else blocks[index].index_select(0, local)
                 rows_header = sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
                                                          table.spec, None, values)
                 self._send_header(worker, rows_header)
@@ -433,6 +451,9 @@ class Server:
         self.published = self.shard.detach().clone()
         self.published_tables = self._publish_tables()
         self.boundary = {self.min_clock: (self.version, self.published, self.published_tables)}
+        for history in self.histories:
+            history.drop(set())
+        self._keep_snapshots()
 
     # -- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
