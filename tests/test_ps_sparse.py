@@ -98,6 +98,9 @@ def test_sparse_sync_equals_one_process_with_global_batch(world_of, optimizer, w
         assert stats["steps"] == steps
     for _, stats, _ in servers_of(results):
         assert stats["version"] == steps and stats["staleness_histogram"] == {0: workers * steps}
+        if optimizer == "adagrad":   # one accumulator per element held: the dense shard's and each block's, once
+            held = stats["shard_elements"] + sum(rows * fns.DIM for rows in stats["tables"].values())
+            assert stats["optimizer_state_bytes"] == held * 8, (stats["optimizer_state_bytes"], held * 8)
 
 
 @pytest.mark.timeout(300)

@@ -99,6 +99,8 @@ class Server:
         # schedule that sets its param groups' lr reaches the sparse rules too (sparse_optim.py)
         self.optimizer = optimizer_fn(([self.shard] if numel or not self.tables else []) +
                                       [t.block for t in self.tables])
+        for table in self.tables:   # torch's Adagrad fills its state for every parameter it is given at
+            self.optimizer.state.pop(table.block, None)   # construction; the sparse rules keep their own
         if self.tables:
             rule = sparse_rule(self.optimizer)
             for table in self.tables:
@@ -472,4 +474,11 @@ class Server:
             "clock_gap_histogram": dict(sorted(self.gaps.items())),
             "max_clock_gap": max(self.gaps) if self.gaps else 0,
             "idle_seconds": self.idle_seconds,
+            "optimizer_state_bytes": self._state_bytes(),
         }
+
+    def _state_bytes(self) -> int:
+        """Bytes of per-element optimizer state this server holds (torch's and the sparse rules'; scalars apart)."""
+        tensors = [v for state in self.optimizer.state.values() for v in state.values()]
+        tensors += [v for t in self.tables for v in t.optimizer.state.values()]
+        return sum(v.numel() * v.element_size() for v in tensors if isinstance(v, torch.Tensor) and v.dim() > 0)
