@@ -186,3 +186,49 @@ def malformed_push(kind):
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return type(exc).__name__, str(exc), getattr(exc, "culprit", None), None, None
     return "no error", "", None, None, None
+
+
+def stop_and_save(opt_kind, steps, local_batch, num_servers, stop_at_version):
+    """sync training as ``train``, but the servers ask to stop (serve(stop)) once their version reaches
+    ``stop_at_version``; workers close when a pull says so. Returns (role, clock or None, state_dict)."""
+    w = gs.world()
+    model = SparseNet()
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode="sync")
+    if ps.is_server:
+        ps.serve(stop=lambda: ps._server.version >= stop_at_version)
+        return "server", None, ps.state_dict()
+    clock = _train_from(ps, model, 0, steps, local_batch, w.world_size - num_servers, w.rank - num_servers)
+    ps.close()
+    return "worker", clock, ps.state_dict()
+
+
+def resume_and_finish(opt_kind, steps, local_batch, num_servers, state):
+    """Continue ``state`` (any number of servers wrote it) on this world; return the workers' final parameters."""
+    w = gs.world()
+    model = SparseNet()
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode="sync")
+    ps.load_state_dict(state)
+    if ps.is_server:
+        ps.serve()
+        return "server", None
+    index = w.rank - num_servers
+    _train_from(ps, model, state["clocks"][index], steps, local_batch, w.world_size - num_servers, index)
+    ps.pull()
+    ps.close()
+    return "worker", {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_from(ps, model, first, steps, local_batch, workers, index):
+    """Steps ``first``..``steps``-1 of the global batches (this worker's share); stops early when a
+    pull says the job ends. Returns the worker's clock."""
+    ids, bags, labels = global_data(steps, workers, local_batch)
+    step = first
+    while step < steps:
+        my_ids, my_bags = ids[step].chunk(workers)[index], bags[step].chunk(workers)[index]
+        ps.pull(rows={"emb.weight": my_ids, "bag.weight": my_bags.reshape(-1)})
+        if ps.stopping:
+            break
+        nn.functional.cross_entropy(model(my_ids, my_bags), labels[step].chunk(workers)[index]).backward()
+        ps.push()
+        step += 1
+    return step

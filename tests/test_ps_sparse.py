@@ -130,6 +130,31 @@ def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, s
     assert max(touched) < fns.EMB_ROWS + fns.HOT_BAG and all(t < fns.HOT_EMB or t >= fns.EMB_ROWS for t in touched)
 
 
+# -- stopping early and re-cutting the servers' state ------------------------------------------------
+@pytest.mark.timeout(300)
+def test_a_stop_on_one_server_resumes_on_two_servers_equal_to_one_process(world_of):
+    """1 server + 2 workers, Adagrad: the server asks to stop once it is at version 2 (serve(stop)
+    polls between messages, so the ask is read when version 3 is stepped); both workers close on
+    clock 3; the state (rows, per-row accumulators, dense Adagrad state, clocks) is
+    the same on every rank and, loaded by 2 servers + 2 workers, finishes equal to one process with
+    torch's Adagrad over all 5 steps (1e-12). Re-cutting without the accumulators fails it."""
+    steps, local_batch = 5, 4
+    stopped = world_of(3).run(fns.stop_and_save, "adagrad", steps, local_batch, 1, 2)
+    clocks = [clock for role, clock, _ in stopped if role == "worker"]
+    assert clocks == [3, 3], clocks
+    states = [state for _, _, state in stopped]
+    assert states[0]["version"] == 3 and states[0]["clocks"] == [3, 3] and states[0]["servers"] == 1
+    for other in states[1:]:
+        for name, table in states[0]["tables"].items():
+            assert torch.equal(table["rows"], other["tables"][name]["rows"])
+            assert torch.equal(table["state"]["sum"], other["tables"][name]["state"]["sum"])
+    finished = world_of(4).run(fns.resume_and_finish, "adagrad", steps, local_batch, 2, states[0])
+    oracle = fns.single_process("adagrad", steps, 2, local_batch)
+    for role, params in finished:
+        if role == "worker":
+            assert relative_error(params, oracle) <= 1e-12
+
+
 # -- async and ssp -----------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_sparse_ssp_bound_zero_behaves_as_sync(world_of):
