@@ -17,5 +17,7 @@ def world_of():
         return _POOLS[key]
 
     yield get
+    for pool in _POOLS.values():   # every world shuts down at once, then each is waited for
+        pool.ask_to_close()
     for pool in _POOLS.values():
         pool.close()

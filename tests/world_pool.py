@@ -80,6 +80,15 @@ class WorldPool:
             self._procs.append(proc)
             self._conns.append(parent)
 
+    def ask_to_close(self) -> None:
+        """Tell every rank to leave (close() then waits; several pools can be asked first, then closed)."""
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                if proc.is_alive():
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+
     def run(self, fn, *args, case_timeout: float = CASE_TIMEOUT) -> list:
         if not self._procs:
             self._start()
@@ -104,12 +113,7 @@ class WorldPool:
         return replies
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            try:
-                if proc.is_alive():
-                    conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+        self.ask_to_close()
         for proc in self._procs:
             proc.join(3)
             if proc.is_alive():
