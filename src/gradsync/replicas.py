@@ -30,28 +30,21 @@ def crc(data: bytes) -> int:
     return zlib.crc32(data) & 0x7FFFFFFF
 
 
+def _gather_uneven(mine: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's 1-D ``mine``, in rank order (lengths may differ; the dtype must agree)."""
+    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
+    return list(all_gather(mine).split(counts))
+
+
 def gather_ints(values: list[int]) -> list[list[int]]:
     """Every rank's list of integers, in rank order (lists may differ in length)."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
-    flat = all_gather(mine).tolist()
-    out, start = [], 0
-    for count in counts:
-        out.append(flat[start:start + count])
-        start += count
-    return out
+    return [part.tolist() for part in _gather_uneven(torch.tensor(values, dtype=torch.int64))]
 
 
 def gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's bytes, in rank order (lengths may differ; an empty one travels as nothing)."""
+    """Every rank's bytes, in rank order (lengths may differ)."""
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
-    flat = all_gather(mine)
-    out, start = [], 0
-    for count in counts:
-        out.append(flat[start:start + count].numpy().tobytes())
-        start += count
-    return out
+    return [part.numpy().tobytes() for part in _gather_uneven(mine)]
 
 
 def gather_strings(lines: list[str]) -> list[list[str]]:

@@ -204,9 +204,5 @@ def _save(cfg: TrainConfig, plan, model, ps, state: dict, steps_per_epoch: int) 
         epoch, batch = divmod(step, steps_per_epoch)
         checkpoint.save(Path(cfg.out) / resume.CHECKPOINT_NAME, {
             "model": model.state_dict(), "ps": state, "step": step, "epoch": epoch,
-            "position": batch * plan.global_batch, "world_size": w.world_size,
-            "batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
-                      "base_lr": plan.base_lr, "peak_lr": plan.peak_lr},
-            "identity": {**{k: getattr(cfg, k) for k in resume.IDENTITY}, "batch_size": plan.batch_size,
-                         "grad_accum": plan.grad_accum}})
+            "position": batch * plan.global_batch, "world_size": w.world_size, **resume.run_record(cfg, plan)})
     gs.all_reduce(torch.zeros(1))

@@ -181,11 +181,15 @@ def state_of(cfg: TrainConfig, plan: BatchPlan, model, optimizer, step: int, epo
     """What a checkpoint holds (optimizer.state_dict() is collective for zero1: call on every rank)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
             "position": position, "batch_in_epoch": -(-position // plan.global_batch), "world_size": world_size,
-            "batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
+            **run_record(cfg, plan), "rng_torch": torch.get_rng_state()}
+
+
+def run_record(cfg: TrainConfig, plan: BatchPlan) -> dict:
+    """What every checkpoint says about its run: the batch it trained with, and its identity."""
+    return {"batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
                       "base_lr": plan.base_lr, "peak_lr": plan.peak_lr},
             "identity": {**{k: getattr(cfg, k) for k in IDENTITY}, "batch_size": plan.batch_size,
-                         "grad_accum": plan.grad_accum},
-            "rng_torch": torch.get_rng_state()}
+                         "grad_accum": plan.grad_accum}}
 
 
 def apply(state: dict, model, optimizer) -> tuple[int, int, int]:
