@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from world_pool import WorldPool
@@ -17,7 +19,8 @@ def world_of():
         return _POOLS[key]
 
     yield get
-    for pool in _POOLS.values():   # every world shuts down at once, then each is waited for
+    for pool in _POOLS.values():   # every world shuts down at once, and all get the same 3 s
         pool.ask_to_close()
+    deadline = time.monotonic() + 3.0
     for pool in _POOLS.values():
-        pool.close()
+        pool.close(deadline)

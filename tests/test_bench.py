@@ -95,6 +95,7 @@ def test_bench_ddp_rows(tmp_path):
         assert r["bytes_per_step"] == params_bytes  # ring, N=2: 2(N-1)/N * M = M (when every bucket splits evenly)
 
 
+@pytest.mark.slow   # the parameter server's exact bytes per link: test_ps.py's traffic tests
 @pytest.mark.timeout(180)
 def test_bench_ps_rows_and_exact_link_bytes(tmp_path):
     out = tmp_path / "ps.json"

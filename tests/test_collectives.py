@@ -53,8 +53,9 @@ TRANSPORTS = {"auto": {},                                          # shared memo
               # 2 KiB rings: messages stream and wrap; 4 KiB staging halves: the shared-memory all-reduce
               # splits what does not fit one half into pieces (allreduce_shared.py), the rest is direct
               "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"}}
-SETUPS = ([(n, "auto") for n in WORLD_SIZES] + [(n, "tcp") for n in (2, 3, 5)]
-          + [(n, "tiny-rings") for n in (2, 4)])
+SETUPS = ([(n, "auto") if n not in (6, 7) else pytest.param(n, "auto", marks=pytest.mark.slow) for n in WORLD_SIZES]
+          + [(n, "tcp") for n in (2, 3, 5)] + [(n, "tiny-rings") for n in (2, 4)])
+"""N = 6 and 7 (between the odd 5 and the largest 8) run with -m slow."""
 
 
 @pytest.mark.timeout(900)
@@ -87,7 +88,8 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 # piece (allreduce_shared.py). Every dtype and op, sizes not divisible by N, and one float32 case whose
 # slices span several PIECE_BYTES pieces, against the fold, gloo and across ranks bit for bit.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+@pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), pytest.param(4, "1", marks=pytest.mark.slow),
+                                                    (3, "0")])
 def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_size, single_copy):
     from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
     from gradsync.comm.allreduce_shared_single_copy import PIECE_BYTES

@@ -46,6 +46,7 @@ def test_parameter_server_strategies_train_digits(tmp_path):
     assert abs(accuracy["ssp"] - accuracy["ps-sync"]) <= 0.03, accuracy
 
 
+@pytest.mark.slow   # also shown mid-epoch by test_preempt.py and test_checkpoint_every_n_steps_...
 @pytest.mark.timeout(300)
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     common = dict(workers=2, steps=30, batch_size=64, quiet=True, trace=False)
@@ -100,6 +101,7 @@ def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
     assert code == 2 and "fewer than one step" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # test_preempt.py's 2 -> 3 -> 2 -> 1 checks the same messages
 @pytest.mark.timeout(300)
 def test_resume_with_a_different_world_size_says_what_changed(tmp_path, capfd):
     """2 workers x 32 (global 64) resumed on 4: 16 per worker, global batch and lr kept, said before

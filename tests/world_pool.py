@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 
 import torch
@@ -112,10 +113,13 @@ class WorldPool:
             raise RankFailure(errors)
         return replies
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Ask the ranks to leave and wait until ``deadline`` (time.monotonic(); default 3 s from now)
+        for them to exit; kill those still there."""
         self.ask_to_close()
+        deadline = time.monotonic() + 3.0 if deadline is None else deadline
         for proc in self._procs:
-            proc.join(3)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
