@@ -141,7 +141,7 @@ class Server:
         try:
             while self.open:
                 if stop is not None and not self.stop_asked and stop():
-                    self._ask_stop()
+                    self.stop_asked = True   # sync: final_version is set when the next version is stepped
                 header = self._next_header()
                 self.last_seen[header.sender] = time.monotonic()
                 self._handle(header)
@@ -216,8 +216,8 @@ class Server:
             except PeerError as exc:
                 raise self._lost(sender, "its gradient payload never arrived") from exc
         wire.check_payload(header, self.incoming, sender)
-        if header.flags & wire.FLAG_STOP and not self.stop_asked:
-            self._ask_stop()
+        if header.flags & wire.FLAG_STOP:
+            self.stop_asked = True
         # every section is read and checked before anything is applied: a refused push changes nothing
         rows = [self._receive_rows(sender, table, sparse_wire.PUSH_SECTION) for table in self.tables]
         self.counts["pushes"] += 1
@@ -237,11 +237,6 @@ class Server:
             workers = len(self.workers)
             self._step(self.incoming / workers, [(local, grad / workers) for local, grad in rows])
             self._advance_boundary()
-
-    def _ask_stop(self) -> None:
-        self.stop_asked = True
-        if self.mode != "sync":
-            self.final_version = self.version
 
     def _stop_flag(self, version: int) -> int:
         """FLAG_STOP on an answer of ``version`` (see the module docstring), else 0."""
