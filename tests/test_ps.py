@@ -91,6 +91,18 @@ def test_server_traffic_is_w_times_m_each_way(world_of, world_size, servers):
         assert traffic["per_op"]["ps/push"]["sent"] == steps * model_bytes
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_server_finishes_its_sends_instead_of_piling_them_up(world_of, mode):
+    # gloo calls a send finished only once it is waited for: a server that only polled its sends kept
+    # every answer it ever sent (and its tensor) in flight, 2 more per worker per step
+    steps, local_batch = 12, 4
+    results = world_of(3).run(ps_fns.train, mode, "sgd", steps, local_batch, 1, 0, None, 0.0, "uneven")
+    (_, stats, _), = servers_of(results)
+    assert stats["version"] == (steps if mode == "sync" else 2 * steps)
+    assert 0 < stats["most_sends_in_flight"] <= 2 * 2   # one answer (header + payload) per worker at most
+
+
 # -- consistency models ----------------------------------------------------------------------------
 def largest_gap_seen_by_workers(results) -> int:
     """From the workers' own records (ps_fns.paced): the largest c - k such that a worker's pull at

@@ -123,7 +123,8 @@ class Server:
         self.pending_rows: dict[int, list[torch.Tensor]] = {}   # worker -> local rows wanted, per table
         self.boundary = {0: (0, self.published, self.published_tables)}   # ssp, bound 0: clock -> (version, ...)
         self._keep_snapshots()
-        self.sends: list[Handle] = []
+        self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
+        self.most_sends_in_flight = 0
         self.counts = Counter()
         self.staleness = Counter()
         self.gaps = Counter()
@@ -144,11 +145,13 @@ class Server:
                     self.stop_asked = True   # sync: final_version is set when the next version is stepped
                 header = self._next_header()
                 self.last_seen[header.sender] = time.monotonic()
+                self._settle_sends(header.sender)
                 self._handle(header)
                 self._answer_pulls()
-                self._reap_sends(block=False)
+                self.most_sends_in_flight = max(self.most_sends_in_flight, sum(map(len, self.sends.values())))
                 self._check_liveness()
-            self._reap_sends(block=True)
+            for worker in list(self.sends):
+                self._settle_sends(worker)
         except ProtocolError as exc:
             self._abort(wire.REASON_PROTOCOL, exc.sender, str(exc))
             raise
@@ -341,7 +344,8 @@ class Server:
                             self._stop_flag(version))
             self._send_header(worker, header)
             if payload.numel():
-                self.sends.append(self.transport.isend(payload, worker, "ps/pull", tag=self.channel.payload_tag))
+                self.sends[worker].append(self.transport.isend(payload, worker, "ps/pull",
+                                                               tag=self.channel.payload_tag))
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
             for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
@@ -351,25 +355,26 @@ class Server:
                                                          table.spec, None, values)
                 self._send_header(worker, rows_header)
                 if local.numel():
-                    self.sends.append(self.transport.isend(values, worker, "ps/pull", tag=self.channel.payload_tag))
+                    self.sends[worker].append(self.transport.isend(values, worker, "ps/pull",
+                                                                   tag=self.channel.payload_tag))
                 self.counts["rows_out"] += local.numel()
                 self.counts["bytes_out"] += rows_header.nbytes
 
     def _send_header(self, worker: int, header: Header) -> None:
-        self.sends.append(self.transport.isend(header.encode(), worker, "ps/header", control=True,
+        self.sends[worker].append(self.transport.isend(header.encode(), worker, "ps/header", control=True,
                                                tag=self.channel.header_tag))
 
-    def _reap_sends(self, block: bool) -> None:
-        still = []
-        for handle in self.sends:
-            if block or handle.done():
-                try:
-                    handle.wait()
-                except PeerError as exc:
-                    raise self._lost(exc.peer, "it stopped receiving") from exc
-            else:
-                still.append(handle)
-        self.sends = still
+    def _settle_sends(self, worker: int) -> None:
+        """Wait for every send posted to ``worker``. Called when a message from it arrives: a worker
+        sends its next message only after reading every answer (pull() returns when all of them
+        arrived), so these waits return at once. torch's gloo marks a send finished only once it is
+        waited for, so sends that are never waited for pile up, each keeping its tensor alive."""
+        handles, self.sends[worker] = self.sends[worker], []
+        for handle in handles:
+            try:
+                handle.wait()
+            except PeerError as exc:
+                raise self._lost(worker, "it stopped receiving") from exc
 
     # -- failures ----------------------------------------------------------------------------------
     def _quietest(self) -> int | None:
@@ -469,6 +474,7 @@ class Server:
             "clock_gap_histogram": dict(sorted(self.gaps.items())),
             "max_clock_gap": max(self.gaps) if self.gaps else 0,
             "idle_seconds": self.idle_seconds,
+            "most_sends_in_flight": self.most_sends_in_flight,
             "optimizer_state_bytes": self._state_bytes(),
         }
 
