@@ -168,12 +168,16 @@ def malformed_push(kind):
                                      tag=client.channel.header_tag),
                      transport.isend(dense, 0, "test", tag=client.channel.payload_tag)]
             bad = {"out_of_range": [3, EMB_ROWS + 7], "duplicate": [3, 5, 3]}[kind]
+            sections, headers = [], []
             for spec, _ in client.tables:
                 ids = torch.tensor(bad if spec.name == "emb.weight" else [1], dtype=torch.int64)
                 values = torch.ones(len(ids), DIM, dtype=torch.float64)
-                header = sparse_wire.section_header(sparse_wire.PUSH_SECTION, 2, 0, spec, ids, values)
-                sends.append(transport.isend(header.encode(), 0, "test", control=True, tag=client.channel.header_tag))
-                sends += [transport.isend(part, 0, "test", tag=client.channel.payload_tag) for part in (ids, values)]
+                headers.append(sparse_wire.section_header(sparse_wire.PUSH_SECTION, 2, 0, spec, ids, values))
+                sections.append((ids, values))
+            sends.append(transport.isend(sparse_wire.sections_message(headers), 0, "test", control=True,
+                                         tag=client.channel.header_tag))
+            body = sparse_wire.pack([ids for ids, _ in sections], [values for _, values in sections])
+            sends.append(transport.isend(body, 0, "test", tag=client.channel.payload_tag))
             for handle in sends:
                 handle.wait()
         else:

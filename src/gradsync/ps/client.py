@@ -66,12 +66,13 @@ class Client:
         sends = []
         for server in self.servers:
             sends.append((self._send_header(server, Header(wire.PULL, self.rank, self.clock, server)), server))
-            for (spec, _), ids in zip(self.tables, wanted[server]):
-                header = sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
-                sends.append((self._send_header(server, header), server))
-                if ids.numel():
-                    sends.append((self.transport.isend(ids, server, "ps/pull/ids", tag=self.channel.payload_tag),
-                                  server))
+            if self.tables:
+                headers = [sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
+                           for (spec, _), ids in zip(self.tables, wanted[server])]
+                sends.append((self._send_sections(server, headers), server))
+            body = sparse_wire.pack(wanted[server], [])
+            if body.numel():
+                sends.append((self.transport.isend(body, server, "ps/pull/ids", tag=self.channel.payload_tag), server))
         for server in self.servers:
             header = self._receive_header(server, expect=wire.PARAMS, op="ps/pull")
             buffer = self.buffers[server]
@@ -83,8 +84,8 @@ class Client:
                 self._wait(self.transport.irecv(buffer, server, "ps/pull", tag=self.channel.payload_tag), server)
             wire.check_payload(header, buffer, server)
             scatter_shard(buffer, self.plan.pieces[server], self.params)
-            for (spec, table), ids in zip(self.tables, wanted[server]):
-                self._receive_answer(server, spec, table, ids)
+            if self.tables:
+                self._receive_answers(server, wanted[server])
             self.versions[server] = header.version
             self.stopping |= bool(header.flags & wire.FLAG_STOP)
         for handle, server in sends:
@@ -92,20 +93,29 @@ class Client:
         self.pulled_since_push = True
         self.pull_wait_seconds += time.monotonic() - started
 
-    def _receive_answer(self, server: int, spec: TableSpec, table: torch.Tensor, ids: torch.Tensor) -> None:
-        """The rows ``ids`` of one table from ``server``, written into the local table."""
+    def _receive_answers(self, server: int, wanted: list[torch.Tensor]) -> None:
+        """Every table's rows ``wanted[i]`` from ``server`` (T headers, then one body), written into the local
+        tables."""
         where = f"worker rank {self.rank}"
-        header = self._receive_header(server, expect=wire.ROWS, op="ps/pull")
-        sparse_wire.check_section_header(header, sparse_wire.ANSWER_SECTION, spec, server, ids.numel(), server, where)
-        if header.numel != ids.numel():
-            raise ProtocolError(f"{where}: server rank {server} answered {header.numel} rows of table {spec.name}, "
-                                f"{ids.numel()} were asked for", server)
-        values = torch.empty(ids.numel(), spec.dim, dtype=table.dtype)
-        if ids.numel():
-            self._wait(self.transport.irecv(values, server, "ps/pull", tag=self.channel.payload_tag), server)
-        sparse_wire.check_section_payload(header, None, values, server, where)
-        with torch.no_grad():
-            table.index_copy_(0, ids, values)
+        buffer = sparse_wire.empty_sections(len(self.tables))
+        self._wait(self.transport.irecv(buffer, server, "ps/pull", control=True, tag=self.channel.header_tag), server)
+        headers = sparse_wire.decode_sections(buffer, server)
+        for (spec, _), ids, header in zip(self.tables, wanted, headers):
+            sparse_wire.check_section_header(header, sparse_wire.ANSWER_SECTION, spec, server, ids.numel(), server,
+                                             where)
+            if header.numel != ids.numel():
+                raise ProtocolError(f"{where}: server rank {server} answered {header.numel} rows of table {spec.name}, "
+                                    f"{ids.numel()} were asked for", server)
+        specs = [spec for spec, _ in self.tables]
+        dtype = self.tables[0][1].dtype
+        body = torch.empty(sum(ids.numel() * spec.row_bytes for spec, ids in zip(specs, wanted)), dtype=torch.uint8)
+        if body.numel():
+            self._wait(self.transport.irecv(body, server, "ps/pull", tag=self.channel.payload_tag), server)
+        parts = sparse_wire.unpack(body, sparse_wire.ANSWER_SECTION, specs, [ids.numel() for ids in wanted], dtype)
+        for header, (_, table), ids, (_, values) in zip(headers, self.tables, wanted, parts):
+            sparse_wire.check_section_payload(header, None, values, server, where)
+            with torch.no_grad():
+                table.index_copy_(0, ids, values)
 
     def _wanted_rows(self, rows: dict | None) -> list[torch.Tensor]:
         """Per table, the unique sorted row ids to fetch (every row when ``rows`` is None); ValueError on bad ids."""
@@ -164,13 +174,15 @@ class Client:
             if payload.numel():
                 handles.append((self.transport.isend(payload, server, "ps/push", tag=self.channel.payload_tag),
                                 server))
-            for (spec, _), (ids, values), positions in zip(self.tables, touched, owners):
-                ids, values = ids[positions[server]], values[positions[server]]
-                rows_header = sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)
-                handles.append((self._send_header(server, rows_header), server))
-                for part in (ids, values) if ids.numel() else ():
-                    handles.append((self.transport.isend(part, server, "ps/push", tag=self.channel.payload_tag),
-                                    server))
+            sections = [(ids[positions[server]], values[positions[server]])
+                        for (ids, values), positions in zip(touched, owners)]
+            if sections:
+                headers = [sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)
+                           for (spec, _), (ids, values) in zip(self.tables, sections)]
+                handles.append((self._send_sections(server, headers), server))
+            body = sparse_wire.pack([ids for ids, _ in sections], [values for _, values in sections])
+            if body.numel():
+                handles.append((self.transport.isend(body, server, "ps/push", tag=self.channel.payload_tag), server))
         for handle, server in handles:
             self._wait(handle, server)
         for p in self.params + [table for _, table in self.tables]:
@@ -203,6 +215,10 @@ class Client:
 
     def _send_header(self, server: int, header: Header):
         return self.transport.isend(header.encode(), server, "ps/header", control=True, tag=self.channel.header_tag)
+
+    def _send_sections(self, server: int, headers: list[Header]):
+        return self.transport.isend(sparse_wire.sections_message(headers), server, "ps/header", control=True,
+                                    tag=self.channel.header_tag)
 
     def _receive_header(self, server: int, expect: int, op: str) -> Header:
         buffer = wire.empty_header()

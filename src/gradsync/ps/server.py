@@ -188,8 +188,8 @@ class Server:
             if header.version != self.clock[sender]:
                 raise ProtocolError(f"server rank {self.rank}: {header.describe()} says the worker has pushed "
                                     f"{header.version} times, the server counted {self.clock[sender]}; refused", sender)
-            self.pending_rows[sender] = [self._receive_rows(sender, table, sparse_wire.REQUEST_SECTION)[0]
-                                         for table in self.tables]
+            self.pending_rows[sender] = [local for local, _ in
+                                         self._receive_sections(sender, sparse_wire.REQUEST_SECTION)]
             self.pending_pulls.add(sender)
         elif header.kind == wire.CLOSE:
             self.open.discard(sender)
@@ -222,7 +222,7 @@ class Server:
         if header.flags & wire.FLAG_STOP:
             self.stop_asked = True
         # every section is read and checked before anything is applied: a refused push changes nothing
-        rows = [self._receive_rows(sender, table, sparse_wire.PUSH_SECTION) for table in self.tables]
+        rows = self._receive_sections(sender, sparse_wire.PUSH_SECTION)
         self.counts["pushes"] += 1
         self.counts["bytes_in"] += self.incoming.numel() * self.incoming.element_size()
         for table, (local, grad) in zip(self.tables, rows):
@@ -247,29 +247,34 @@ class Server:
             return wire.FLAG_STOP if self.final_version is not None and version >= self.final_version else 0
         return wire.FLAG_STOP if self.stop_asked else 0
 
-    def _receive_rows(self, sender: int, table: TableBlock, section: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One ROWS section from ``sender``: (local row ids, gradient rows or None for a pull request)."""
+    def _receive_sections(self, sender: int, section: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every table's ROWS section from ``sender`` (headers, then one body; sparse_wire.py): per table,
+        (local row ids, gradient rows or None for a pull request)."""
+        if not self.tables:
+            return []
         where = f"server rank {self.rank}"
-        buffer = wire.empty_header()
+        buffer = sparse_wire.empty_sections(len(self.tables))
         try:
             self.transport.irecv(buffer, sender, "ps/header", control=True, tag=self.channel.header_tag).wait()
         except PeerError as exc:
-            raise self._lost(sender, f"its rows of table {table.spec.name} never arrived") from exc
-        header = wire.decode(buffer, sender)
-        sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender, where)
-        k = header.numel
-        ids = torch.empty(k, dtype=torch.int64)
-        values = torch.empty(k, table.spec.dim, dtype=self.shard.dtype) if section == sparse_wire.PUSH_SECTION else None
-        op = "ps/push" if values is not None else "ps/pull/ids"
-        try:
-            for payload in ([ids] if values is None else [ids, values]) if k else []:
-                self.transport.irecv(payload, sender, op, tag=self.channel.payload_tag).wait()
-        except PeerError as exc:
-            raise self._lost(sender, f"its rows of table {table.spec.name} never arrived") from exc
-        sparse_wire.check_section_payload(header, ids, values, sender, where)
-        sparse_wire.check_ids(ids, table.spec, self.rank, self.num_servers, sender, where,
-                              unique=values is not None)
-        return table.local(ids), values
+            raise self._lost(sender, "its rows' headers never arrived") from exc
+        headers = sparse_wire.decode_sections(buffer, sender)
+        for table, header in zip(self.tables, headers):
+            sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender, where)
+        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)
+        if body.numel():
+            op = "ps/push" if section == sparse_wire.PUSH_SECTION else "ps/pull/ids"
+            try:
+                self.transport.irecv(body, sender, op, tag=self.channel.payload_tag).wait()
+            except PeerError as exc:
+                raise self._lost(sender, "its rows never arrived") from exc
+        parts = sparse_wire.unpack(body, section, [t.spec for t in self.tables], [h.numel for h in headers],
+                                   self.shard.dtype)
+        for table, header, (ids, values) in zip(self.tables, headers, parts):
+            sparse_wire.check_section_payload(header, ids, values, sender, where)
+            sparse_wire.check_ids(ids, table.spec, self.rank, self.num_servers, sender, where,
+                                  unique=values is not None)
+        return [(table.local(ids), values) for table, (ids, values) in zip(self.tables, parts)]
 
     def _advance_boundary(self) -> None:
         """Record the parameters at each new minimum clock (what a bound-0 SSP pull returns)."""
@@ -348,17 +353,21 @@ class Server:
                                                                tag=self.channel.payload_tag))
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
+            answers, headers = [], []
             for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
                 history = self.histories[index] if self.histories else None
                 values = history.read(blocks, local) if history else blocks[index].index_select(0, local)
-                rows_header = sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
-                                                         table.spec, None, values)
-                self._send_header(worker, rows_header)
-                if local.numel():
-                    self.sends[worker].append(self.transport.isend(values, worker, "ps/pull",
-                                                                   tag=self.channel.payload_tag))
+                headers.append(sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
+                                                          table.spec, None, values))
+                answers.append(values)
                 self.counts["rows_out"] += local.numel()
-                self.counts["bytes_out"] += rows_header.nbytes
+                self.counts["bytes_out"] += headers[-1].nbytes
+            if headers:
+                self.sends[worker].append(self.transport.isend(sparse_wire.sections_message(headers), worker,
+                                                               "ps/header", control=True, tag=self.channel.header_tag))
+            body = sparse_wire.pack([], answers)
+            if body.numel():
+                self.sends[worker].append(self.transport.isend(body, worker, "ps/pull", tag=self.channel.payload_tag))
 
     def _send_header(self, worker: int, header: Header) -> None:
         self.sends[worker].append(self.transport.isend(header.encode(), worker, "ps/header", control=True,

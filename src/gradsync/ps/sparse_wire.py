@@ -1,22 +1,30 @@
 """ROWS sections: how the rows of sparse tables travel, raw and checked (protocol.py for the header).
 
 After every PUSH, PULL and PARAMS header (and its dense payload, when the shard has one) come T
-ROWS sections, one per sparse table in the order of TableSpec.index. A section is one header
+ROWS section headers, one per sparse table in the order of TableSpec.index, in one message on the
+header tag (T x HEADER_WORDS words; sections_message, decode_sections):
 
     word  version = table index;  shard = server;  numel = k rows;  nbytes = k * bytes per row;
           checksum = checksum(ids) + checksum(values)
 
-followed, when k > 0, on the payload tag by:
+then, when any k > 0, one body on the payload tag: the bytes of every section's ids (int64, table by
+table), then of every section's values (k x D, table by table), so the ids stay 8-byte aligned and
+the receiver takes each part as a view of the one buffer (pack, unpack):
 
-    section            direction          payload                         bytes per row   meter op
+    section            direction          parts in the body               bytes per row   meter op
     push               worker -> server   ids (k int64), values (k x D)   8 + D*esize     ps/push
     pull request       worker -> server   ids (k int64)                   8               ps/pull/ids
     pull answer        server -> worker   values (k x D), in request order D*esize        ps/pull
 
+One message for the T headers and one body for all tables, rather than a message per header and
+per part: every message of the transport costs a round of its own (on torch.distributed's gloo a
+send waits for the receiver's ready). A word2vec step (two tables, no dense parameters) moves 9
+messages between a worker and a server, where a message per part made it 17.
+
 Ids are global row ids (row_sharding.py), each owned by the server it is sent to. The receiver checks
-the header before posting a receive (table index, k at most the rows that server holds, nbytes), then
-the checksum, then the ids: in range, owned by this server and, in a push, unique. Anything else is a
-ProtocolError naming the sender, and nothing of that push is applied.
+every header before posting the receive (table index, k at most the rows that server holds, nbytes),
+then each section's checksum, then its ids: in range, owned by this server and, in a push, unique.
+Anything else is a ProtocolError naming the sender, and nothing of that push is applied.
 """
 
 from __future__ import annotations
@@ -39,6 +47,43 @@ def section_header(section: str, sender: int, server: int, spec: TableSpec, ids:
     k = (ids if ids is not None else values).shape[0]
     total = (wire.checksum(ids) if ids is not None else 0) + (wire.checksum(values) if values is not None else 0)
     return Header(wire.ROWS, sender, spec.index, server, k, k * bytes_per_row(section, spec), total)
+
+
+def sections_message(headers: list[Header]) -> torch.Tensor:
+    """The T section headers as one message."""
+    return torch.cat([h.encode() for h in headers])
+
+
+def decode_sections(buffer: torch.Tensor, seen_from: int) -> list[Header]:
+    """The T section headers of one received message (protocol.decode checks each)."""
+    return [wire.decode(words, seen_from) for words in buffer.view(-1, wire.HEADER_WORDS)]
+
+
+def empty_sections(tables: int) -> torch.Tensor:
+    """A receive buffer for the section headers of ``tables`` tables."""
+    return torch.zeros(tables * wire.HEADER_WORDS, dtype=torch.int64)
+
+
+def pack(ids: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> torch.Tensor:
+    """One body (uint8): every section's ids, then every section's values (None: the section has no such part)."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in [*ids, *values] if t is not None]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(body: torch.Tensor, section: str, specs: list[TableSpec], rows: list[int],
+           dtype: torch.dtype) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per table, (ids, values) as views of ``body`` for sections of ``rows[i]`` rows (None: no such part)."""
+    offset, ids = 0, []
+    for k in rows:
+        ids.append(body[offset:offset + 8 * k].view(torch.int64) if section != ANSWER_SECTION else None)
+        offset += 8 * k if section != ANSWER_SECTION else 0
+    values = []
+    for spec, k in zip(specs, rows):
+        size = k * spec.dim * dtype.itemsize if section != REQUEST_SECTION else 0
+        values.append(body[offset:offset + size].view(dtype).view(k, spec.dim) if section != REQUEST_SECTION
+                      else None)
+        offset += size
+    return list(zip(ids, values))
 
 
 def check_section_header(header: Header, section: str, spec: TableSpec, server: int, rows_held: int,
