@@ -163,21 +163,18 @@ def malformed_push(kind):
             client = ps._client
             transport = default_transport()
             dense = torch.zeros(sum(p.numel() for p in client.params), dtype=torch.float64)
-            sends = [transport.isend(wire.Header(wire.PUSH, 2, 0, 0, dense.numel(), dense.numel() * 8,
-                                                 wire.checksum(dense)).encode(), 0, "test", control=True,
-                                     tag=client.channel.header_tag),
-                     transport.isend(dense, 0, "test", tag=client.channel.payload_tag)]
             bad = {"out_of_range": [3, EMB_ROWS + 7], "duplicate": [3, 5, 3]}[kind]
-            sections, headers = [], []
-            for spec, _ in client.tables:
-                ids = torch.tensor(bad if spec.name == "emb.weight" else [1], dtype=torch.int64)
-                values = torch.ones(len(ids), DIM, dtype=torch.float64)
-                headers.append(sparse_wire.section_header(sparse_wire.PUSH_SECTION, 2, 0, spec, ids, values))
-                sections.append((ids, values))
-            sends.append(transport.isend(sparse_wire.sections_message(headers), 0, "test", control=True,
-                                         tag=client.channel.header_tag))
-            body = sparse_wire.pack([ids for ids, _ in sections], [values for _, values in sections])
-            sends.append(transport.isend(body, 0, "test", tag=client.channel.payload_tag))
+            rows = [(torch.tensor(bad if spec.name == "emb.weight" else [1], dtype=torch.int64), spec)
+                    for spec, _ in client.tables]
+            rows = [(ids, torch.ones(len(ids), DIM, dtype=torch.float64), spec) for ids, spec in rows]
+            sections = [sparse_wire.section_header(sparse_wire.PUSH_SECTION, 2, 0, spec, ids, values)
+                        for ids, values, spec in rows]
+            header = wire.Header(wire.PUSH, 2, 0, 0, dense.numel(), dense.numel() * 8, wire.checksum(dense))
+            body = sparse_wire.pack([ids for ids, _, _ in rows], [values for _, values, _ in rows])
+            sends = [transport.isend(wire.message(header, sections, len(client.tables)), 0, "test", control=True,
+                                     tag=client.channel.header_tag),
+                     transport.isend(dense, 0, "test", tag=client.channel.payload_tag),
+                     transport.isend(body, 0, "test", tag=client.channel.payload_tag)]
             for handle in sends:
                 handle.wait()
         else:

@@ -65,16 +65,15 @@ class Client:
         started = time.monotonic()
         sends = []
         for server in self.servers:
-            sends.append((self._send_header(server, Header(wire.PULL, self.rank, self.clock, server)), server))
-            if self.tables:
-                headers = [sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
-                           for (spec, _), ids in zip(self.tables, wanted[server])]
-                sends.append((self._send_sections(server, headers), server))
+            sections = [sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
+                        for (spec, _), ids in zip(self.tables, wanted[server])]
+            sends.append((self._send_header(server, Header(wire.PULL, self.rank, self.clock, server), sections),
+                          server))
             body = sparse_wire.pack(wanted[server], [])
             if body.numel():
                 sends.append((self.transport.isend(body, server, "ps/pull/ids", tag=self.channel.payload_tag), server))
         for server in self.servers:
-            header = self._receive_header(server, expect=wire.PARAMS, op="ps/pull")
+            header, message = self._receive_header(server, expect=wire.PARAMS, op="ps/pull")
             buffer = self.buffers[server]
             if header.shard != server:
                 raise ProtocolError(f"worker rank {self.rank}: server rank {server} answered for shard "
@@ -85,7 +84,7 @@ class Client:
             wire.check_payload(header, buffer, server)
             scatter_shard(buffer, self.plan.pieces[server], self.params)
             if self.tables:
-                self._receive_answers(server, wanted[server])
+                self._receive_answers(server, wanted[server], message)
             self.versions[server] = header.version
             self.stopping |= bool(header.flags & wire.FLAG_STOP)
         for handle, server in sends:
@@ -93,13 +92,11 @@ class Client:
         self.pulled_since_push = True
         self.pull_wait_seconds += time.monotonic() - started
 
-    def _receive_answers(self, server: int, wanted: list[torch.Tensor]) -> None:
-        """Every table's rows ``wanted[i]`` from ``server`` (T headers, then one body), written into the local
-        tables."""
+    def _receive_answers(self, server: int, wanted: list[torch.Tensor], message: torch.Tensor) -> None:
+        """Every table's rows ``wanted[i]`` from ``server`` (the section headers in the PARAMS message, then
+        one body), written into the local tables."""
         where = f"worker rank {self.rank}"
-        buffer = sparse_wire.empty_sections(len(self.tables))
-        self._wait(self.transport.irecv(buffer, server, "ps/pull", control=True, tag=self.channel.header_tag), server)
-        headers = sparse_wire.decode_sections(buffer, server)
+        headers = sparse_wire.decode_sections(message, len(self.tables), server)
         for (spec, _), ids, header in zip(self.tables, wanted, headers):
             sparse_wire.check_section_header(header, sparse_wire.ANSWER_SECTION, spec, server, ids.numel(), server,
                                              where)
@@ -170,17 +167,15 @@ class Client:
             header = Header(wire.PUSH, self.rank, self.versions[server], server, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload),
                             wire.FLAG_STOP if stop else 0)
-            handles.append((self._send_header(server, header), server))
+            rows = [(ids[positions[server]], values[positions[server]])
+                    for (ids, values), positions in zip(touched, owners)]
+            sections = [sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)
+                        for (spec, _), (ids, values) in zip(self.tables, rows)]
+            handles.append((self._send_header(server, header, sections), server))
             if payload.numel():
                 handles.append((self.transport.isend(payload, server, "ps/push", tag=self.channel.payload_tag),
                                 server))
-            sections = [(ids[positions[server]], values[positions[server]])
-                        for (ids, values), positions in zip(touched, owners)]
-            if sections:
-                headers = [sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)
-                           for (spec, _), (ids, values) in zip(self.tables, sections)]
-                handles.append((self._send_sections(server, headers), server))
-            body = sparse_wire.pack([ids for ids, _ in sections], [values for _, values in sections])
+            body = sparse_wire.pack([ids for ids, _ in rows], [values for _, values in rows])
             if body.numel():
                 handles.append((self.transport.isend(body, server, "ps/push", tag=self.channel.payload_tag), server))
         for handle, server in handles:
@@ -213,15 +208,13 @@ class Client:
             raise RuntimeError(f"worker rank {self.rank}: {what}() after close(); this worker has left the "
                                f"parameter server")
 
-    def _send_header(self, server: int, header: Header):
-        return self.transport.isend(header.encode(), server, "ps/header", control=True, tag=self.channel.header_tag)
+    def _send_header(self, server: int, header: Header, sections: list[Header] = ()):
+        return self.transport.isend(wire.message(header, list(sections), len(self.tables)), server, "ps/header",
+                                    control=True, tag=self.channel.header_tag)
 
-    def _send_sections(self, server: int, headers: list[Header]):
-        return self.transport.isend(sparse_wire.sections_message(headers), server, "ps/header", control=True,
-                                    tag=self.channel.header_tag)
-
-    def _receive_header(self, server: int, expect: int, op: str) -> Header:
-        buffer = wire.empty_header()
+    def _receive_header(self, server: int, expect: int, op: str) -> tuple[Header, torch.Tensor]:
+        """The next header message from ``server``: its header (of kind ``expect``) and the message."""
+        buffer = wire.empty_header(len(self.tables))
         self._wait(self.transport.irecv(buffer, server, op, control=True, tag=self.channel.header_tag), server)
         header = wire.decode(buffer, server)
         if header.kind == wire.ABORT:
@@ -229,7 +222,7 @@ class Client:
         if header.kind != expect:
             raise ProtocolError(f"worker rank {self.rank}: expected {wire.KIND_NAMES[expect]} from server rank "
                                 f"{server}, got {header.describe()}", server)
-        return header
+        return header, buffer
 
     def _aborted(self, server: int, header: Header) -> ServerAbortedError:
         culprit = header.version if header.version >= 0 else None

@@ -25,9 +25,11 @@ the wrong size. Conversation:
     worker -> server   CLOSE                 answered by BYE
     server -> worker   ABORT                 the server stopped on an error (``reason`` in numel)
 
-A model with sparse tables (sparse_wire.py) follows every PUSH, PULL and PARAMS with one ROWS
-section per table: a ROWS header (version word = table index, numel = rows) then raw row ids
-and/or row values. Dense payloads of 0 elements (a model with only sparse tables) are not sent.
+A model with T sparse tables (sparse_wire.py) sends every header as a message of 1 + T headers:
+after a PUSH, PULL or PARAMS header come its T ROWS section headers (version word = table index,
+numel = rows), and every other kind is padded with T zero headers, so that every message on the
+header tag has one length. The rows themselves follow on the payload tag (after the dense payload)
+as one body. Dense payloads of 0 elements (a model with only sparse tables) are not sent.
 
 Stopping early (a preemption, train/loop_ps.py): a PUSH with FLAG_STOP asks the servers to end
 the job; a PARAMS with FLAG_STOP tells the worker that the parameters it carries are the last ones
@@ -104,9 +106,17 @@ class Header:
                 f"(version {self.version}, shard {self.shard}, {self.numel} elements, {self.nbytes} bytes)")
 
 
-def empty_header() -> torch.Tensor:
-    """A receive buffer for one header."""
-    return torch.zeros(HEADER_WORDS, dtype=torch.int64)
+def empty_header(tables: int = 0) -> torch.Tensor:
+    """A receive buffer for one header message of a model with ``tables`` sparse tables."""
+    return torch.zeros((1 + tables) * HEADER_WORDS, dtype=torch.int64)
+
+
+def message(header: "Header", sections: list["Header"], tables: int) -> torch.Tensor:
+    """One header message: ``header``, then its section headers, zero-padded to ``tables`` of them."""
+    words = empty_header(tables)
+    for index, part in enumerate([header, *sections]):
+        words[index * HEADER_WORDS:(index + 1) * HEADER_WORDS] = part.encode()
+    return words
 
 
 def checksum(payload: torch.Tensor) -> int:
@@ -117,11 +127,12 @@ def checksum(payload: torch.Tensor) -> int:
 
 
 def decode(buffer: torch.Tensor, seen_from: int) -> Header:
-    """Parse a received header; ``seen_from`` is the rank the transport received it from.
+    """Parse a received header (the first HEADER_WORDS words of ``buffer``); ``seen_from`` is the rank the
+    transport received it from.
 
     Raises ProtocolError naming ``seen_from`` when the magic, kind or sender word is wrong.
     """
-    words = buffer.tolist()
+    words = buffer[:HEADER_WORDS].tolist()
     if words[0] != MAGIC:
         raise ProtocolError(f"rank {seen_from} sent a message that is not a gradsync parameter-server header "
                             f"(magic {words[0]:#x}, expected {MAGIC:#x}); refused", seen_from)

@@ -143,10 +143,10 @@ class Server:
             while self.open:
                 if stop is not None and not self.stop_asked and stop():
                     self.stop_asked = True   # sync: final_version is set when the next version is stepped
-                header = self._next_header()
+                header, message = self._next_message()
                 self.last_seen[header.sender] = time.monotonic()
                 self._settle_sends(header.sender)
-                self._handle(header)
+                self._handle(header, message)
                 self._answer_pulls()
                 self.most_sends_in_flight = max(self.most_sends_in_flight, sum(map(len, self.sends.values())))
                 self._check_liveness()
@@ -159,8 +159,9 @@ class Server:
             self._abort(wire.REASON_DEAD_WORKER, exc.worker, str(exc))
             raise
 
-    def _next_header(self) -> Header:
-        buffer = wire.empty_header()
+    def _next_message(self) -> tuple[Header, torch.Tensor]:
+        """The next header message from any worker: its header, and the message (section headers follow)."""
+        buffer = wire.empty_header(len(self.tables))
         handle = self.transport.irecv(buffer, None, "ps/header", control=True, tag=self.channel.header_tag)
         started = time.monotonic()
         try:
@@ -172,9 +173,9 @@ class Server:
         if sender not in self.clock:
             raise ProtocolError(f"server rank {self.rank}: rank {sender} is not a worker of this parameter "
                                 f"server (workers: {self.workers}); its message was refused", sender)
-        return wire.decode(buffer, sender)
+        return wire.decode(buffer, sender), buffer
 
-    def _handle(self, header: Header) -> None:
+    def _handle(self, header: Header, message: torch.Tensor) -> None:
         sender = header.sender
         if sender not in self.open:
             raise ProtocolError(f"server rank {self.rank}: unexpected {header.describe()}: that worker already "
@@ -183,13 +184,13 @@ class Server:
             raise ProtocolError(f"server rank {self.rank}: {header.describe()} is about shard {header.shard}, "
                                 f"but this server owns shard {self.rank}; refused", sender)
         if header.kind == wire.PUSH:
-            self._on_push(header)
+            self._on_push(header, message)
         elif header.kind == wire.PULL:
             if header.version != self.clock[sender]:
                 raise ProtocolError(f"server rank {self.rank}: {header.describe()} says the worker has pushed "
                                     f"{header.version} times, the server counted {self.clock[sender]}; refused", sender)
             self.pending_rows[sender] = [local for local, _ in
-                                         self._receive_sections(sender, sparse_wire.REQUEST_SECTION)]
+                                         self._receive_sections(sender, sparse_wire.REQUEST_SECTION, message)]
             self.pending_pulls.add(sender)
         elif header.kind == wire.CLOSE:
             self.open.discard(sender)
@@ -202,7 +203,7 @@ class Server:
             raise ProtocolError(f"server rank {self.rank}: a worker may not send {header.describe()}; refused",
                                 sender)
 
-    def _on_push(self, header: Header) -> None:
+    def _on_push(self, header: Header, message: torch.Tensor) -> None:
         sender = header.sender
         wire.check_payload_header(header, self.shard.numel(), self.shard.element_size(), sender)
         if header.version > self.version:
@@ -222,7 +223,7 @@ class Server:
         if header.flags & wire.FLAG_STOP:
             self.stop_asked = True
         # every section is read and checked before anything is applied: a refused push changes nothing
-        rows = self._receive_sections(sender, sparse_wire.PUSH_SECTION)
+        rows = self._receive_sections(sender, sparse_wire.PUSH_SECTION, message)
         self.counts["pushes"] += 1
         self.counts["bytes_in"] += self.incoming.numel() * self.incoming.element_size()
         for table, (local, grad) in zip(self.tables, rows):
@@ -247,18 +248,14 @@ class Server:
             return wire.FLAG_STOP if self.final_version is not None and version >= self.final_version else 0
         return wire.FLAG_STOP if self.stop_asked else 0
 
-    def _receive_sections(self, sender: int, section: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Every table's ROWS section from ``sender`` (headers, then one body; sparse_wire.py): per table,
-        (local row ids, gradient rows or None for a pull request)."""
+    def _receive_sections(self, sender: int, section: str,
+                          message: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every table's ROWS section from ``sender`` (the headers in ``message``, then one body;
+        sparse_wire.py): per table, (local row ids, gradient rows or None for a pull request)."""
         if not self.tables:
             return []
         where = f"server rank {self.rank}"
-        buffer = sparse_wire.empty_sections(len(self.tables))
-        try:
-            self.transport.irecv(buffer, sender, "ps/header", control=True, tag=self.channel.header_tag).wait()
-        except PeerError as exc:
-            raise self._lost(sender, "its rows' headers never arrived") from exc
-        headers = sparse_wire.decode_sections(buffer, sender)
+        headers = sparse_wire.decode_sections(message, len(self.tables), sender)
         for table, header in zip(self.tables, headers):
             sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender, where)
         body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)
@@ -344,34 +341,32 @@ class Server:
             version, payload, blocks = self.version, self.published, self.published_tables
             if self.mode == "ssp" and self.staleness_bound == 0:
                 version, payload, blocks = self.boundary[self.clock[worker]]
+            answers, sections = [], []
+            for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
+                history = self.histories[index] if self.histories else None
+                values = history.read(blocks, local) if history else blocks[index].index_select(0, local)
+                sections.append(sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
+                                                           table.spec, None, values))
+                answers.append(values)
+                self.counts["rows_out"] += local.numel()
+                self.counts["bytes_out"] += sections[-1].nbytes
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload),
                             self._stop_flag(version))
-            self._send_header(worker, header)
+            self._send_header(worker, header, sections)
             if payload.numel():
                 self.sends[worker].append(self.transport.isend(payload, worker, "ps/pull",
                                                                tag=self.channel.payload_tag))
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
-            answers, headers = [], []
-            for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
-                history = self.histories[index] if self.histories else None
-                values = history.read(blocks, local) if history else blocks[index].index_select(0, local)
-                headers.append(sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
-                                                          table.spec, None, values))
-                answers.append(values)
-                self.counts["rows_out"] += local.numel()
-                self.counts["bytes_out"] += headers[-1].nbytes
-            if headers:
-                self.sends[worker].append(self.transport.isend(sparse_wire.sections_message(headers), worker,
-                                                               "ps/header", control=True, tag=self.channel.header_tag))
             body = sparse_wire.pack([], answers)
             if body.numel():
                 self.sends[worker].append(self.transport.isend(body, worker, "ps/pull", tag=self.channel.payload_tag))
 
-    def _send_header(self, worker: int, header: Header) -> None:
-        self.sends[worker].append(self.transport.isend(header.encode(), worker, "ps/header", control=True,
-                                               tag=self.channel.header_tag))
+    def _send_header(self, worker: int, header: Header, sections: list[Header] = ()) -> None:
+        self.sends[worker].append(self.transport.isend(wire.message(header, list(sections), len(self.tables)),
+                                                       worker, "ps/header", control=True,
+                                                       tag=self.channel.header_tag))
 
     def _settle_sends(self, worker: int) -> None:
         """Wait for every send posted to ``worker``. Called when a message from it arrives: a worker
@@ -411,7 +406,7 @@ class Server:
         dead = {culprit} if reason == wire.REASON_DEAD_WORKER else set()
         for worker in sorted(self.open - dead):
             try:
-                self.transport.isend(header.encode(), worker, "ps/header", control=True,
+                self.transport.isend(wire.message(header, [], len(self.tables)), worker, "ps/header", control=True,
                                      tag=self.channel.header_tag).wait(timeout=2.0)
             except (PeerError, RuntimeError):  # gloo refuses to send on a connection it closed
                 pass

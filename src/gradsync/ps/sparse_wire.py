@@ -1,25 +1,25 @@
 """ROWS sections: how the rows of sparse tables travel, raw and checked (protocol.py for the header).
 
-After every PUSH, PULL and PARAMS header (and its dense payload, when the shard has one) come T
-ROWS section headers, one per sparse table in the order of TableSpec.index, in one message on the
-header tag (T x HEADER_WORDS words; sections_message, decode_sections):
+Every PUSH, PULL and PARAMS header carries, in the same message (protocol.message), T ROWS section
+headers, one per sparse table in the order of TableSpec.index (decode_sections):
 
     word  version = table index;  shard = server;  numel = k rows;  nbytes = k * bytes per row;
           checksum = checksum(ids) + checksum(values)
 
-then, when any k > 0, one body on the payload tag: the bytes of every section's ids (int64, table by
-table), then of every section's values (k x D, table by table), so the ids stay 8-byte aligned and
-the receiver takes each part as a view of the one buffer (pack, unpack):
+After the dense payload (when the shard has one) comes, when any k > 0, one body on the payload tag:
+the bytes of every section's ids (int64, table by table), then of every section's values (k x D,
+table by table), so the ids stay 8-byte aligned and the receiver takes each part as a view of the
+one buffer (pack, unpack):
 
     section            direction          parts in the body               bytes per row   meter op
     push               worker -> server   ids (k int64), values (k x D)   8 + D*esize     ps/push
     pull request       worker -> server   ids (k int64)                   8               ps/pull/ids
     pull answer        server -> worker   values (k x D), in request order D*esize        ps/pull
 
-One message for the T headers and one body for all tables, rather than a message per header and
-per part: every message of the transport costs a round of its own (on torch.distributed's gloo a
-send waits for the receiver's ready). A word2vec step (two tables, no dense parameters) moves 9
-messages between a worker and a server, where a message per part made it 17.
+Section headers inside the header message and one body for all tables, rather than a message per
+header and per part: every message of the transport costs a round of its own (on
+torch.distributed's gloo a send waits for the receiver's ready). A word2vec step (two tables, no
+dense parameters) moves 6 messages between a worker and a server, where a message per part made it 17.
 
 Ids are global row ids (row_sharding.py), each owned by the server it is sent to. The receiver checks
 every header before posting the receive (table index, k at most the rows that server holds, nbytes),
@@ -49,19 +49,10 @@ def section_header(section: str, sender: int, server: int, spec: TableSpec, ids:
     return Header(wire.ROWS, sender, spec.index, server, k, k * bytes_per_row(section, spec), total)
 
 
-def sections_message(headers: list[Header]) -> torch.Tensor:
-    """The T section headers as one message."""
-    return torch.cat([h.encode() for h in headers])
-
-
-def decode_sections(buffer: torch.Tensor, seen_from: int) -> list[Header]:
-    """The T section headers of one received message (protocol.decode checks each)."""
-    return [wire.decode(words, seen_from) for words in buffer.view(-1, wire.HEADER_WORDS)]
-
-
-def empty_sections(tables: int) -> torch.Tensor:
-    """A receive buffer for the section headers of ``tables`` tables."""
-    return torch.zeros(tables * wire.HEADER_WORDS, dtype=torch.int64)
+def decode_sections(message: torch.Tensor, tables: int, seen_from: int) -> list[Header]:
+    """The T section headers that follow the header in one received header message."""
+    words = message[wire.HEADER_WORDS:].view(-1, wire.HEADER_WORDS)
+    return [wire.decode(words[index], seen_from) for index in range(tables)]
 
 
 def pack(ids: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> torch.Tensor:
