@@ -14,7 +14,12 @@ A failed or timed-out wait raises PeerError naming this rank, the peer, the oper
 count; nothing waits forever.
 
 TorchTransport carries the bytes with torch.distributed point-to-point on the world's group
-(runtime.transfer_group: gloo on CPU, NCCL on GPU);
+(runtime.transfer_group: gloo on CPU, NCCL on GPU). When the world spans hosts, the collectives'
+own messages (tag 0) from a higher to a lower rank travel on a second gloo group of their own, so
+that each direction between two ranks has its own connection: gloo moves one connection's two
+directions one after the other (two hosts at 200 Mbit/s exchanging 4 MiB each way: 272 ms on one
+group, 173 ms on two, against 168 ms for 4 MiB one way on the wire). Receives on tag 0 name their
+source, so both ends know which group a message is on;
 ShmTransport (shm.py) carries them through shared memory between ranks of one host and hands the
 rest to a TorchTransport. init() builds the world's transport (default_transport), chosen by
 GRADSYNC_TRANSPORT (see TRANSPORTS).
@@ -155,10 +160,16 @@ class TorchTransport(Transport):
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
         self.world = world
+        self.downward = None   # the group for tag-0 messages to a lower rank (module docstring)
+        if len(world.hosts) > 1 and world.store is not None:   # every rank builds one TorchTransport
+            self.downward = dist.ProcessGroupGloo(dist.PrefixStore("gloo-downward", world.store), world.rank,
+                                                  world.world_size, self.wait_timeout)
 
-    def _group(self, tensor: torch.Tensor) -> dist.ProcessGroup:
+    def _group(self, tensor: torch.Tensor, source: int | None, target: int, tag: int) -> dist.ProcessGroup:
         if tensor.is_cuda and self.world.joined:
             return dist.distributed_c10d._get_default_group()
+        if self.downward is not None and tag == 0 and source is not None and source > target and not tensor.is_cuda:
+            return self.downward
         return runtime.transfer_group(self.world)
 
     def _check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
@@ -170,12 +181,12 @@ class TorchTransport(Transport):
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         self._check(tensor, dst, op)
-        work = self._group(tensor).send([tensor], dst, tag)
+        work = self._group(tensor, self.rank, dst, tag).send([tensor], dst, tag)
         return _TorchHandle(work, self, dst, op, tensor.numel() * tensor.element_size(), True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         self._check(tensor, src, op)
-        group = self._group(tensor)
+        group = self._group(tensor, src, self.rank, tag)
         work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
         return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
 
