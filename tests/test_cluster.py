@@ -192,3 +192,22 @@ def test_cost_model_host_term_by_hand():
     # async: the server takes a push every M*(beta + 2h) = 0.224 s; W workers offer one each per
     # c + 2*(alpha + M*beta) = 0.288 s, so the server binds: W pushes take 4 * 0.224 s
     assert cost.strategy_cost("ps-async", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s == pytest.approx(0.896)
+
+
+def test_host_term_fit_recovers_the_term_of_a_row_made_with_it():
+    """fit_host_s_per_byte inverts the serial sync-PS step, step = c + 2*W*M*(beta + h) (alphas
+    apart), on rows made with known h; other strategies and S = 2 rows are left out of the fit."""
+    from gradsync.cluster.results import fit_host_s_per_byte, link_for
+
+    def row(strategy, workers, servers, h):
+        m, c = 16e6, 0.02
+        beta = link_for("1gbit", 1e-4).beta
+        return {"strategy": strategy, "servers": servers, "workers": workers, "model_bytes": m, "link": "1gbit",
+                "alpha_s": 1e-4, "compute_s": c, "step_s": c + 2 * workers * m * (beta + h)}
+
+    rows = [row("ps-sync", 2, 1, 1.0e-9), row("ps-sync", 4, 1, 1.2e-9), row("ps-sync", 6, 1, 1.4e-9),
+            row("ps-sync", 4, 2, 9e-9), row("ring", 4, 0, 9e-9)]
+    assert fit_host_s_per_byte(rows) == pytest.approx(1.2e-9)
+    assert fit_host_s_per_byte([row("ps-sync", 2, 1, -1e-9)]) == 0.0   # faster than the wire: no host term
+    with pytest.raises(ValueError, match="sync-PS rows with one server"):
+        fit_host_s_per_byte([row("ring", 4, 0, 1e-9)])

@@ -26,7 +26,9 @@ Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job'
                          one link, so the inter-host beta is L*beta
 "wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
 it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
-ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6.
+ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6
+(fit_host_s_per_byte). That value was fitted under heavy load; ``gradsync cluster --fit-host
+JSON`` fits h from the sync-PS rows of another run and predicts with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 """
 
@@ -80,6 +82,22 @@ def with_predictions(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> dic
     predicted = predict(row, host_s_per_byte).step_s
     return {**row, "predicted_s": predicted, "wire_only_s": predict(row, 0.0).step_s,
             "host_s_per_byte": host_s_per_byte, "error": predicted / row["step_s"] - 1}
+
+
+def fit_host_s_per_byte(rows: list[dict]) -> float:
+    """h from sync-PS rows with one server (module docstring): the median over them of
+    (step - c - 2*W*M*beta) / (2*W*M), at least 0. The host term moves with the machine's load
+    (CPU per byte), so fit it from rows measured in the conditions it is to predict."""
+    fits = []
+    for row in rows:
+        if row["strategy"] == "ps-sync" and row["servers"] == 1:
+            traffic = 2 * row["workers"] * row["model_bytes"]
+            beta = link_for(row["link"], row["alpha_s"]).beta
+            fits.append((row["step_s"] - row["compute_s"] - traffic * beta) / traffic)
+    if not fits:
+        raise ValueError("fitting the host term needs sync-PS rows with one server (gradsync cluster --strategy "
+                         "ps-sync --servers 1 ...); none were given")
+    return max(0.0, statistics.median(fits))
 
 
 def _off_host_payload(rank: dict, job: Job) -> tuple[int, int]:

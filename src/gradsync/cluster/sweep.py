@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-json", metavar="PATH", action="append", default=[],
                         help="instead of running: the rows of earlier --json files (repeatable), predictions redone "
                              "with today's model; for tables and figures")
+    parser.add_argument("--fit-host", metavar="PATH", action="append", default=[],
+                        help="predict with the host term fitted from the one-server sync-PS rows of these --json "
+                             "files (repeatable; default: the value fitted on this machine under load, "
+                             "cluster/results.py)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     parser.add_argument("--clean", action="store_true",
                         help="only delete namespaces left by cluster runs (of any process) and exit")
@@ -200,13 +204,21 @@ def main(args) -> int:
         swept = netns.sweep_stale(everything=True)
         print(f"deleted {len(swept)} namespace(s){': ' + ', '.join(swept) if swept else ''}")
         return 0
-    if args.from_json:
-        from gradsync.cluster.results import with_predictions
+    host = None
+    if args.fit_host:
+        from gradsync.cluster.results import fit_host_s_per_byte
 
-        rows = [with_predictions(row) for path in args.from_json for row in json.load(open(path))["rows"]]
+        host = fit_host_s_per_byte([row for path in args.fit_host for row in json.load(open(path))["rows"]])
+        print(f"host term fitted from {', '.join(args.fit_host)}: {host * 1e9:.2f} ns/B")
+    if args.from_json:
+        rows = [row for path in args.from_json for row in json.load(open(path))["rows"]]
         failures = []
     else:
         rows, failures = run(args)
+    if args.from_json or host is not None:
+        from gradsync.cluster.results import HOST_S_PER_BYTE, with_predictions
+
+        rows = [with_predictions(row, HOST_S_PER_BYTE if host is None else host) for row in rows]
     if rows:
         (print_markdown if args.markdown else print_table)(rows)
     if args.json:
