@@ -168,7 +168,7 @@ class TorchTransport(Transport):
     def _group(self, tensor: torch.Tensor, source: int | None, target: int, tag: int) -> dist.ProcessGroup:
         if tensor.is_cuda and self.world.joined:
             return dist.distributed_c10d._get_default_group()
-        if self.downward is not None and tag == 0 and source is not None and source > target and not tensor.is_cuda:
+        if self.downward is not None and tag == 0 and source is not None and source > target:
             return self.downward
         return runtime.transfer_group(self.world)
 
