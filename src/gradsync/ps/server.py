@@ -12,6 +12,9 @@ Consistency models (what a PUSH does, and when a PULL is answered):
            answered once version == c, so every worker computes step c on the same parameters.
     async  every PUSH is applied on arrival as one optimizer step on gradient / W (the 1/W keeps
            W pushes worth one synchronous step); a PULL is answered at once with the newest version.
+           A push is read while the server takes the next message (one push in flight): an answer
+           to another worker goes out on the link while the push comes in. The push is applied
+           before anything else its worker sends, and before the next push.
            staleness = version at apply - version the gradient was computed on, recorded per update.
     ssp    applied as async, but a PULL from a worker at clock c waits while c - min(open clocks)
            > staleness_bound (Ho et al., NIPS 2013), then returns the newest version. A huge bound
@@ -125,6 +128,7 @@ class Server:
         self._keep_snapshots()
         self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
         self.most_sends_in_flight = 0
+        self.in_flight = None   # async, ssp: (header, section headers, body, receives) of a push being read
         self.counts = Counter()
         self.staleness = Counter()
         self.gaps = Counter()
@@ -146,10 +150,15 @@ class Server:
                 header, message = self._next_message()
                 self.last_seen[header.sender] = time.monotonic()
                 self._settle_sends(header.sender)
+                if self.in_flight is not None and (header.kind == wire.PUSH
+                                                   or header.sender == self.in_flight[0].sender):
+                    self._finish_push()   # one push in flight; a worker's own next message sees it applied
                 self._handle(header, message)
                 self._answer_pulls()
                 self.most_sends_in_flight = max(self.most_sends_in_flight, sum(map(len, self.sends.values())))
                 self._check_liveness()
+            if self.in_flight is not None:
+                self._finish_push()
             for worker in list(self.sends):
                 self._settle_sends(worker)
         except ProtocolError as exc:
@@ -189,8 +198,7 @@ class Server:
             if header.version != self.clock[sender]:
                 raise ProtocolError(f"server rank {self.rank}: {header.describe()} says the worker has pushed "
                                     f"{header.version} times, the server counted {self.clock[sender]}; refused", sender)
-            self.pending_rows[sender] = [local for local, _ in
-                                         self._receive_sections(sender, sparse_wire.REQUEST_SECTION, message)]
+            self.pending_rows[sender] = self._pull_request(sender, message)
             self.pending_pulls.add(sender)
         elif header.kind == wire.CLOSE:
             self.open.discard(sender)
@@ -204,6 +212,9 @@ class Server:
                                 sender)
 
     def _on_push(self, header: Header, message: torch.Tensor) -> None:
+        """Check a PUSH header and post the receives of its payload and rows. sync reads and applies
+        the push at once; async and ssp leave it in flight (_finish_push) while they read the next
+        message, so that an answer to another worker goes out while the push comes in."""
         sender = header.sender
         wire.check_payload_header(header, self.shard.numel(), self.shard.element_size(), sender)
         if header.version > self.version:
@@ -214,16 +225,28 @@ class Server:
                 f"server rank {self.rank}: unexpected {header.describe()}: in sync mode each worker pushes once per "
                 f"version, on the version it pulled (server is at {self.version}); call pull() before every "
                 f"push(); refused", sender)
-        if self.incoming.numel():
-            try:
-                self.transport.irecv(self.incoming, sender, "ps/push", tag=self.channel.payload_tag).wait()
-            except PeerError as exc:
-                raise self._lost(sender, "its gradient payload never arrived") from exc
+        sections = self._section_headers(sender, sparse_wire.PUSH_SECTION, message)
+        body = torch.empty(sum(h.nbytes for h in sections), dtype=torch.uint8)
+        handles = [self.transport.irecv(buffer, sender, "ps/push", tag=self.channel.payload_tag)
+                   for buffer in (self.incoming, body) if buffer.numel()]
+        self.in_flight = (header, sections, body, handles)
+        if self.mode == "sync":
+            self._finish_push()
+
+    def _finish_push(self) -> None:
+        """Read the push in flight, check all of it, then apply it (a refused push changes nothing)."""
+        header, sections, body, handles = self.in_flight
+        self.in_flight = None
+        sender = header.sender
+        try:
+            for handle in handles:
+                handle.wait()
+        except PeerError as exc:
+            raise self._lost(sender, "its gradient never arrived") from exc
         wire.check_payload(header, self.incoming, sender)
+        rows = self._checked_sections(sender, sparse_wire.PUSH_SECTION, sections, body)
         if header.flags & wire.FLAG_STOP:
             self.stop_asked = True
-        # every section is read and checked before anything is applied: a refused push changes nothing
-        rows = self._receive_sections(sender, sparse_wire.PUSH_SECTION, message)
         self.counts["pushes"] += 1
         self.counts["bytes_in"] += self.incoming.numel() * self.incoming.element_size()
         for table, (local, grad) in zip(self.tables, rows):
@@ -248,23 +271,19 @@ class Server:
             return wire.FLAG_STOP if self.final_version is not None and version >= self.final_version else 0
         return wire.FLAG_STOP if self.stop_asked else 0
 
-    def _receive_sections(self, sender: int, section: str,
-                          message: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Every table's ROWS section from ``sender`` (the headers in ``message``, then one body;
-        sparse_wire.py): per table, (local row ids, gradient rows or None for a pull request)."""
-        if not self.tables:
-            return []
-        where = f"server rank {self.rank}"
+    def _section_headers(self, sender: int, section: str, message: torch.Tensor) -> list[Header]:
+        """The T ROWS section headers in a header message from ``sender``, each checked (sparse_wire.py)."""
         headers = sparse_wire.decode_sections(message, len(self.tables), sender)
         for table, header in zip(self.tables, headers):
-            sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender, where)
-        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)
-        if body.numel():
-            op = "ps/push" if section == sparse_wire.PUSH_SECTION else "ps/pull/ids"
-            try:
-                self.transport.irecv(body, sender, op, tag=self.channel.payload_tag).wait()
-            except PeerError as exc:
-                raise self._lost(sender, "its rows never arrived") from exc
+            sparse_wire.check_section_header(header, section, table.spec, self.rank, table.rows_held, sender,
+                                             f"server rank {self.rank}")
+        return headers
+
+    def _checked_sections(self, sender: int, section: str, headers: list[Header],
+                          body: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per table, (local row ids, gradient rows or None for a pull request) out of a received body,
+        once its checksums and ids are checked."""
+        where = f"server rank {self.rank}"
         parts = sparse_wire.unpack(body, section, [t.spec for t in self.tables], [h.numel for h in headers],
                                    self.shard.dtype)
         for table, header, (ids, values) in zip(self.tables, headers, parts):
@@ -272,6 +291,17 @@ class Server:
             sparse_wire.check_ids(ids, table.spec, self.rank, self.num_servers, sender, where,
                                   unique=values is not None)
         return [(table.local(ids), values) for table, (ids, values) in zip(self.tables, parts)]
+
+    def _pull_request(self, sender: int, message: torch.Tensor) -> list[torch.Tensor]:
+        """The local rows a PULL asks for, per table (its ids body read at once)."""
+        headers = self._section_headers(sender, sparse_wire.REQUEST_SECTION, message)
+        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)
+        if body.numel():
+            try:
+                self.transport.irecv(body, sender, "ps/pull/ids", tag=self.channel.payload_tag).wait()
+            except PeerError as exc:
+                raise self._lost(sender, "the rows it asked for never arrived") from exc
+        return [local for local, _ in self._checked_sections(sender, sparse_wire.REQUEST_SECTION, headers, body)]
 
     def _advance_boundary(self) -> None:
         """Record the parameters at each new minimum clock (what a bound-0 SSP pull returns)."""
