@@ -105,7 +105,7 @@ class Client:
                                     f"{ids.numel()} were asked for", server)
         specs = [spec for spec, _ in self.tables]
         dtype = self.tables[0][1].dtype
-        body = torch.empty(sum(ids.numel() * spec.row_bytes for spec, ids in zip(specs, wanted)), dtype=torch.uint8)
+        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)   # each checked: k x row bytes
         if body.numel():
             self._wait(self.transport.irecv(body, server, "ps/pull", tag=self.channel.payload_tag), server)
         parts = sparse_wire.unpack(body, sparse_wire.ANSWER_SECTION, specs, [ids.numel() for ids in wanted], dtype)

@@ -64,15 +64,14 @@ def pack(ids: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> t
 def unpack(body: torch.Tensor, section: str, specs: list[TableSpec], rows: list[int],
            dtype: torch.dtype) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Per table, (ids, values) as views of ``body`` for sections of ``rows[i]`` rows (None: no such part)."""
-    offset, ids = 0, []
+    has_ids, has_values = section != ANSWER_SECTION, section != REQUEST_SECTION
+    offset, ids, values = 0, [], []
     for k in rows:
-        ids.append(body[offset:offset + 8 * k].view(torch.int64) if section != ANSWER_SECTION else None)
-        offset += 8 * k if section != ANSWER_SECTION else 0
-    values = []
+        ids.append(body[offset:offset + 8 * k].view(torch.int64) if has_ids else None)
+        offset += 8 * k if has_ids else 0
     for spec, k in zip(specs, rows):
-        size = k * spec.dim * dtype.itemsize if section != REQUEST_SECTION else 0
-        values.append(body[offset:offset + size].view(dtype).view(k, spec.dim) if section != REQUEST_SECTION
-                      else None)
+        size = k * spec.dim * dtype.itemsize if has_values else 0
+        values.append(body[offset:offset + size].view(dtype).view(k, spec.dim) if has_values else None)
         offset += size
     return list(zip(ids, values))
 
