@@ -72,19 +72,30 @@ class Client:
             body = sparse_wire.pack(wanted[server], [])
             if body.numel():
                 sends.append((self.transport.isend(body, server, "ps/pull/ids", tag=self.channel.payload_tag), server))
-        for server in self.servers:
-            header, message = self._receive_header(server, expect=wire.PARAMS, op="ps/pull")
+        # Every server's answer is received at once: a receive posted only after the previous server's
+        # answer had arrived would hold the next server's upload back (gloo moves a message once its
+        # receive is posted), so with S servers the workers would drain them one after another.
+        posted = [self._post_header(server) for server in self.servers]
+        arriving = []
+        for server, (handle, message) in zip(self.servers, posted):
+            header = self._take_header(server, handle, message, expect=wire.PARAMS)
             buffer = self.buffers[server]
             if header.shard != server:
                 raise ProtocolError(f"worker rank {self.rank}: server rank {server} answered for shard "
                                     f"{header.shard}", server)
             wire.check_payload_header(header, buffer.numel(), buffer.element_size(), server)
-            if buffer.numel():
-                self._wait(self.transport.irecv(buffer, server, "ps/pull", tag=self.channel.payload_tag), server)
+            payload = (self.transport.irecv(buffer, server, "ps/pull", tag=self.channel.payload_tag)
+                       if buffer.numel() else None)
+            answers = self._post_answers(server, wanted[server], message) if self.tables else None
+            arriving.append((server, header, payload, answers))
+        for server, header, payload, answers in arriving:
+            buffer = self.buffers[server]
+            if payload is not None:
+                self._wait(payload, server)
             wire.check_payload(header, buffer, server)
             scatter_shard(buffer, self.plan.pieces[server], self.params)
-            if self.tables:
-                self._receive_answers(server, wanted[server], message)
+            if answers is not None:
+                self._apply_answers(server, wanted[server], *answers)
             self.versions[server] = header.version
             self.stopping |= bool(header.flags & wire.FLAG_STOP)
         for handle, server in sends:
@@ -92,9 +103,9 @@ class Client:
         self.pulled_since_push = True
         self.pull_wait_seconds += time.monotonic() - started
 
-    def _receive_answers(self, server: int, wanted: list[torch.Tensor], message: torch.Tensor) -> None:
-        """Every table's rows ``wanted[i]`` from ``server`` (the section headers in the PARAMS message, then
-        one body), written into the local tables."""
+    def _post_answers(self, server: int, wanted: list[torch.Tensor], message: torch.Tensor):
+        """Check the section headers in ``server``'s PARAMS message against the rows ``wanted`` from each
+        table and post the receive of their one body: (headers, body, handle or None)."""
         where = f"worker rank {self.rank}"
         headers = sparse_wire.decode_sections(message, len(self.tables), server)
         for (spec, _), ids, header in zip(self.tables, wanted, headers):
@@ -103,14 +114,20 @@ class Client:
             if header.numel != ids.numel():
                 raise ProtocolError(f"{where}: server rank {server} answered {header.numel} rows of table {spec.name}, "
                                     f"{ids.numel()} were asked for", server)
+        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)   # each checked: k x row bytes
+        handle = (self.transport.irecv(body, server, "ps/pull", tag=self.channel.payload_tag)
+                  if body.numel() else None)
+        return headers, body, handle
+
+    def _apply_answers(self, server: int, wanted: list[torch.Tensor], headers, body, handle) -> None:
+        """Wait for the body of ``server``'s answer, check each table's rows and write them into the tables."""
+        if handle is not None:
+            self._wait(handle, server)
         specs = [spec for spec, _ in self.tables]
         dtype = self.tables[0][1].dtype
-        body = torch.empty(sum(h.nbytes for h in headers), dtype=torch.uint8)   # each checked: k x row bytes
-        if body.numel():
-            self._wait(self.transport.irecv(body, server, "ps/pull", tag=self.channel.payload_tag), server)
         parts = sparse_wire.unpack(body, sparse_wire.ANSWER_SECTION, specs, [ids.numel() for ids in wanted], dtype)
         for header, (_, table), ids, (_, values) in zip(headers, self.tables, wanted, parts):
-            sparse_wire.check_section_payload(header, None, values, server, where)
+            sparse_wire.check_section_payload(header, None, values, server, f"worker rank {self.rank}")
             with torch.no_grad():
                 table.index_copy_(0, ids, values)
 
@@ -197,8 +214,8 @@ class Client:
             return
         self.closed = True
         sends = [self._send_header(s, Header(wire.CLOSE, self.rank, self.clock, s)) for s in self.servers]
-        for server in self.servers:
-            self._receive_header(server, expect=wire.BYE, op="ps/close")
+        for server, (handle, message) in zip(self.servers, [self._post_header(s, "ps/close") for s in self.servers]):
+            self._take_header(server, handle, message, expect=wire.BYE)
         for handle, server in zip(sends, self.servers):
             self._wait(handle, server)
 
@@ -212,17 +229,21 @@ class Client:
         return self.transport.isend(wire.message(header, list(sections), len(self.tables)), server, "ps/header",
                                     control=True, tag=self.channel.header_tag)
 
-    def _receive_header(self, server: int, expect: int, op: str) -> tuple[Header, torch.Tensor]:
-        """The next header message from ``server``: its header (of kind ``expect``) and the message."""
-        buffer = wire.empty_header(len(self.tables))
-        self._wait(self.transport.irecv(buffer, server, op, control=True, tag=self.channel.header_tag), server)
-        header = wire.decode(buffer, server)
+    def _post_header(self, server: int, op: str = "ps/pull"):
+        """Post the receive of ``server``'s next header message: (handle, message)."""
+        message = wire.empty_header(len(self.tables))
+        return self.transport.irecv(message, server, op, control=True, tag=self.channel.header_tag), message
+
+    def _take_header(self, server: int, handle, message: torch.Tensor, expect: int) -> Header:
+        """Wait for a posted header message; its header, which must be of kind ``expect`` (ABORT raises)."""
+        self._wait(handle, server)
+        header = wire.decode(message, server)
         if header.kind == wire.ABORT:
             raise self._aborted(server, header)
         if header.kind != expect:
             raise ProtocolError(f"worker rank {self.rank}: expected {wire.KIND_NAMES[expect]} from server rank "
                                 f"{server}, got {header.describe()}", server)
-        return header, buffer
+        return header
 
     def _aborted(self, server: int, header: Header) -> ServerAbortedError:
         culprit = header.version if header.version >= 0 else None
