@@ -17,7 +17,9 @@ kernel counters are held against):
 The meter column is the payload the host's ranks sent to ranks on other hosts (gs.traffic(),
 per peer); the kernel columns add the TCP/IP headers, ACKs, the barriers and the PS headers.
 
-Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job's measured compute c):
+Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job's measured compute c:
+forward + backward, and for ring and hierarchical the optimizer's update, which the one-host
+hierarchical row showed missing: 2-3 ms of a 22 ms step):
     ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
     ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
     ring                 strategy "ring"

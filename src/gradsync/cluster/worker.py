@@ -16,7 +16,9 @@ Vocabulary
               link (/sys/class/net/$GLOO_SOCKET_IFNAME/statistics; `ip netns exec` mounts the
               namespace's own sysfs, so these are the emulated host's counters)
     compute   forward + backward of the bare model, all ranks at once after a barrier (they share
-              the machine's cores as they do while training), median of 5
+              the machine's cores as they do while training), median of 5; for ring and hierarchical
+              also the optimizer's update, which each of their ranks runs on the whole model (a PS
+              worker leaves it to the servers: the model's host term)
 
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
@@ -81,12 +83,17 @@ def _link_counters() -> dict[str, int] | None:
     return {name: int((base / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
 
 
-def _measure_compute(model, x, y, reps: int = 5) -> float:
+def _measure_compute(model, x, y, update: bool, reps: int = 5) -> float:
+    """Seconds of forward + backward (+ the SGD update when ``update``; lr 0 leaves the model as it
+    is and moves the same bytes) without communication (module docstring)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     _barrier()
     times = []
     for _ in range(reps + 1):
         started = time.perf_counter()
         _loss(model, x, y).backward()
+        if update:
+            optimizer.step()
         times.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=True)
     return statistics.median(times[1:])
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     w = gs.init(timeout=args.timeout)
     model = build_model(args.params)
     x, y = _batch(model, w.rank)
-    compute_s = _measure_compute(model, x, y)
+    compute_s = _measure_compute(model, x, y, update=args.strategy in DDP_ALGORITHMS)
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
     else:
