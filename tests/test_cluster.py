@@ -211,3 +211,19 @@ def test_host_term_fit_recovers_the_term_of_a_row_made_with_it():
     assert fit_host_s_per_byte([row("ps-sync", 2, 1, -1e-9)]) == 0.0   # faster than the wire: no host term
     with pytest.raises(ValueError, match="sync-PS rows with one server"):
         fit_host_s_per_byte([row("ring", 4, 0, 1e-9)])
+
+
+def test_ring_ranks_share_the_machines_cores_in_the_prediction():
+    """cluster/results.py: N ring ranks on C shared cores pay h * N/C per byte, at least h. Worked by
+    hand at 10 Gbit/s (beta = 1/(1.25e9 * 1448/1514) = 0.8364 ns/B), h = 1 ns/B, M = 16e6 B, N = 6,
+    c = 0.02 s, alpha = 1e-4 s, gamma = 0: C = 2 -> 2h * 3 = 6 ns/B per byte sent; C = 8 -> 2h = 2 ns/B."""
+    from gradsync.cluster.results import predict
+
+    row = {"strategy": "ring", "link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 6, "servers": 0,
+           "ranks_per_host": 1, "compute_s": 0.02}
+    gamma_term = 5 / 6 * 16e6 * cost.Link().gamma
+    for cores, per_byte in ((2, 6e-9), (8, 2e-9)):
+        expected = 0.02 + 10 * 1e-4 + 2 * 5 / 6 * 16e6 * per_byte + gamma_term
+        assert predict({**row, "cores": cores}, host_s_per_byte=1e-9).step_s == pytest.approx(expected)
+    ps = {**row, "strategy": "ps-sync", "servers": 1, "cores": 2}   # PS keeps h as fitted
+    assert predict(ps, 1e-9).step_s == pytest.approx(predict({**ps, "cores": 64}, 1e-9).step_s)

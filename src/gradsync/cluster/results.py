@@ -32,10 +32,18 @@ ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2,
 (fit_host_s_per_byte). That value was fitted under heavy load; ``gradsync cluster --fit-host
 JSON`` fits h from the sync-PS rows of another run and predicts with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
+
+Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
+C cores of this machine. A ring or hierarchical rank moves bytes while every other rank does too,
+so when the N ranks outnumber the cores each gets C/N of one, and its host term is h * N/C
+(h * max(1, N/C); C = the machine's cores, recorded in the row). It matters only where 2h * N/C
+exceeds the link's beta: at 10 Gbit/s, not at 1 Gbit/s. PS rows keep h as fitted: it was fitted
+on them, with their W workers and S servers sharing the same cores.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from gradsync.cluster.jobs import Job
@@ -63,6 +71,11 @@ def link_payload_formula(job: Job, host: int, model_bytes: int) -> float | None:
     return None
 
 
+def machine_cores() -> int:
+    """The cores every emulated host shares (those this process may run on)."""
+    return len(os.sched_getaffinity(0))
+
+
 def link_for(rate: str, alpha_s: float) -> cost.Link:
     """The emulated link as the cost model sees it (module docstring)."""
     return cost.Link(alpha=alpha_s, beta=1 / (parse_rate(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
@@ -74,6 +87,8 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> cost.Strateg
     if row["strategy"] == "hierarchical":   # the host's L rails share its one link
         link = cost.Link(alpha=link.alpha, beta=link.beta * row["ranks_per_host"], gamma=link.gamma)
     extra = {"ps_server": "serial"} if row["strategy"] == "ps-sync" else {}
+    if row["strategy"] in ("ring", "hierarchical"):   # N ranks on C shared cores (module docstring)
+        host_s_per_byte *= max(1.0, row["workers"] / row.get("cores", machine_cores()))
     return cost.strategy_cost(PREDICTED_AS[row["strategy"]], row["model_bytes"], row["workers"], link,
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
                               intra=cost.Link(), host_s_per_byte=host_s_per_byte, **extra)
@@ -137,7 +152,8 @@ def summarize(result: dict, rate: str) -> dict:
     busiest = max(links, key=lambda link: link["kernel_tx"] + link["kernel_rx"])
     return with_predictions({"link": rate, "strategy": job.strategy, "servers": job.servers if job.is_ps else 0,
             "workers": job.workers, "ranks_per_host": job.ranks_per_host, "hosts": job.hosts,
-            "params": ranks[0]["params"], "model_bytes": model_bytes, "steps": job.steps, "reps": job.reps,
+            "params": ranks[0]["params"], "model_bytes": model_bytes, "cores": machine_cores(),
+            "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
             "compute_s": compute_s, "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})
