@@ -120,6 +120,35 @@ def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
     return "worker", w.rank, pull_returned, push_started
 
 
+def pushing_together(mode, steps, sync_dir, settle_s=0.05):
+    """One server (rank 0), two workers. After each push a worker marks it (a file in ``sync_dir``),
+    waits for the other's mark of the same step, then ``settle_s`` more before its next message: so
+    both PUSH headers reach the server before either worker's next message (what finishes a push on
+    its worker's account). Returns ("server", stats) or ("worker", rank)."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode)
+    if ps.is_server:
+        ps.serve()
+        return "server", ps.stats()
+    other = 3 - w.rank
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    for step in range(steps):
+        ps.pull()
+        nn.functional.cross_entropy(model(x), y).backward()
+        ps.push()
+        Path(sync_dir, f"{w.rank}.pushed{step}").touch()
+        deadline = time.monotonic() + 30.0
+        while not Path(sync_dir, f"{other}.pushed{step}").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {other} did not push step {step} within 30 s")
+            time.sleep(0.002)
+        time.sleep(settle_s)
+    ps.pull()
+    ps.close()
+    return "worker", w.rank
+
+
 def dead_worker(victim, steps_before_death):
     """The victim SIGKILLs itself after some steps; the others report what they saw."""
     w = gs.world()

@@ -103,6 +103,19 @@ def test_server_finishes_its_sends_instead_of_piling_them_up(world_of, mode):
     assert 0 < stats["most_sends_in_flight"] <= 2 * 2   # one answer (header + payload) per worker at most
 
 
+@pytest.mark.parametrize("mode, expected", [("sync", 2), ("async", 1), ("ssp", 1)])
+def test_sync_server_reads_two_pushes_at_once_async_one(world_of, tmp_path, mode, expected):
+    # ps/server.py, PUSHES_IN_FLIGHT: both workers' PUSH headers reach the server before either
+    # worker's next message (ps_fns.pushing_together), so a sync server posts the second push's
+    # receives while the first is still in flight; async and ssp finish the first push before they
+    # take the next (two at once kept their workers in step and slowed them, docs/benchmarks.md)
+    steps = 4
+    results = world_of(3).run(ps_fns.pushing_together, mode, steps, str(tmp_path))
+    (_, stats), = [r for r in results if r[0] == "server"]
+    assert stats["version"] == (steps if mode == "sync" else 2 * steps)
+    assert stats["most_pushes_in_flight"] == expected
+
+
 # -- consistency models ----------------------------------------------------------------------------
 def largest_gap_seen_by_workers(results) -> int:
     """From the workers' own records (ps_fns.paced): the largest c - k such that a worker's pull at

@@ -138,6 +138,7 @@ class Server:
         self._keep_snapshots()
         self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
         self.most_sends_in_flight = 0
+        self.most_pushes_in_flight = 0
         self.in_flight = []   # pushes being read, oldest first: (header, section headers, buffer, body, receives)
         self.counts = Counter()
         self.staleness = Counter()
@@ -241,6 +242,7 @@ class Server:
         handles = [self.transport.irecv(buffer, sender, "ps/push", tag=self.channel.payload_tag)
                    for buffer in (incoming, body) if buffer.numel()]
         self.in_flight.append((header, sections, incoming, body, handles))
+        self.most_pushes_in_flight = max(self.most_pushes_in_flight, len(self.in_flight))
 
     def _finish_push(self) -> None:
         """Read the oldest push in flight, check all of it, then apply it (a refused push changes nothing)."""
@@ -517,6 +519,7 @@ class Server:
             "max_clock_gap": max(self.gaps) if self.gaps else 0,
             "idle_seconds": self.idle_seconds,
             "most_sends_in_flight": self.most_sends_in_flight,
+            "most_pushes_in_flight": self.most_pushes_in_flight,
             "optimizer_state_bytes": self._state_bytes(),
         }
 
