@@ -214,7 +214,8 @@ class Client:
             return
         self.closed = True
         sends = [self._send_header(s, Header(wire.CLOSE, self.rank, self.clock, s)) for s in self.servers]
-        for server, (handle, message) in zip(self.servers, [self._post_header(s, "ps/close") for s in self.servers]):
+        byes = [self._post_header(server, "ps/close") for server in self.servers]
+        for server, (handle, message) in zip(self.servers, byes):
             self._take_header(server, handle, message, expect=wire.BYE)
         for handle, server in zip(sends, self.servers):
             self._wait(handle, server)

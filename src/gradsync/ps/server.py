@@ -10,7 +10,7 @@ Consistency models (what a PUSH does, and when a PULL is answered):
     sync   PUSHes for version v are summed; when every open worker has pushed, the mean gradient
            is applied in one optimizer step (version v+1). A PULL from a worker at clock c is
            answered once version == c, so every worker computes step c on the same parameters.
-    async  every PUSH is applied as it arrives as one optimizer step on gradient / W (the 1/W keeps
+    async  every PUSH is applied, in arrival order, as one optimizer step on gradient / W (the 1/W keeps
            W pushes worth one synchronous step); a PULL is answered at once with the newest version.
            staleness = version at apply - version the gradient was computed on, recorded per update.
     ssp    applied as async, but a PULL from a worker at clock c waits while c - min(open clocks)
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -79,6 +80,17 @@ from gradsync.ps.sparse_tables import TableBlock, TableSpec
 MODES = ("sync", "async", "ssp")
 PUSHES_IN_FLIGHT = {"sync": 2, "async": 1, "ssp": 1}
 """Pushes read at once, per mode (module docstring); each holds a receive buffer of the shard's size."""
+
+
+@dataclass
+class _Push:
+    """A push being read: its header, its row-section headers, the buffers its payload and rows come
+    into, and their receives."""
+    header: Header
+    sections: list[Header]
+    incoming: torch.Tensor
+    body: torch.Tensor
+    receives: list[Handle]
 
 
 class WorkerLostError(RuntimeError):
@@ -139,7 +151,7 @@ class Server:
         self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
         self.most_sends_in_flight = 0
         self.most_pushes_in_flight = 0
-        self.in_flight = []   # pushes being read, oldest first: (header, section headers, buffer, body, receives)
+        self.in_flight: list[_Push] = []   # pushes being read, oldest first
         self.counts = Counter()
         self.staleness = Counter()
         self.gaps = Counter()
@@ -161,7 +173,7 @@ class Server:
                 header, message = self._next_message()
                 self.last_seen[header.sender] = time.monotonic()
                 self._settle_sends(header.sender)
-                while any(push[0].sender == header.sender for push in self.in_flight) or (
+                while any(push.header.sender == header.sender for push in self.in_flight) or (
                         header.kind == wire.PUSH and len(self.in_flight) == len(self.incoming)):
                     self._finish_push()   # a worker's own next message sees its push applied
                 self._handle(header, message)
@@ -237,20 +249,21 @@ class Server:
                 f"push(); refused", sender)
         sections = self._section_headers(sender, sparse_wire.PUSH_SECTION, message)
         body = torch.empty(sum(h.nbytes for h in sections), dtype=torch.uint8)
-        in_use = [push[2] for push in self.in_flight]
+        in_use = [push.incoming for push in self.in_flight]
         incoming = next(buffer for buffer in self.incoming if all(buffer is not used for used in in_use))
-        handles = [self.transport.irecv(buffer, sender, "ps/push", tag=self.channel.payload_tag)
-                   for buffer in (incoming, body) if buffer.numel()]
-        self.in_flight.append((header, sections, incoming, body, handles))
+        receives = [self.transport.irecv(buffer, sender, "ps/push", tag=self.channel.payload_tag)
+                    for buffer in (incoming, body) if buffer.numel()]
+        self.in_flight.append(_Push(header, sections, incoming, body, receives))
         self.most_pushes_in_flight = max(self.most_pushes_in_flight, len(self.in_flight))
 
     def _finish_push(self) -> None:
         """Read the oldest push in flight, check all of it, then apply it (a refused push changes nothing)."""
-        header, sections, incoming, body, handles = self.in_flight.pop(0)
+        push = self.in_flight.pop(0)
+        header, sections, incoming, body = push.header, push.sections, push.incoming, push.body
         sender = header.sender
         try:
-            for handle in handles:
-                handle.wait()
+            for receive in push.receives:
+                receive.wait()
         except PeerError as exc:
             raise self._lost(sender, "its gradient never arrived") from exc
         wire.check_payload(header, incoming, sender)
