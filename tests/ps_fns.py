@@ -120,30 +120,37 @@ def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
     return "worker", w.rank, pull_returned, push_started
 
 
-def pushing_together(mode, steps, sync_dir, settle_s=0.05):
-    """One server (rank 0), two workers. After each push a worker marks it (a file in ``sync_dir``),
-    waits for the other's mark of the same step, then ``settle_s`` more before its next message: so
-    both PUSH headers reach the server before either worker's next message (what finishes a push on
-    its worker's account). Returns ("server", stats) or ("worker", rank)."""
+def in_step(mode, steps, sync_dir, settle_s=0.05):
+    """One server (rank 0), the other ranks workers. After each push, and after each pull, a worker
+    marks it (a file in ``sync_dir``), waits for every other worker's mark of the same step, then
+    ``settle_s`` more before its next message: so every worker's PUSH header reaches the server
+    before any worker's next message (what finishes a push on its worker's account), and every
+    worker's PULL before any worker's next message (what settles the answer to it).
+    Returns ("server", stats) or ("worker", rank)."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
     ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode)
     if ps.is_server:
         ps.serve()
         return "server", ps.stats()
-    other = 3 - w.rank
+    others = [r for r in range(1, w.world_size) if r != w.rank]
+
+    def together(what):
+        Path(sync_dir, f"{w.rank}.{what}").touch()
+        deadline = time.monotonic() + 30.0
+        while not all(Path(sync_dir, f"{other}.{what}").exists() for other in others):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker rank {w.rank}: the other workers did not reach {what} within 30 s")
+            time.sleep(0.002)
+        time.sleep(settle_s)
+
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
     for step in range(steps):
         ps.pull()
+        together(f"pulled{step}")
         nn.functional.cross_entropy(model(x), y).backward()
         ps.push()
-        Path(sync_dir, f"{w.rank}.pushed{step}").touch()
-        deadline = time.monotonic() + 30.0
-        while not Path(sync_dir, f"{other}.pushed{step}").exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {other} did not push step {step} within 30 s")
-            time.sleep(0.002)
-        time.sleep(settle_s)
+        together(f"pushed{step}")
     ps.pull()
     ps.close()
     return "worker", w.rank

@@ -31,6 +31,14 @@ its own buffer. Pushes are applied in arrival order: before anything else their 
 the oldest first when another push would exceed the limit. Sync steps the version when the last
 push of it is applied.
 
+Answers in flight: sync sends a version's W answers together (every worker waits for that version
+anyway). async and ssp answer a pull as soon as they may, with at most ANSWERS_IN_FLIGHT answers
+moving at once: before a further answer goes out the server waits for the oldest one to be
+received. Answers that share the upload all finish late; taken two at a time, each worker gets its
+parameters sooner and pushes again sooner, which keeps the server's download busy (1 Gbit/s,
+one server: W=4 859 -> 725 ms a step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and
+worse at W=6, docs/benchmarks.md).
+
 Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W*M_s; with one
 server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
 all-reduce.
@@ -80,6 +88,8 @@ from gradsync.ps.sparse_tables import TableBlock, TableSpec
 MODES = ("sync", "async", "ssp")
 PUSHES_IN_FLIGHT = {"sync": 2, "async": 1, "ssp": 1}
 """Pushes read at once, per mode (module docstring); each holds a receive buffer of the shard's size."""
+ANSWERS_IN_FLIGHT = 2
+"""async and ssp: answers moving at once (module docstring)."""
 
 
 @dataclass
@@ -151,6 +161,8 @@ class Server:
         self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
         self.most_sends_in_flight = 0
         self.most_pushes_in_flight = 0
+        self.answered: list[int] = []   # async, ssp: workers with an answer in flight, oldest first
+        self.most_answers_in_flight = 0
         self.in_flight: list[_Push] = []   # pushes being read, oldest first
         self.counts = Counter()
         self.staleness = Counter()
@@ -390,6 +402,7 @@ class Server:
             if not self._may_answer(worker):
                 continue
             self.pending_pulls.discard(worker)
+            self._make_room_for_answer(worker)
             self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
             version, payload, blocks = self.version, self.published, self.published_tables
             if self.mode == "ssp" and self.staleness_bound == 0:
@@ -415,6 +428,15 @@ class Server:
             body = sparse_wire.pack([], answers)
             if body.numel():
                 self.sends[worker].append(self.transport.isend(body, worker, "ps/pull", tag=self.channel.payload_tag))
+
+    def _make_room_for_answer(self, worker: int) -> None:
+        """Before an answer to ``worker``: count the answers still in flight (unsettled) and, in async
+        and ssp, wait for the oldest while ANSWERS_IN_FLIGHT are (module docstring)."""
+        self.answered = [w for w in self.answered if self.sends[w] and w != worker]
+        while self.mode != "sync" and len(self.answered) >= ANSWERS_IN_FLIGHT:
+            self._settle_sends(self.answered.pop(0))
+        self.answered.append(worker)
+        self.most_answers_in_flight = max(self.most_answers_in_flight, len(self.answered))
 
     def _send_header(self, worker: int, header: Header, sections: list[Header] = ()) -> None:
         self.sends[worker].append(self.transport.isend(wire.message(header, list(sections), len(self.tables)),
@@ -533,6 +555,7 @@ class Server:
             "idle_seconds": self.idle_seconds,
             "most_sends_in_flight": self.most_sends_in_flight,
             "most_pushes_in_flight": self.most_pushes_in_flight,
+            "most_answers_in_flight": self.most_answers_in_flight,
             "optimizer_state_bytes": self._state_bytes(),
         }
 
