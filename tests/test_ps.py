@@ -103,17 +103,21 @@ def test_server_finishes_its_sends_instead_of_piling_them_up(world_of, mode):
     assert 0 < stats["most_sends_in_flight"] <= 2 * 2   # one answer (header + payload) per worker at most
 
 
+def server_in_step(world_of, tmp_path, mode: str, workers: int, steps: int) -> dict:
+    """The server's stats after ps_fns.in_step with ``workers`` workers; every push was applied."""
+    results = world_of(1 + workers).run(ps_fns.in_step, mode, steps, str(tmp_path))
+    (_, stats), = [r for r in results if r[0] == "server"]
+    assert stats["version"] == (steps if mode == "sync" else workers * steps)
+    return stats
+
+
 @pytest.mark.parametrize("mode, expected", [("sync", 2), ("async", 1), ("ssp", 1)])
 def test_sync_server_reads_two_pushes_at_once_async_one(world_of, tmp_path, mode, expected):
     # ps/server.py, PUSHES_IN_FLIGHT: both workers' PUSH headers reach the server before either
     # worker's next message (ps_fns.in_step), so a sync server posts the second push's receives
     # while the first is still in flight; async and ssp finish the first push before they take the
     # next (two at once kept their workers in step and slowed them, docs/benchmarks.md)
-    steps = 4
-    results = world_of(3).run(ps_fns.in_step, mode, steps, str(tmp_path))
-    (_, stats), = [r for r in results if r[0] == "server"]
-    assert stats["version"] == (steps if mode == "sync" else 2 * steps)
-    assert stats["most_pushes_in_flight"] == expected
+    assert server_in_step(world_of, tmp_path, mode, workers=2, steps=4)["most_pushes_in_flight"] == expected
 
 
 @pytest.mark.parametrize("mode, expected", [("sync", 3), ("async", 2), ("ssp", 2)])
@@ -121,11 +125,7 @@ def test_async_server_keeps_two_answers_in_flight_sync_sends_all(world_of, tmp_p
     # ps/server.py, ANSWERS_IN_FLIGHT: three workers' PULLs all reach the server before any worker's
     # next message (ps_fns.in_step), so nothing settles an answer but the limit itself: async and
     # ssp wait for the oldest answer before a third goes out; sync sends a version's answers together
-    steps = 3
-    results = world_of(4).run(ps_fns.in_step, mode, steps, str(tmp_path))
-    (_, stats), = [r for r in results if r[0] == "server"]
-    assert stats["version"] == (steps if mode == "sync" else 3 * steps)
-    assert stats["most_answers_in_flight"] == expected
+    assert server_in_step(world_of, tmp_path, mode, workers=3, steps=3)["most_answers_in_flight"] == expected
 
 
 # -- consistency models ----------------------------------------------------------------------------
