@@ -50,6 +50,20 @@ class TrafficMeter:
             self._per_peer[peer][direction] += nbytes
             self._per_op[op][direction] += nbytes
 
+    def record_exchange(self, *, peer: int, received: int, sent: int, op: str, control: bool = False) -> None:
+        """Count both directions of one exchange with ``peer`` at once (one lock instead of two:
+        the shared-memory collectives record every peer this way on every call)."""
+        with self._lock:
+            if control:
+                self._control_received += received
+                self._control_sent += sent
+                return
+            self._received += received
+            self._sent += sent
+            for counts in (self._per_peer[peer], self._per_op[op]):
+                counts["received"] += received
+                counts["sent"] += sent
+
     def snapshot(self) -> dict:
         """A copy of the counters: bytes_sent, bytes_received, per_peer, per_op, control_bytes_*."""
         with self._lock:

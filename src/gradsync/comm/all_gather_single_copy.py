@@ -64,6 +64,6 @@ def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerpr
         transport.barrier(op, spin)
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=sizes[other] * esize, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=shard.numel() * esize, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=sizes[other] * esize,
+                                             sent=shard.numel() * esize, op=op)
     return full

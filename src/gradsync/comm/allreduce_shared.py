@@ -105,5 +105,4 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
             exchanged[other] += (chunks.sizes[rank] + chunks.sizes[other]) * esize
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=exchanged[other], op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=exchanged[other], op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=exchanged[other], sent=exchanged[other], op=op)

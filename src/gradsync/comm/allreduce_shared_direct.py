@@ -59,5 +59,4 @@ def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reducti
     reduction.finish(flat, n_ranks)
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=nbytes, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=nbytes, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=nbytes, sent=nbytes, op=op)

@@ -67,5 +67,4 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
     for other in range(n_ranks):
         if other != rank:
             exchanged = (chunks.sizes[rank] + chunks.sizes[other]) * esize
-            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=exchanged, sent=exchanged, op=op)

@@ -73,5 +73,4 @@ def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Re
     for other in range(n_ranks):
         if other != rank:
             exchanged = (chunks.sizes[rank] + chunks.sizes[other]) * esize
-            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=exchanged, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=exchanged, sent=exchanged, op=op)

@@ -61,6 +61,6 @@ def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction
     reduction.finish(shard, n_ranks)
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=chunks.sizes[rank] * esize, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=chunks.sizes[other] * esize, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=chunks.sizes[rank] * esize,
+                                             sent=chunks.sizes[other] * esize, op=op)
     return shard

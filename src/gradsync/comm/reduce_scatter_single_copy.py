@@ -57,6 +57,6 @@ def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Redu
     transport.barrier(op, spin)
     for other in range(n_ranks):
         if other != rank:
-            transport.meter.record(peer=other, nbytes=chunks.sizes[rank] * esize, op=op, sent=False)
-            transport.meter.record(peer=other, nbytes=chunks.sizes[other] * esize, op=op, sent=True)
+            transport.meter.record_exchange(peer=other, received=chunks.sizes[rank] * esize,
+                                             sent=chunks.sizes[other] * esize, op=op)
     return shard

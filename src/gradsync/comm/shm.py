@@ -13,6 +13,7 @@ Vocabulary
 
 Segment layout (rank d's segment; slot i is the ring from local rank i to d)
     [0, 4)                           doorbell (u32): rung by anyone who wrote to d or freed space for d
+    [4, 8)                           how many of d's threads sleep on it (u32; doorbell.py)
     [8, 16)                          barrier count (u64): how many barriers d has entered
     64 + i*(128 + C) + 0             head  (u64, stored by the sender)
     64 + i*(128 + C) + 64            tail  (u64, stored by d; its own cache line)
@@ -577,15 +578,13 @@ class ShmTransport(Transport):
         """Local rank ``rank``'s fingerprint for the agreement this rank last published (read it after
         the barrier that follows ``publish``). Metered as control bytes read out of ``rank``'s memory
         and, by symmetry (``rank`` reads ours), as many sent."""
-        for sent in (False, True):
-            self.meter.record(peer=rank, nbytes=_FINGERPRINT.size, op=op, sent=sent, control=True)
+        self.meter.record_exchange(peer=rank, received=_FINGERPRINT.size, sent=_FINGERPRINT.size, op=op, control=True)
         return _FINGERPRINT.unpack_from(self._mappings[rank], self._published_offset())
 
     def published_address(self, rank: int, op: str) -> int:
         """The address local rank ``rank`` published with its last fingerprint (metered as control
         bytes, like the fingerprint)."""
-        for sent in (False, True):
-            self.meter.record(peer=rank, nbytes=_ADDRESS.size, op=op, sent=sent, control=True)
+        self.meter.record_exchange(peer=rank, received=_ADDRESS.size, sent=_ADDRESS.size, op=op, control=True)
         return _ADDRESS.unpack_from(self._mappings[rank], self._published_offset() + FRAME)[0]
 
     def read_from(self, rank: int, address: int, into: torch.Tensor, op: str) -> None:
