@@ -26,7 +26,7 @@ Three ways, by transport
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,9 +45,9 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives (or the same one with different tensors)."""
 
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """What a rank is about to do; equal on every rank for a well-formed program."""
+class Fingerprint(NamedTuple):
+    """What a rank is about to do; equal on every rank for a well-formed program. (A named tuple:
+    one is made for every collective, and a tuple is made in a third of a frozen dataclass's time.)"""
 
     kind: str
     sequence: int

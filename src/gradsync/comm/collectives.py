@@ -147,8 +147,22 @@ def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
 
 def resolve_algorithm(place: Place, flat: torch.Tensor, algorithm: str = "auto") -> str:
     """The algorithm all_reduce runs for ``flat`` on ``place``: ``algorithm``, or auto's choice
-    (select.py); raises when the layout does not admit it."""
+    (select.py); raises when the layout does not admit it. Remembered per transport for each
+    (algorithm, bytes, device): nothing else changes the answer while the transport lives (the
+    link auto prices is fixed per world, select.shared_link)."""
     w, transport = place.world, place.transport
+    key = (algorithm, flat.numel() * flat.element_size(), flat.is_cuda)
+    choices = transport.__dict__.setdefault("algorithm_choices", {})
+    chosen = choices.get(key)
+    if chosen is None:
+        chosen = _resolve(w, transport, flat, algorithm)
+        if len(choices) >= 256:
+            choices.clear()
+        choices[key] = chosen
+    return chosen
+
+
+def _resolve(w: runtime.World, transport: Transport, flat: torch.Tensor, algorithm: str) -> str:
     shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
     if algorithm == "auto":
         algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
@@ -176,8 +190,11 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if w.world_size == 1:
         return tensor
-    target = tensor.detach()
-    flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
+    if tensor.dim() == 1 and not tensor.requires_grad and tensor.is_contiguous():
+        target = flat = tensor  # the common case needs no new tensor object (a few us a call)
+    else:
+        target = tensor.detach()
+        flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
     algorithm = resolve_algorithm(place, flat, algorithm)
     in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
                 and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
@@ -206,7 +223,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
             _native_all_reduce(flat, chosen, w)
         elif flat.numel() > 0:
             _IMPLEMENTATIONS[algorithm](flat, transport, reduction=chosen)
-    if flat.data_ptr() != target.data_ptr() or not target.is_contiguous():
+    if flat is not target and (flat.data_ptr() != target.data_ptr() or not target.is_contiguous()):
         target.copy_(flat.view_as(target))
     return tensor
 

@@ -235,6 +235,7 @@ class ShmTransport(Transport):
         self.local_index = {r: i for i, r in enumerate(local_ranks)}
         self.capacity = ring_bytes()
         self.stage_bytes = stage_bytes()
+        self._fingerprint_slots = (self._fingerprint_offset(), self._fingerprint_offset() + 2 * FRAME)
         self._barriers = 0
         self._half = 0
         self._published = 0
@@ -603,7 +604,7 @@ class ShmTransport(Transport):
         return self._scratch[:nbytes]
 
     def _published_offset(self) -> int:
-        return self._fingerprint_offset() + (self._published & 1) * 2 * FRAME
+        return self._fingerprint_slots[self._published & 1]
 
     def next_half(self) -> int:
         """The staging half the next piece uses: they alternate, across calls too, so a rank may
