@@ -70,9 +70,15 @@ class Place:
     transport: Transport
 
 
+_HERE: list[Place] = []
+
+
 def here() -> Place:
-    """gradsync's own world and its transport."""
-    return Place(runtime.world(), default_transport())
+    """gradsync's own world and its transport (the same Place while they stay the same)."""
+    w, transport = runtime.world(), default_transport()
+    if not _HERE or _HERE[0].world is not w or _HERE[0].transport is not transport:
+        _HERE[:] = [Place(w, transport)]
+    return _HERE[0]
 
 
 def _check_tensor(tensor, what: str, w: runtime.World) -> None:
