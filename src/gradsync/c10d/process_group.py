@@ -96,7 +96,16 @@ def _all_reduce_one(place: Place, tensors: list[torch.Tensor], op: str, algorith
     return tensors
 
 
+_ENCODED_ENVIRON = getattr(os.environ, "_data", None)
+_ALGORITHM_KEY = os.environ.encodekey("GRADSYNC_ALGORITHM") if _ENCODED_ENVIRON is not None else None
+
+
 def _algorithm() -> str:
+    """GRADSYNC_ALGORITHM, read on every call (a program may change it between calls). When it is
+    unset, os.environ.get raises and catches KeyError twice, 4-5 us of a 4 KiB call; os.environ's
+    own encoded mapping answers without (a private attribute, so it is used only where present)."""
+    if _ENCODED_ENVIRON is not None and _ALGORITHM_KEY not in _ENCODED_ENVIRON:
+        return "auto"
     algorithm = os.environ.get("GRADSYNC_ALGORITHM", "auto")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"GRADSYNC_ALGORITHM={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
