@@ -71,6 +71,24 @@ def broadcast_case(shape: tuple, src: int, transpose: bool):
     return t
 
 
+def all_reduce_layouts_case():
+    """all_reduce on each layout it accepts: a plain 1-D tensor (reduced as it is), a 2-D one, a
+    transposed (non-contiguous) one, a parameter that requires grad, and a view of it made under
+    no_grad (both reduced through a detached alias). Returns them reduced, and untouched copies."""
+    rank = gs.world().rank
+    base = torch.arange(12, dtype=torch.float64) * (rank + 1)
+    parameter = torch.nn.Parameter(base.clone())
+    with torch.no_grad():
+        view = parameter.view(3, 4)
+    layouts = {"1-D": base.clone(), "2-D": base.clone().view(3, 4), "transposed": base.clone().view(3, 4).t(),
+               "parameter": parameter}
+    for tensor in layouts.values():
+        gs.all_reduce(tensor)
+    layouts["no_grad view"] = view  # shares the parameter's storage: reduced twice in all
+    gs.all_reduce(view)
+    return {name: t.detach().clone() for name, t in layouts.items()}
+
+
 def raise_on(rank: int, fn, *args):
     if gs.world().rank == rank:
         return fn(*args)

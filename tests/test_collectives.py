@@ -219,3 +219,20 @@ def test_broadcast_any_source_and_non_contiguous(world_of, world_size):
                 expected = expected.t()
             for t in results:
                 assert torch.equal(t, expected)
+
+
+@pytest.mark.timeout(120)
+def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
+    # 1-D tensors that need no grad are reduced as they are; every other layout through a detached,
+    # flattened alias. Each must come back as the closed form, in its own shape.
+    world_size = 3
+    pool = world_of(world_size)
+    total = sum(range(1, world_size + 1))
+    once = torch.arange(12, dtype=torch.float64) * total
+    for result in pool.run(cases.all_reduce_layouts_case):
+        assert torch.equal(result["1-D"], once)
+        assert torch.equal(result["2-D"], once.view(3, 4))
+        assert torch.equal(result["transposed"], once.view(3, 4).t())
+        assert torch.equal(result["parameter"], once * world_size)  # the view's all-reduce summed it again
+        assert torch.equal(result["no_grad view"], (once * world_size).view(3, 4))
+
