@@ -40,6 +40,10 @@ OPS = ("none",) + REDUCE_OPS
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive", "native", "binomial", "hierarchical", "shared_memory",
               "linear", "pairwise", "shared_memory_in_place", "shared_memory_single_copy")
 
+_KIND_CODE, _DTYPE_CODE, _OP_CODE, _ALGORITHM_CODE = ({name: code for code, name in enumerate(names)}
+                                                     for names in (KINDS, DTYPES, OPS, ALGORITHMS))
+"""Each name's position in its tuple: a fingerprint's values, looked up rather than searched."""
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives (or the same one with different tensors)."""
@@ -62,8 +66,8 @@ class Fingerprint(NamedTuple):
     otherwise."""
 
     def values(self) -> tuple[int, ...]:
-        return (KINDS.index(self.kind), self.sequence, self.numel, DTYPES.index(self.dtype),
-                OPS.index(self.op), ALGORITHMS.index(self.algorithm), self.root, self.region)
+        return (_KIND_CODE[self.kind], self.sequence, self.numel, _DTYPE_CODE[self.dtype], _OP_CODE[self.op],
+                _ALGORITHM_CODE[self.algorithm], self.root, self.region)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor(self.values(), dtype=torch.int64)

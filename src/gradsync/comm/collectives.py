@@ -81,6 +81,16 @@ def here() -> Place:
     return _HERE[0]
 
 
+def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, flat): ``tensor`` detached, and a 1-D contiguous alias of it (a copy when it is not
+    contiguous: the caller copies the result back into target). A 1-D contiguous tensor that needs
+    no grad is both as it is: no new tensor objects, a few us of a small collective."""
+    if tensor.dim() == 1 and not tensor.requires_grad and tensor.is_contiguous():
+        return tensor, tensor
+    target = tensor.detach()
+    return target, (target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1))
+
+
 def _check_tensor(tensor, what: str, w: runtime.World) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
@@ -196,11 +206,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if w.world_size == 1:
         return tensor
-    if tensor.dim() == 1 and not tensor.requires_grad and tensor.is_contiguous():
-        target = flat = tensor  # the common case needs no new tensor object (a few us a call)
-    else:
-        target = tensor.detach()
-        flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
+    target, flat = _flat(tensor)
     algorithm = resolve_algorithm(place, flat, algorithm)
     in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
                 and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
@@ -252,7 +258,7 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
     if w.world_size == 1:
         return tensor.detach().reshape(-1).clone()
     if _shared(transport, tensor):  # the fingerprint with the data
-        flat = tensor.detach().reshape(-1)
+        flat = _flat(tensor)[1]
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
             fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                       "shared_memory_single_copy")  # each rank reads its chunk where it lies
@@ -285,7 +291,7 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     """all_gather on ``place``."""
     w, transport = place.world, place.transport
     _check_tensor(shard, "all_gather", w)
-    flat_shard = shard.detach().reshape(-1)
+    flat_shard = _flat(shard)[1]
     if w.world_size == 1:
         return flat_shard.clone()
     if _shared(transport, shard):
@@ -325,12 +331,11 @@ def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tens
         raise ValueError(f"broadcast: src must be a rank in 0..{w.world_size - 1}, got {src!r}")
     if w.world_size == 1:
         return tensor
-    target = tensor.detach()
-    flat = target.reshape(-1) if target.is_contiguous() else target.contiguous().reshape(-1)
+    target, flat = _flat(tensor)
     _agree(w, transport, Fingerprint("broadcast", _next_sequence(transport), flat.numel(), flat.dtype,
                                   "none", "binomial", root=src))
     if flat.numel() > 0:
         broadcast_binomial(flat, src, transport)
-    if not target.is_contiguous():
+    if flat is not target and not target.is_contiguous():
         target.copy_(flat.view_as(target))
     return tensor
