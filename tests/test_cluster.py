@@ -203,7 +203,7 @@ def test_host_term_fit_recovers_the_term_of_a_row_made_with_it():
         m, c = 16e6, 0.02
         beta = link_for("1gbit", 1e-4).beta
         return {"strategy": strategy, "servers": servers, "workers": workers, "model_bytes": m, "link": "1gbit",
-                "alpha_s": 1e-4, "compute_s": c, "step_s": c + 2 * workers * m * (beta + h)}
+                "alpha_s": 1e-4, "compute_s": c, "step_s": c + 2 * workers * m * (beta + h), "cores": 2}
 
     rows = [row("ps-sync", 2, 1, 1.0e-9), row("ps-sync", 4, 1, 1.2e-9), row("ps-sync", 6, 1, 1.4e-9),
             row("ps-sync", 4, 2, 9e-9), row("ring", 4, 0, 9e-9)]
@@ -225,5 +225,31 @@ def test_ring_ranks_share_the_machines_cores_in_the_prediction():
     for cores, per_byte in ((2, 6e-9), (8, 2e-9)):
         expected = 0.02 + 10 * 1e-4 + 2 * 5 / 6 * 16e6 * per_byte + gamma_term
         assert predict({**row, "cores": cores}, host_s_per_byte=1e-9).step_s == pytest.approx(expected)
-    ps = {**row, "strategy": "ps-sync", "servers": 1, "cores": 2}   # PS keeps h as fitted
-    assert predict(ps, 1e-9).step_s == pytest.approx(predict({**ps, "cores": 64}, 1e-9).step_s)
+
+
+def test_servers_and_their_workers_share_the_machines_cores_in_the_prediction():
+    """cluster/results.py: a PS row's host term is h * max(1, 2S/C) (the servers' 2*W*M*h and the
+    workers' as much again on C cores); a hierarchical row's intra-host link slows by N/C with its
+    host term. Worked by hand at 10 Gbit/s (beta = 0.8364 ns/B), h = 1 ns/B, M = 16e6 B, W = 4,
+    c = 0.02 s, alpha = 1e-4 s. Serial sync PS: step = c + 2*(W*alpha + W*M/S*beta) + 2*W*M/S*h'."""
+    from gradsync.cluster.results import predict
+
+    beta = 1 / (1.25e9 * 1448 / 1514)
+    ps = {"strategy": "ps-sync", "link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4,
+          "ranks_per_host": 1, "compute_s": 0.02}
+    for servers, cores, h in ((1, 2, 1e-9), (2, 2, 2e-9), (2, 8, 1e-9), (1, 1, 2e-9)):
+        expected = 0.02 + 2 * (4e-4 + 64e6 / servers * beta) + 2 * 64e6 / servers * h
+        got = predict({**ps, "servers": servers, "cores": cores}, host_s_per_byte=1e-9).step_s
+        assert got == pytest.approx(expected), (servers, cores)
+    # Wire only (h = 0) is the textbook model: no sharing there either.
+    assert predict({**ps, "servers": 2, "cores": 2}, 0.0).step_s == pytest.approx(0.02 + 2 * (4e-4 + 32e6 * beta))
+
+    # Hierarchical, 2 hosts x 2 ranks: the 2 rails share a link (beta -> 2*beta = 1.67 ns/B), a rank
+    # moves bytes at max(link beta, 2h') per byte; inter-host ring on M/2, intra-host on M (Link()).
+    intra = cost.Link()
+    hier = {**ps, "strategy": "hierarchical", "servers": 0, "ranks_per_host": 2}
+    for cores, shared in ((2, 2.0), (4, 1.0)):
+        per_byte = max(2 * beta, 2 * 1e-9 * shared)
+        inter = 2 * 1e-4 + 2 * 1 / 2 * 8e6 * per_byte + 1 / 2 * 8e6 * intra.gamma
+        within = 2 * intra.alpha + 2 * 1 / 2 * 16e6 * intra.beta * shared
+        assert predict({**hier, "cores": cores}, 1e-9).step_s == pytest.approx(0.02 + inter + within), cores

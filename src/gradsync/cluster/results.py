@@ -29,16 +29,25 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
 "wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
 it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
 ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6
-(fit_host_s_per_byte). That value was fitted under heavy load; ``gradsync cluster --fit-host
+(fit_host_s_per_byte; divided by the shared-cores factor below, 1 for one server on 2 or more
+cores). That value was fitted under heavy load; ``gradsync cluster --fit-host
 JSON`` fits h from the sync-PS rows of another run and predicts with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 
 Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
-C cores of this machine. A ring or hierarchical rank moves bytes while every other rank does too,
-so when the N ranks outnumber the cores each gets C/N of one, and its host term is h * N/C
-(h * max(1, N/C); C = the machine's cores, recorded in the row). It matters only where 2h * N/C
-exceeds the link's beta: at 10 Gbit/s, not at 1 Gbit/s. PS rows keep h as fitted: it was fitted
-on them, with their W workers and S servers sharing the same cores.
+C cores of this machine (C recorded in the row). Host work that runs at once shares them:
+    ring, hierarchical   every rank moves bytes while every other rank does too, so when the N ranks
+                         outnumber the cores each gets C/N of one: its host term is h * max(1, N/C),
+                         and so are the intra-host link's beta and gamma (its copies and sums run
+                         on the same cores; Link()'s defaults were measured with a core per rank)
+    ps-*                 the S servers together do 2*W*M*h of host work a step (W*M in, W*M out),
+                         and the workers, the other end of every byte, as much again: 4*W*M*h on
+                         C cores takes 4*W*M*h/C, against a server's own 2*W*M/S*h. So the host
+                         term is h * max(1, 2S/C): one server on 2 cores keeps h (it is fitted
+                         there), two servers on 2 cores pay 2h, no less than one server's time
+It matters only where the host term is not hidden by the link: at 10 Gbit/s, not at 1 Gbit/s for
+the ring (2h * N/C = 5.6 ns/B < beta = 8.4 ns/B); for two servers at 1 Gbit/s it adds 2*W*M/S*h,
+about 10% of such a step.
 """
 
 from __future__ import annotations
@@ -87,11 +96,23 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> cost.Strateg
     if row["strategy"] == "hierarchical":   # the host's L rails share its one link
         link = cost.Link(alpha=link.alpha, beta=link.beta * row["ranks_per_host"], gamma=link.gamma)
     extra = {"ps_server": "serial"} if row["strategy"] == "ps-sync" else {}
-    if row["strategy"] in ("ring", "hierarchical"):   # N ranks on C shared cores (module docstring)
-        host_s_per_byte *= max(1.0, row["workers"] / row.get("cores", machine_cores()))
+    shared = shared_cores_factor(row) if host_s_per_byte else 1.0   # wire only: the textbook model
+    host_s_per_byte *= shared
+    intra = cost.Link()
+    if row["strategy"] == "hierarchical":   # its intra-host copies share the cores too
+        intra = cost.Link(alpha=intra.alpha, beta=intra.beta * shared, gamma=intra.gamma * shared)
     return cost.strategy_cost(PREDICTED_AS[row["strategy"]], row["model_bytes"], row["workers"], link,
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
-                              intra=cost.Link(), host_s_per_byte=host_s_per_byte, **extra)
+                              intra=intra, host_s_per_byte=host_s_per_byte, **extra)
+
+
+def shared_cores_factor(row: dict) -> float:
+    """How much slower host work runs in ``row`` because its processes share C cores (module
+    docstring, "Shared cores"): max(1, N/C) for ring and hierarchical, max(1, 2S/C) for PS."""
+    cores = row.get("cores", machine_cores())
+    if row["strategy"] in ("ring", "hierarchical"):
+        return max(1.0, row["workers"] / cores)
+    return max(1.0, 2 * max(1, row["servers"]) / cores)
 
 
 def with_predictions(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> dict:
@@ -110,7 +131,7 @@ def fit_host_s_per_byte(rows: list[dict]) -> float:
         if row["strategy"] == "ps-sync" and row["servers"] == 1:
             traffic = 2 * row["workers"] * row["model_bytes"]
             beta = link_for(row["link"], row["alpha_s"]).beta
-            fits.append((row["step_s"] - row["compute_s"] - traffic * beta) / traffic)
+            fits.append((row["step_s"] - row["compute_s"] - traffic * beta) / traffic / shared_cores_factor(row))
     if not fits:
         raise ValueError("fitting the host term needs sync-PS rows with one server (gradsync cluster --strategy "
                          "ps-sync --servers 1 ...); none were given")
