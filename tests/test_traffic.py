@@ -89,11 +89,11 @@ def test_receive_from_any_source_names_the_sender(world_of):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
-    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+    from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    large = DIRECT_BELOW_BYTES // 4 + 3       # just over: the single-copy one reads slices
+    large = FROM_BYTES // 4 + 3               # just over: the single-copy one moves slices
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes
@@ -101,7 +101,7 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
             if direct:
                 expected = (world_size - 1) * m_bytes
                 per_peer = {peer: m_bytes for peer in range(world_size) if peer != rank}
-            else:  # slice r from each other rank, and slice j from its owner j (as the split one would)
+            else:  # slice r from each other rank, and slice j written by its owner j (the split one's bytes)
                 expected = ((world_size - 1) * sizes[rank] + numel - sizes[rank]) * 4
                 per_peer = {peer: (sizes[rank] + sizes[peer]) * 4 for peer in range(world_size) if peer != rank}
             assert t["bytes_received"] == t["bytes_sent"] == expected, (numel, rank)

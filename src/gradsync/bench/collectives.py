@@ -58,6 +58,7 @@ import gradsync as gs
 from gradsync.comm import shm
 from gradsync.comm.allreduce_ring import ring_bytes_sent
 from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
+from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES
 from gradsync.comm.collectives import here, resolve_algorithm
 from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
@@ -256,7 +257,8 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
     native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
         _add_bandwidths(r)
-        r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"])
+        r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"],
+                                            r.get("single_copy", False))
         r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["time_s"] > 0 else None
     return {"rows": rows, "fit": fitted}
 
@@ -284,12 +286,13 @@ def add_mpi_rows(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
     return merged
 
 
-def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
-    """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
+def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int, single_copy: bool) -> float | None:
+    """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32).
+    ``single_copy``: the shared-memory transport could read and write other ranks' memory."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
     if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
-        direct = nbytes < min(DIRECT_BELOW_BYTES, shm.stage_bytes() + 1)
+        direct = nbytes < (SINGLE_COPY_FROM_BYTES if single_copy else min(DIRECT_BELOW_BYTES, shm.stage_bytes() + 1))
         return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
@@ -303,8 +306,10 @@ def _bench_job(sizes, algorithms, reps, warmup, fit):
     torch.set_num_threads(1)
     rows = _bench_rank(sizes, algorithms, reps, warmup)
     ours = carrier()
+    single_copy = getattr(default_transport(), "single_copy", False)
     for r in rows:
         r["transport"] = "gloo" if r["algorithm"] == "native" else ours
+        r["single_copy"] = single_copy
     fitted = _fit_rank() if fit and gs.world().world_size >= 2 else None
     if fitted is not None:
         fitted["transport"] = ours

@@ -9,13 +9,17 @@ Phases
     barrier   every rank's tensor is final (and every rank has published its fingerprint, with the
               region and offset: agree.py, staged; a mismatch raises on every rank here)
     reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
-              then the others in rank order; avg divides by N. Rank r writes only its slice r,
-              which no other rank reads in this phase (each reads its own slice)
-    barrier   every slice is reduced
-    gather    rank r copies slice j of rank j's tensor into its own, for every j != r; it writes only
-              slices other ranks do not read in this phase (each reads slice j from its owner j)
-    barrier   every rank has finished reading: only now may a rank write its tensor again (the next
-              backward accumulates into it)
+              then the others in rank order; avg divides by N
+    scatter   rank r copies its finished slice r into slice r of every other rank's tensor
+    barrier   every rank has scattered its slice: every tensor holds the whole result, and no rank
+              touches another's tensor any more, so each may write its own again (the next backward
+              accumulates into it)
+
+Why two barriers are enough: slice r of rank j's tensor is read by rank r alone (in its reduce) and
+written by rank r alone (in its scatter, afterwards, on the same thread); rank j reads and writes
+only its own slice j, and reads the others' slices j. So nothing is overwritten while another rank
+may still read it. (Gathering instead, each rank copying slice j out of rank j, would need a third
+barrier before anyone may go on: a rank's slices are read by the others after it is done.)
 
 Every element is computed once, by its owner, and copied: bit-identical on every rank, as in the
 split all-reduce (same order within a slice: own first, then rank order).
@@ -23,7 +27,7 @@ split all-reduce (same order within a slice: own first, then rank order).
 Traffic (bytes read out of another rank's memory, metered as the split all-reduce's):
     bytes_received = bytes_sent = 2(N-1)/N * M
 Memory traffic per rank, against the split all-reduce's: no stage (read M + write M saved);
-reduce reads M and writes M/N; gather reads and writes (N-1)/N * M. One barrier more.
+reduce reads M and writes M/N; scatter reads M/N and writes (N-1)/N * M. The same two barriers.
 """
 
 from __future__ import annotations
@@ -58,10 +62,9 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
         if other != rank:
             reduction.combine(own, chunks.view(views[other], rank))
     reduction.finish(own, n_ranks)
-    transport.barrier(op, spin)
-    for owner in range(n_ranks):
-        if owner != rank:
-            chunks.view(flat, owner).copy_(chunks.view(views[owner], owner))
+    for other in range(n_ranks):
+        if other != rank:
+            chunks.view(views[other], rank).copy_(own)
     transport.barrier(op, spin)
     esize = flat.element_size()
     for other in range(n_ranks):

@@ -1,33 +1,42 @@
-"""Single-copy shared-memory all-reduce: every rank reads the others' tensors where they lie.
+"""Single-copy shared-memory all-reduce: every rank reads the others' tensors where they lie, and
+writes its share of the result straight into them.
 
 For ranks of one host whose kernel allows cross-memory reads (single_copy.py; ShmTransport agrees on
 it at set-up) and tensors outside shared regions: torch's own DDP buckets, a user's tensor. The
 split all-reduce (allreduce_shared.py) copies each tensor into a staging half so the others can read
 it, and copies the result back out; here each rank publishes its tensor's address, and the others
-read it with process_vm_readv, in one kernel copy. Same vocabulary as the in-place all-reduce
-(allreduce_shared_in_place.py): N ranks, slice j = ring_chunks(n, N) chunk j, owned by rank j.
+read it with process_vm_readv and write into it with process_vm_writev, one kernel copy each.
+Same vocabulary as the in-place all-reduce (allreduce_shared_in_place.py): N ranks, slice j =
+ring_chunks(n, N) chunk j, owned by rank j.
 
 Phases
     barrier   every rank's tensor is final, and every rank has published its fingerprint with the
               tensor's address (agree.py, staged; a mismatch raises on every rank here)
     reduce    rank r folds slice r of every other rank into slice r of its own, own first, then the
               others in rank order; piece by piece (PIECE_BYTES): read the piece of rank j into a
-              private scratch buffer, combine it into the own piece. Rank r writes only its slice
-              r, which no other rank reads in this phase
-    barrier   every slice is reduced (avg divided by N)
-    gather    rank r reads slice j of rank j's tensor straight into its own, for every j != r, one
-              read per owner; it writes only slices that other ranks do not read now
-    barrier   every rank has finished reading: only now may a rank return (and its caller write or
-              free the tensor)
+              private scratch buffer, combine it into the own piece (avg: then divide by N)
+    scatter   rank r writes its finished slice r straight into slice r of every other rank's tensor
+              (process_vm_writev), one write per rank
+    barrier   every rank has written its slice everywhere: every tensor holds the whole result, and
+              no rank touches another's memory any more, so each may return (and its caller write
+              or free the tensor)
+
+Why two barriers are enough: slice r of rank j's tensor is read by rank r alone (in its reduce),
+and written by rank r alone (in its scatter, after that read, on the same thread); rank j itself
+reads and writes only its own slice j and reads the others' slices j. So no byte is written while
+another rank may still read it, and every byte a rank reads stays as it was until the second
+barrier. (Gathering by reads instead, each rank reading slice j out of rank j, would need a third
+barrier before anyone may return: a rank's result slices are read by the others after it is done.)
 
 Every element is computed once, by its owner, and copied: bit-identical on every rank, in the same
 order within a slice as the in-place all-reduce.
 
-Traffic (bytes read out of another rank's memory, metered as the other shared-memory all-reduces):
+Traffic (bytes moved between ranks' memories, metered as the other shared-memory all-reduces):
     bytes_received = bytes_sent = 2(N-1)/N * M
-Memory traffic per rank, M bytes: the reads (N-1)/N * M twice (into scratch, into the tensor) and
-the reduction's own slice, against the split all-reduce's stage (read M + write M), reduce (read M,
-write M/N) and gather (read M + write M). Three barriers, against two per staging half.
+Memory traffic per rank, M bytes: the reads (N-1)/N * M into scratch, the reduction's own slice,
+and its slice written N-1 times (as many bytes as the (N-1)/N * M written into it), against the
+split all-reduce's stage (read M + write M), reduce (read M, write M/N) and gather (read M + write
+M). Two barriers, against two per staging half.
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ import torch
 from gradsync.comm.agree import Fingerprint, offer_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+
+FROM_BYTES = 512 << 10
+"""Where single-copy reads are allowed, an all-reduce of at least this many bytes runs here; smaller
+ones take the direct all-reduce (allreduce_shared_direct.py: one barrier, every rank folds every
+input). Timed on this 2-core host, medians of 3 runs of 30 calls (2026-12-01 06:43 UTC), direct
+against this one: N=2 128 KiB 34 against 48 us, 256 KiB 55 against 61, 512 KiB 107 against 106;
+N=4 512 KiB 857 against 721 us. (Without single-copy reads the staged split all-reduce takes over
+at allreduce_shared.DIRECT_BELOW_BYTES, 1 MiB: it has a copy in and out more.)"""
 
 PIECE_BYTES = 8 << 20
 """The reduce phase reads and combines at most this many bytes at a time (the scratch buffer's size).
@@ -64,11 +81,10 @@ def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Re
                 transport.read_from(other, addresses[other] + offset, theirs, op)
                 reduction.combine(piece, theirs)
     reduction.finish(own, n_ranks)
-    transport.barrier(op, spin)
-    for owner in range(n_ranks):
-        if owner != rank and chunks.sizes[owner]:
-            transport.read_from(owner, addresses[owner] + chunks.offsets[owner] * esize,
-                                chunks.view(flat, owner), op)
+    if own.numel():
+        for other in range(n_ranks):
+            if other != rank:
+                transport.write_to(other, addresses[other] + chunks.offsets[rank] * esize, own, op)
     transport.barrier(op, spin)
     for other in range(n_ranks):
         if other != rank:

@@ -36,9 +36,9 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
+from gradsync.comm.allreduce_shared import allreduce_shared
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
+from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES, allreduce_shared_single_copy
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.all_gather_shared import all_gather_shared
@@ -218,7 +218,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=_spins(fingerprint))
     elif (algorithm == "shared_memory" and transport.single_copy
-          and flat.numel() * flat.element_size() >= DIRECT_BELOW_BYTES):  # read where it lies, no staging
+          and flat.numel() * flat.element_size() >= SINGLE_COPY_FROM_BYTES):  # read where it lies, no staging
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory_single_copy")
         stall.entered(fingerprint)

@@ -597,6 +597,15 @@ class ShmTransport(Transport):
             raise PeerError(f"rank {self.rank}: {op}: reading rank {rank}'s tensor failed{gone}: {exc}",
                             rank=self.rank, peer=rank, op=op) from exc
 
+    def write_to(self, rank: int, address: int, source: torch.Tensor, op: str) -> None:
+        """Single-copy write of ``source`` to ``address`` in local rank ``rank``'s memory."""
+        try:
+            single_copy.write(self.pids[rank], address, source)
+        except single_copy.SingleCopyError as exc:
+            gone = "" if _alive(self.pids[rank]) else f" (rank {rank} has exited)"
+            raise PeerError(f"rank {self.rank}: {op}: writing into rank {rank}'s tensor failed{gone}: {exc}",
+                            rank=self.rank, peer=rank, op=op) from exc
+
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A private buffer of at least ``nbytes``, kept between calls (uint8)."""
         if self._scratch.numel() < nbytes:

@@ -1,4 +1,4 @@
-"""Single-copy reads: copy bytes straight out of another local process's memory (process_vm_readv).
+"""Single-copy reads and writes: copy bytes straight out of, or into, another local process's memory.
 
 Shared segments (shm.py) need every byte copied in by its owner before others can read it. Linux
 also lets a process read another's private memory in one kernel copy, given the right to trace it
@@ -6,12 +6,13 @@ also lets a process read another's private memory in one kernel copy, given the 
 (CMA), what Open MPI's shared-memory collectives use for large messages. The source stays where it
 is (a torch tensor anywhere in the peer's heap); only its address and the peer's pid must be known.
 
-    reader.read(pid, address, into)   copies into.numel() * into.element_size() bytes from
-                                      ``address`` in process ``pid`` into the contiguous tensor
-                                      ``into``; raises SingleCopyError naming what failed
+    read(pid, address, into)      copies into.numel() * into.element_size() bytes from ``address``
+                                  in process ``pid`` into the contiguous tensor ``into``
+                                  (process_vm_readv); raises SingleCopyError naming what failed
+    write(pid, address, source)   the other way (process_vm_writev): the same right, the same cost
 
-The call drops the GIL (ctypes), so a communication thread reading does not stall the training
-thread. ``probe(pid, address, expected)`` tells at set-up whether reads from a peer work here
+The calls drop the GIL (ctypes), so a communication thread reading does not stall the training
+thread. ``probe(pid, address, expected)`` tells at set-up whether reads from and writes to a peer work here
 (shm.py agrees on the answer across ranks, so every rank takes the same algorithm).
 GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads off.
 """
@@ -27,7 +28,7 @@ import torch
 ENV = "GRADSYNC_SHM_SINGLE_COPY"
 FROM_BYTES = 256 << 10
 """Reduce-scatter inputs and all-gather shards of at least this many bytes are read where they lie;
-smaller ones go through the staging halves (one barrier fewer). (All-reduce: DIRECT_BELOW_BYTES.)"""
+smaller ones go through the staging halves (one barrier fewer). (All-reduce: allreduce_shared_single_copy.FROM_BYTES.)"""
 
 
 class SingleCopyError(OSError):
@@ -38,10 +39,10 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
-def _bind():
+def _bind(name: str):
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.process_vm_readv
+        call = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     call.restype = ctypes.c_ssize_t
@@ -50,7 +51,8 @@ def _bind():
     return call
 
 
-_READV = _bind()
+_READV = _bind("process_vm_readv")
+_WRITEV = _bind("process_vm_writev")
 
 
 def enabled() -> bool:
@@ -61,33 +63,50 @@ def enabled() -> bool:
     return _READV is not None and value not in ("0", "false", "off")
 
 
-def read_bytes(pid: int, address: int, destination: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from ``address`` in ``pid`` to ``destination`` in this process."""
+def _move(call, pid: int, local_address: int, remote_address: int, nbytes: int) -> None:
+    """``nbytes`` between ``local_address`` here and ``remote_address`` in ``pid`` (``call``: one of
+    the two system calls), resuming after a partial transfer."""
     done = 0
     local, remote = _Iovec(), _Iovec()
     while done < nbytes:
-        local.base, local.length = destination + done, nbytes - done
-        remote.base, remote.length = address + done, nbytes - done
-        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        local.base, local.length = local_address + done, nbytes - done
+        remote.base, remote.length = remote_address + done, nbytes - done
+        got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
             code = ctypes.get_errno() if got < 0 else errno.EIO
-            raise SingleCopyError(code, f"process_vm_readv from pid {pid} at {address + done:#x} "
+            raise SingleCopyError(code, f"{call.__name__} with pid {pid} at {remote_address + done:#x} "
                                         f"({nbytes - done} bytes left): {os.strerror(code)}")
         done += got
 
 
+def read_bytes(pid: int, address: int, destination: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``address`` in ``pid`` to ``destination`` in this process."""
+    _move(_READV, pid, destination, address, nbytes)
+
+
 def read(pid: int, address: int, into: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``into`` with the bytes at ``address`` in process ``pid``."""
-    read_bytes(pid, address, into.data_ptr(), into.numel() * into.element_size())
+    _move(_READV, pid, into.data_ptr(), address, into.numel() * into.element_size())
+
+
+def write(pid: int, address: int, source: torch.Tensor) -> None:
+    """Copy the contiguous CPU tensor ``source`` to ``address`` in process ``pid`` (process_vm_writev)."""
+    _move(_WRITEV, pid, source.data_ptr(), address, source.numel() * source.element_size())
 
 
 def probe(pid: int, address: int, expected: bytes) -> str | None:
-    """None when ``len(expected)`` bytes at ``address`` in ``pid`` read back as ``expected``, else why not."""
+    """None when ``len(expected)`` bytes at ``address`` in ``pid`` read back as ``expected`` and can be
+    written back there (the same bytes: the peer sees no change), else why not."""
     if not enabled():
         return f"{ENV}=0" if _READV is not None else "process_vm_readv is not available"
+    if _WRITEV is None:
+        return "process_vm_writev is not available"
     buffer = ctypes.create_string_buffer(len(expected))
     try:
         read_bytes(pid, address, ctypes.addressof(buffer), len(expected))
+        if buffer.raw != expected:
+            return f"process_vm_readv from pid {pid} read other bytes than expected"
+        _move(_WRITEV, pid, ctypes.addressof(buffer), address, len(expected))
     except SingleCopyError as exc:
         return str(exc)
-    return None if buffer.raw == expected else f"process_vm_readv from pid {pid} read other bytes than expected"
+    return None
