@@ -11,15 +11,18 @@ Phases
     reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
               then the others in rank order; avg divides by N
     scatter   rank r copies its finished slice r into slice r of every other rank's tensor
+              (reduce and scatter go piece by piece, PIECE_BYTES, so each piece is copied out
+              while it is still in cache)
     barrier   every rank has scattered its slice: every tensor holds the whole result, and no rank
               touches another's tensor any more, so each may write its own again (the next backward
               accumulates into it)
 
 Why two barriers are enough: slice r of rank j's tensor is read by rank r alone (in its reduce) and
-written by rank r alone (in its scatter, afterwards, on the same thread); rank j reads and writes
-only its own slice j, and reads the others' slices j. So nothing is overwritten while another rank
-may still read it. (Gathering instead, each rank copying slice j out of rank j, would need a third
-barrier before anyone may go on: a rank's slices are read by the others after it is done.)
+written by rank r alone (in its scatter, each piece after it was read, on the same thread); rank j
+reads and writes only its own slice j, and reads the others' slices j. So nothing is overwritten
+while another rank may still read it. (Gathering instead, each rank copying slice j out of rank j,
+would need a third barrier before anyone may go on: a rank's slices are read by the others after
+it is done.)
 
 Every element is computed once, by its owner, and copied: bit-identical on every rank, as in the
 split all-reduce (same order within a slice: own first, then rank order).
@@ -37,6 +40,10 @@ import torch
 from gradsync.comm.agree import Fingerprint, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+
+PIECE_BYTES = 512 << 10
+"""The reduce and the scatter go piece by piece, so a piece is copied out while it is still in this
+core's cache (as in allreduce_shared_single_copy.py)."""
 
 IN_PLACE_FROM_BYTES = 256 << 10
 """Tensors in a shared region of at least this many bytes are all-reduced in place; smaller ones
@@ -58,13 +65,16 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
         return
     chunks = ring_chunks(flat.numel(), n_ranks)
     own = chunks.view(flat, rank)
-    for other in range(n_ranks):
-        if other != rank:
-            reduction.combine(own, chunks.view(views[other], rank))
-    reduction.finish(own, n_ranks)
-    for other in range(n_ranks):
-        if other != rank:
-            chunks.view(views[other], rank).copy_(own)
+    theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
+    piece_elems = max(1, PIECE_BYTES // flat.element_size())
+    for start in range(0, own.numel(), piece_elems):
+        length = min(piece_elems, own.numel() - start)
+        piece = own.narrow(0, start, length)
+        for other in theirs:
+            reduction.combine(piece, other.narrow(0, start, length))
+        reduction.finish(piece, n_ranks)
+        for other in theirs:
+            other.narrow(0, start, length).copy_(piece)
     transport.barrier(op, spin)
     esize = flat.element_size()
     for other in range(n_ranks):

@@ -15,14 +15,15 @@ Phases
     reduce    rank r folds slice r of every other rank into slice r of its own, own first, then the
               others in rank order; piece by piece (PIECE_BYTES): read the piece of rank j into a
               private scratch buffer, combine it into the own piece (avg: then divide by N)
-    scatter   rank r writes its finished slice r straight into slice r of every other rank's tensor
-              (process_vm_writev), one write per rank
+    scatter   as soon as a piece is finished, rank r writes it straight into the same place in every
+              other rank's tensor (process_vm_writev), while it is still in this core's cache
     barrier   every rank has written its slice everywhere: every tensor holds the whole result, and
               no rank touches another's memory any more, so each may return (and its caller write
               or free the tensor)
 
 Why two barriers are enough: slice r of rank j's tensor is read by rank r alone (in its reduce),
-and written by rank r alone (in its scatter, after that read, on the same thread); rank j itself
+and written by rank r alone (in its scatter, each piece after that piece was read, on the same
+thread); rank j itself
 reads and writes only its own slice j and reads the others' slices j. So no byte is written while
 another rank may still read it, and every byte a rank reads stays as it was until the second
 barrier. (Gathering by reads instead, each rank reading slice j out of rank j, would need a third
@@ -34,7 +35,8 @@ order within a slice as the in-place all-reduce.
 Traffic (bytes moved between ranks' memories, metered as the other shared-memory all-reduces):
     bytes_received = bytes_sent = 2(N-1)/N * M
 Memory traffic per rank, M bytes: the reads (N-1)/N * M into scratch, the reduction's own slice,
-and its slice written N-1 times (as many bytes as the (N-1)/N * M written into it), against the
+and its slice written N-1 times, each piece from cache (as many bytes as the (N-1)/N * M written
+into this rank's tensor by the others), against the
 split all-reduce's stage (read M + write M), reduce (read M, write M/N) and gather (read M + write
 M). Two barriers, against two per staging half.
 """
@@ -55,10 +57,18 @@ against this one: N=2 128 KiB 34 against 48 us, 256 KiB 55 against 61, 512 KiB 1
 N=4 512 KiB 857 against 721 us. (Without single-copy reads the staged split all-reduce takes over
 at allreduce_shared.DIRECT_BELOW_BYTES, 1 MiB: it has a copy in and out more.)"""
 
-PIECE_BYTES = 8 << 20
-"""The reduce phase reads and combines at most this many bytes at a time (the scratch buffer's size).
-Large, not cache-sized: each read has a fixed cost that grows when every rank reads at once (16 MiB,
-N=2, this 2-core host: 256 KiB pieces 4.4-4.8 ms a call, 2 MiB 4.0-4.3 ms, 8 MiB 3.1-3.3 ms)."""
+PIECE_BYTES = 512 << 10
+"""The reduce phase reads, combines and scatters at most this many bytes at a time (the scratch
+buffer's size), so a piece read in is combined and written out while it is still in this core's
+2 MiB L2. Alternating runs of `gradsync bench collectives --sizes 1M,2M,4M,16M,64M --algorithms
+shared_memory` (2026-12-01, medians of 3 x 10 calls, ms). 512 KiB pieces against 8 MiB ones, the
+scatter after the whole slice (06:58 UTC): N=2 16 MiB 3.31 against 3.81, 64 MiB 21.1 against 21.8;
+N=4 4 MiB 4.28 against 4.50, 16 MiB 15.6 against 18.6, 64 MiB 54.6 against 61.1; 2 MiB level;
+128 KiB and 256 KiB level with 512 KiB. Then each piece scattered as soon as it is finished,
+against after the whole slice (07:01 UTC): N=2 4 MiB 0.75 against 0.82, 16 MiB 2.75 against 3.08,
+64 MiB 16.9 against 20.7; N=4 4 MiB 3.88 against 4.66, 16 MiB 13.9 against 15.9, 64 MiB 48.2
+against 52.2; 1 MiB level. (With the earlier three-barrier gather by reads, 8 MiB pieces had
+measured faster than 256 KiB ones: 3.1-3.3 against 4.4-4.8 ms a call.)"""
 
 
 def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
@@ -80,11 +90,10 @@ def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Re
             if other != rank:
                 transport.read_from(other, addresses[other] + offset, theirs, op)
                 reduction.combine(piece, theirs)
-    reduction.finish(own, n_ranks)
-    if own.numel():
+        reduction.finish(piece, n_ranks)
         for other in range(n_ranks):
             if other != rank:
-                transport.write_to(other, addresses[other] + chunks.offsets[rank] * esize, own, op)
+                transport.write_to(other, addresses[other] + offset, piece, op)
     transport.barrier(op, spin)
     for other in range(n_ranks):
         if other != rank:
