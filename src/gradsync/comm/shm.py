@@ -590,20 +590,18 @@ class ShmTransport(Transport):
 
     def read_from(self, rank: int, address: int, into: torch.Tensor, op: str) -> None:
         """Single-copy read of ``into``'s size from ``address`` in local rank ``rank``'s memory."""
-        try:
-            single_copy.read(self.pids[rank], address, into)
-        except single_copy.SingleCopyError as exc:
-            gone = "" if _alive(self.pids[rank]) else f" (rank {rank} has exited)"
-            raise PeerError(f"rank {self.rank}: {op}: reading rank {rank}'s tensor failed{gone}: {exc}",
-                            rank=self.rank, peer=rank, op=op) from exc
+        self._single_copy(single_copy.read, rank, address, into, op, "reading")
 
     def write_to(self, rank: int, address: int, source: torch.Tensor, op: str) -> None:
         """Single-copy write of ``source`` to ``address`` in local rank ``rank``'s memory."""
+        self._single_copy(single_copy.write, rank, address, source, op, "writing into")
+
+    def _single_copy(self, move, rank: int, address: int, tensor: torch.Tensor, op: str, doing: str) -> None:
         try:
-            single_copy.write(self.pids[rank], address, source)
+            move(self.pids[rank], address, tensor)
         except single_copy.SingleCopyError as exc:
             gone = "" if _alive(self.pids[rank]) else f" (rank {rank} has exited)"
-            raise PeerError(f"rank {self.rank}: {op}: writing into rank {rank}'s tensor failed{gone}: {exc}",
+            raise PeerError(f"rank {self.rank}: {op}: {doing} rank {rank}'s tensor failed{gone}: {exc}",
                             rank=self.rank, peer=rank, op=op) from exc
 
     def scratch(self, nbytes: int) -> torch.Tensor:
