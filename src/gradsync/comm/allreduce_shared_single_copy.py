@@ -23,10 +23,9 @@ Phases
 
 Why two barriers are enough: slice r of rank j's tensor is read by rank r alone (in its reduce),
 and written by rank r alone (in its scatter, each piece after that piece was read, on the same
-thread); rank j itself
-reads and writes only its own slice j and reads the others' slices j. So no byte is written while
-another rank may still read it, and every byte a rank reads stays as it was until the second
-barrier. (Gathering by reads instead, each rank reading slice j out of rank j, would need a third
+thread); rank j itself reads and writes only its own slice j and reads the others' slices j. So no
+byte is written while another rank may still read it, and every byte a rank reads stays as it was
+until the second barrier. (Gathering by reads instead, each rank reading slice j out of rank j, would need a third
 barrier before anyone may return: a rank's result slices are read by the others after it is done.)
 
 Every element is computed once, by its owner, and copied: bit-identical on every rank, in the same
@@ -36,9 +35,9 @@ Traffic (bytes moved between ranks' memories, metered as the other shared-memory
     bytes_received = bytes_sent = 2(N-1)/N * M
 Memory traffic per rank, M bytes: the reads (N-1)/N * M into scratch, the reduction's own slice,
 and its slice written N-1 times, each piece from cache (as many bytes as the (N-1)/N * M written
-into this rank's tensor by the others), against the
-split all-reduce's stage (read M + write M), reduce (read M, write M/N) and gather (read M + write
-M). Two barriers, against two per staging half.
+into this rank's tensor by the others), against the split all-reduce's stage (read M + write M),
+reduce (read M, write M/N) and gather (read M + write M). Two barriers, against two per staging
+half.
 """
 
 from __future__ import annotations

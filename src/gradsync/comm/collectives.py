@@ -38,7 +38,8 @@ from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_
 from gradsync.comm.allreduce_naive import allreduce_naive
 from gradsync.comm.allreduce_shared import allreduce_shared
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES, allreduce_shared_single_copy
+from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES
+from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.all_gather_shared import all_gather_shared

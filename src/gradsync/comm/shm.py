@@ -40,9 +40,10 @@ Cleanup: each rank creates its segment, every local peer maps it, and then the n
 once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
 nothing in /dev/shm. The launcher removes the job's names if ranks die during set-up.
 
-Single-copy reads (single_copy.py): at set-up every rank tries to read a token out of each local
-peer's segment through process_vm_readv, and the ranks agree: ``single_copy`` is True only when
-every rank can read every other. Then large all-reduces read the peers' tensors where they lie
+Single-copy reads and writes (single_copy.py): at set-up every rank tries to read a token out of
+each local peer's segment through process_vm_readv and to write it back through process_vm_writev,
+and the ranks agree: ``single_copy`` is True only when every rank can do both with every other.
+Then large all-reduces read the peers' tensors where they lie and write the result into them
 (allreduce_shared_single_copy.py) instead of staging them.
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
@@ -324,8 +325,9 @@ class ShmTransport(Transport):
                                                offset=self._stage_offset()) for rank in self.local_ranks}
 
     def _probe(self, peer: int, base: int) -> str | None:
-        """Why a single-copy read from ``peer`` does not work here (None when it does): read the token
-        at the start of its fingerprint slots and compare with what its mapping shows."""
+        """Why single-copy reads from and writes to ``peer`` do not work here (None when they do): read
+        the token at the start of its fingerprint slots, compare it with what its mapping shows, and
+        write it back (single_copy.probe)."""
         offset = self._fingerprint_offset()
         expected = bytes(self._mappings[peer][offset:offset + 16])
         return single_copy.probe(self.pids[peer], base + offset, expected)

@@ -12,9 +12,9 @@ is (a torch tensor anywhere in the peer's heap); only its address and the peer's
     write(pid, address, source)   the other way (process_vm_writev): the same right, the same cost
 
 The calls drop the GIL (ctypes), so a communication thread reading does not stall the training
-thread. ``probe(pid, address, expected)`` tells at set-up whether reads from and writes to a peer work here
-(shm.py agrees on the answer across ranks, so every rank takes the same algorithm).
-GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads off.
+thread. ``probe(pid, address, expected)`` tells at set-up whether reads from and writes to a peer
+work here (shm.py agrees on the answer across ranks, so every rank takes the same algorithm).
+GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads and writes off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 ENV = "GRADSYNC_SHM_SINGLE_COPY"
 FROM_BYTES = 256 << 10
 """Reduce-scatter inputs and all-gather shards of at least this many bytes are read where they lie;
-smaller ones go through the staging halves (one barrier fewer). (All-reduce: allreduce_shared_single_copy.FROM_BYTES.)"""
+smaller ones go through the staging halves (one barrier fewer). (All-reduce:
+allreduce_shared_single_copy.FROM_BYTES.)"""
 
 
 class SingleCopyError(OSError):
