@@ -119,16 +119,19 @@ def next_sequence(place: Place) -> int:
 
 
 SPIN_BELOW_BYTES = 4 << 20
-"""Collectives of fewer bytes than this may poll briefly in their barriers before they sleep
-(shm.py's ``spin``: 30 us with a core per rank, up to 1 ms yielding the core when ranks outnumber
-cores): their phases are balanced and short, so a sleep and wake-up would dominate them (4 ranks
-on 2 cores, 1 MiB: 1.3-1.4 ms a call against 1.6-2.1 ms sleeping at once)."""
+"""With more local ranks than cores, collectives of fewer bytes than this poll in their barriers,
+yielding the core, for up to 1 ms before they sleep (shm.py's ``spin``): their phases are balanced
+and short, so a sleep and wake-up would dominate them (4 ranks on 2 cores, 1 MiB: 1.3-1.4 ms a call
+against 1.6-2.1 ms sleeping at once). Larger ones sleep at once there: polling made them faster
+alone (4 MiB 3.90 -> 3.54 ms) but not torch's DDP, whose communication thread shares a core with
+backward. With a core per rank every collective polls, for at most 30 us: N=2, 4 MiB 690 -> 617 us,
+16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
 
 
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
     stall.entered(fingerprint)
     if uses_staged_check(transport):
-        check_staged(transport, fingerprint, _spins(fingerprint))
+        check_staged(transport, fingerprint, _spins(transport, fingerprint))
     elif w.debug:
         check_everyone(transport, fingerprint)
     else:
@@ -140,8 +143,11 @@ def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
     return not tensor.is_cuda and shared_layout_error(transport) is None
 
 
-def _spins(fingerprint: Fingerprint) -> bool:
-    return fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES
+def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
+    """Whether the collective's barriers poll before they sleep: always while every local rank has a
+    core (30 us at most, shm.py), below SPIN_BELOW_BYTES when ranks outnumber the cores."""
+    return (getattr(transport, "spin_allowed", False)
+            or fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES)
 
 
 def _next_sequence(transport: Transport) -> int:
@@ -217,18 +223,19 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
                                   "shared_memory_in_place", region=region)
         stall.entered(fingerprint)
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
-                                  spin=_spins(fingerprint))
+                                  spin=_spins(transport, fingerprint))
     elif (algorithm == "shared_memory" and transport.single_copy
           and flat.numel() * flat.element_size() >= SINGLE_COPY_FROM_BYTES):  # read where it lies, no staging
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory_single_copy")
         stall.entered(fingerprint)
         allreduce_shared_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                     spin=_spins(fingerprint))
+                                     spin=_spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         stall.entered(fingerprint)
-        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=_spins(fingerprint))
+        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
+                         spin=_spins(transport, fingerprint))
     else:
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         _agree(w, transport, fingerprint)
@@ -265,12 +272,12 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
                                       "shared_memory_single_copy")  # each rank reads its chunk where it lies
             stall.entered(fingerprint)
             return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                              spin=_spins(fingerprint))
+                                              spin=_spins(transport, fingerprint))
         fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory")  # one barrier per staging half
         stall.entered(fingerprint)
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                     spin=_spins(fingerprint))
+                                     spin=_spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
     _agree(w, transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
@@ -300,7 +307,7 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
                            "shared_memory")
         stall.entered(mine)
         gather = all_gather_single_copy if transport.single_copy else all_gather_shared
-        return gather(flat_shard, transport, mine, spin=_spins(mine))
+        return gather(flat_shard, transport, mine, spin=_spins(transport, mine))
     mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")

@@ -49,8 +49,8 @@ Then large all-reduces read the peers' tensors where they lie and write the resu
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
 /proc tells), which turns a dead peer into an error within a fraction of a second. The one
-exception is a barrier the caller marks ``spin`` (small and medium collectives, where sleeping and
-being woken costs more than the collective): while every local rank can have a core of its own
+exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
+being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps; with more ranks than cores a
 spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS and yields
 its core after every poll.
