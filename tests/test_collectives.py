@@ -238,3 +238,19 @@ def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
         assert torch.equal(result["parameter"], once * world_size)  # the view's all-reduce summed it again
         assert torch.equal(result["no_grad view"], (once * world_size).view(3, 4))
 
+
+
+def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
+    """collectives._spins: with a core per local rank (shm.py's spin_allowed) every collective polls
+    briefly before it sleeps; with more ranks than cores only those below SPIN_BELOW_BYTES do."""
+    from types import SimpleNamespace
+
+    from gradsync.comm.agree import Fingerprint
+    from gradsync.comm.collectives import SPIN_BELOW_BYTES, _spins
+
+    small = Fingerprint("all_reduce", 1, 16, torch.float32, "sum", "shared_memory")
+    large = Fingerprint("all_reduce", 1, SPIN_BELOW_BYTES // 4, torch.float32, "sum", "shared_memory")
+    own_cores, shared_cores = SimpleNamespace(spin_allowed=True), SimpleNamespace(spin_allowed=False)
+    assert _spins(own_cores, small) and _spins(own_cores, large)
+    assert _spins(shared_cores, small) and not _spins(shared_cores, large)
+    assert not _spins(SimpleNamespace(), large)   # a transport without the notion (TCP): size alone
