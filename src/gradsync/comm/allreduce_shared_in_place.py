@@ -11,8 +11,8 @@ Phases
     reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
               then the others in rank order; avg divides by N
     scatter   rank r copies its finished slice r into slice r of every other rank's tensor
-              (reduce and scatter go piece by piece, PIECE_BYTES, so each piece is copied out
-              while it is still in cache)
+              (reduce and scatter go piece by piece, allreduce_shared_single_copy.piece_bytes,
+              so each piece is copied out while it is still in cache)
     barrier   every rank has scattered its slice: every tensor holds the whole result, and no rank
               touches another's tensor any more, so each may write its own again (the next backward
               accumulates into it)
@@ -39,11 +39,8 @@ import torch
 
 from gradsync.comm.agree import Fingerprint, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.allreduce_shared_single_copy import piece_bytes
 from gradsync.comm.reduce_ops import SUM, Reduction
-
-PIECE_BYTES = 512 << 10
-"""The reduce and the scatter go piece by piece, so a piece is copied out while it is still in this
-core's cache (as in allreduce_shared_single_copy.py)."""
 
 IN_PLACE_FROM_BYTES = 256 << 10
 """Tensors in a shared region of at least this many bytes are all-reduced in place; smaller ones
@@ -66,7 +63,7 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
     chunks = ring_chunks(flat.numel(), n_ranks)
     own = chunks.view(flat, rank)
     theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
-    piece_elems = max(1, PIECE_BYTES // flat.element_size())
+    piece_elems = max(1, piece_bytes(transport) // flat.element_size())   # in cache (single-copy's size)
     for start in range(0, own.numel(), piece_elems):
         length = min(piece_elems, own.numel() - start)
         piece = own.narrow(0, start, length)

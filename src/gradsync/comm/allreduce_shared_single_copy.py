@@ -67,7 +67,16 @@ N=4 4 MiB 4.28 against 4.50, 16 MiB 15.6 against 18.6, 64 MiB 54.6 against 61.1;
 against after the whole slice (07:01 UTC): N=2 4 MiB 0.75 against 0.82, 16 MiB 2.75 against 3.08,
 64 MiB 16.9 against 20.7; N=4 4 MiB 3.88 against 4.66, 16 MiB 13.9 against 15.9, 64 MiB 48.2
 against 52.2; 1 MiB level. (With the earlier three-barrier gather by reads, 8 MiB pieces had
-measured faster than 256 KiB ones: 3.1-3.3 against 4.4-4.8 ms a call.)"""
+measured faster than 256 KiB ones: 3.1-3.3 against 4.4-4.8 ms a call.) Where R ranks share a
+core they share its L2 too, so pieces are PIECE_BYTES / R (piece_bytes): 4 ranks on 2 cores with
+256 KiB against 512 KiB pieces (08:35 UTC, medians of 4 runs alternating): 4 MiB 3.83 against 4.17
+ms, 16 MiB 11.1 against 13.5 ms, 64 MiB 40.1 against 45.0 ms; 1 MiB level. At N=2 256 KiB was no
+better (4 MiB 0.60 against 0.57 ms, 16 MiB level)."""
+
+
+def piece_bytes(transport) -> int:
+    """PIECE_BYTES, divided among the local ranks that share a core and so its cache."""
+    return PIECE_BYTES // getattr(transport, "ranks_per_core", 1)
 
 
 def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
@@ -79,7 +88,7 @@ def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Re
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
     own = chunks.view(flat, rank)
-    piece_elems = max(1, PIECE_BYTES // esize)
+    piece_elems = max(1, piece_bytes(transport) // esize)
     scratch = transport.scratch(min(own.numel(), piece_elems) * esize).view(flat.dtype)
     for start in range(0, own.numel(), piece_elems):
         piece = own.narrow(0, start, min(piece_elems, own.numel() - start))
