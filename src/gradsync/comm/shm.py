@@ -241,8 +241,8 @@ class ShmTransport(Transport):
         self._half = 0
         self._published = 0
         self._views: dict[tuple, list[torch.Tensor]] = {}
-        self.spin_allowed = len(local_ranks) <= _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // _usable_cores())   # sharing a core and its cache
+        self.spin_allowed = self.ranks_per_core == 1
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
