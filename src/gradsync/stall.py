@@ -42,7 +42,7 @@ def _describe(fingerprint) -> str:
 
 
 def left() -> None:
-    _STATE.update(op=None, sequence=None, since=None)
+    _STATE["op"] = _STATE["sequence"] = _STATE["since"] = None
 
 
 def tracked(fn):

@@ -72,7 +72,8 @@ class CommThread:
 
     def __init__(self, name: str) -> None:
         self._queue: collections.deque[_Operation] = collections.deque()
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._running = False
         self._closed = False
         threading.Thread(target=self._serve, name=name, daemon=True).start()
@@ -90,37 +91,43 @@ class CommThread:
                 self._changed.notify_all()
         return FutureWork(queued.outcome, self, queued)
 
-    def run_now(self, operation: Callable[[], object]):
-        """Run ``operation()`` on the caller's thread when nothing is queued or running (a
+    def run_now(self, operation: Callable[..., object], result, *args):
+        """Run ``operation(*args)`` on the caller's thread when nothing is queued or running (a
         synchronous call: the order is the same as if it were queued and waited for), and return a
-        finished torch Work; None when the queue is busy (then submit it)."""
-        with self._changed:
+        finished torch Work whose value is ``result``; None when the queue is busy (then submit
+        it). The lock is taken once, to claim the turn: giving it back needs none (below)."""
+        with self._lock:
             if self._closed:
                 raise RuntimeError("this gradsync process group was shut down; create a new one")
             if self._running or self._queue:
                 return None
             self._running = True
         try:
-            outcome = operation()
+            operation(*args)
+            outcome = result
         except BaseException as exc:  # carried to Work.wait(), as for a queued operation
             outcome = _Failure(exc)
         finally:
             stall.left()
-            with self._changed:
-                self._running = False
-                if self._queue:
+            # Without the lock: an operation queued before this line saw _running and woke the
+            # thread, which then waits for the notify below; one queued after it sees nothing running.
+            self._running = False
+            if self._queue:
+                with self._lock:
                     self._changed.notify_all()
-        return DoneWork(outcome)
+        done = DoneWork()
+        done._outcome = outcome
+        return done
 
     def wake(self) -> None:
         """Make sure the thread looks at the queue (an operation queued without waking it is
         about to be waited for some other way than Work.wait())."""
-        with self._changed:
+        with self._lock:
             self._changed.notify_all()
 
     def run_if_next(self, queued: _Operation) -> None:
         """Run ``queued`` on this (waiting) thread if it is next and nothing is running."""
-        with self._changed:
+        with self._lock:
             if self._running or not self._queue or self._queue[0] is not queued:
                 return
             self._queue.popleft()
@@ -131,7 +138,7 @@ class CommThread:
         try:
             queued.execute()
         finally:
-            with self._changed:
+            with self._lock:
                 self._running = False
                 if self._queue:  # only the thread waits on the condition, and only for queued work
                     self._changed.notify_all()
@@ -199,11 +206,11 @@ class FutureWork(dist.Work):
 
 class DoneWork(dist.Work):
     """A torch Work over an operation that has already run (CommThread.run_now): its value or a
-    _Failure, which wait() raises and whose future C++ sees as failed."""
+    _Failure, which wait() raises and whose future C++ sees as failed. Made without an __init__
+    of its own and given its outcome after: a Python __init__ over torch's costs a call per
+    synchronous collective."""
 
-    def __init__(self, outcome) -> None:
-        super().__init__()
-        self._outcome = outcome
+    _outcome = None
 
     def wait(self, timeout=None) -> bool:
         if isinstance(self._outcome, _Failure):
