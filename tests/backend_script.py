@@ -3,15 +3,15 @@
 The default group is gradsync's (init_process_group("gradsync")); the same script also makes a
 gloo group over the same ranks, and every check runs the same thing on both and compares: torch's
 own DDP (no_sync, find_unused_parameters, fp16_compress_hook, static_graph), ZeroRedundancyOptimizer,
-every collective torch.distributed offers on drawn shapes, dtypes, ops and roots (a seeded
-random.Random, the same draws on every rank), subgroups and a 2 x 2 DeviceMesh, point-to-point and
+every collective torch.distributed offers on shapes, dtypes, ops and roots that the test draws
+with hypothesis (it serves them one at a time through a TCPStore of its own, the same case to
+every rank, and reads back what differed from gloo), subgroups and a 2 x 2 DeviceMesh, point-to-point and
 object collectives. It also checks the traffic meter against the ring formula and that a
 mismatched collective is an error naming both ranks. Each rank prints one line ``RESULT {json}``.
 """
 
 import json
 import os
-import random
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
@@ -106,13 +106,12 @@ for group in (None, GLOO):
     zero.append([p.detach().clone() for p in model.parameters()])
 zero_worst = max(relative(a, b) for a, b in zip(*zero))
 
-# -- every collective, drawn cases, against gloo -------------------------------------------------
-draw = random.Random(2024)  # the same seed on every rank: the same cases everywhere
+# -- every collective on the cases test_backend.py draws with hypothesis, against gloo ---------------
+CASES = dist.TCPStore("127.0.0.1", int(os.environ["GRADSYNC_TEST_CASES_PORT"]), is_master=False,
+                      timeout=timedelta(seconds=120))  # the test's store: case i under "case/i"
 OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
        "avg": dist.ReduceOp.AVG}
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
-          torch.int8, torch.bool]
 
 
 def values(shape, dtype, salt, rank=RANK) -> torch.Tensor:
@@ -131,15 +130,9 @@ def both(fn, *tensors):
     return ours, theirs
 
 
-collective_cases = 0
-for case in range(40):
-    dtype = draw.choice(DTYPES)
-    shape = tuple(draw.randint(0, 5) for _ in range(draw.randint(1, 3)))
-    ops = [o for o in OPS if not (o in ("band", "bor", "bxor") and dtype.is_floating_point)
-           and not (o == "avg" and not dtype.is_floating_point) and not (o == "product" and dtype.is_floating_point)]
-    op, root = draw.choice(ops), draw.randrange(N)
-    label = f"case {case}: {dtype} {shape} op={op} root={root}"
-    x = values(shape, dtype, case)
+def run_case(dtype, shape, op, root, salt) -> None:
+    label = f"{dtype} {shape} op={op} root={root} salt={salt}"
+    x = values(shape, dtype, salt)
     ours, theirs = both(lambda ts, g: dist.all_reduce(ts[0], op=OPS[op], group=g), x)
     check(torch.equal(ours[0], theirs[0]), f"all_reduce {label}")
     ours, theirs = both(lambda ts, g: dist.broadcast(ts[0], src=root, group=g), x)
@@ -157,7 +150,7 @@ for case in range(40):
     dist.all_gather_into_tensor(gathered[1], flat, group=GLOO)
     check(torch.equal(*gathered), f"all_gather_into_tensor {label}")
     if dtype != torch.bool and op in ("sum", "max", "min"):
-        big = values((N * 3,), dtype, case + 500)
+        big = values((N * 3,), dtype, salt + 500)
         pieces = [torch.empty(3, dtype=dtype) for _ in range(2)]
         dist.reduce_scatter_tensor(pieces[0], big, op=OPS[op])
         dist.reduce_scatter_tensor(pieces[1], big, op=OPS[op], group=GLOO)
@@ -166,11 +159,28 @@ for case in range(40):
     dist.gather(x, got[0], dst=root)
     dist.gather(x, got[1], dst=root, group=GLOO)
     check(RANK != root or all(torch.equal(a, b) for a, b in zip(*got)), f"gather {label}")
-    pieces = [values(shape, dtype, case + 10 * r) for r in range(N)]
+    pieces = [values(shape, dtype, salt + 10 * r) for r in range(N)]
     into = [torch.empty_like(x) for _ in range(2)]
     dist.scatter(into[0], pieces if RANK == root else None, src=root)
     dist.scatter(into[1], pieces if RANK == root else None, src=root, group=GLOO)
     check(torch.equal(*into), f"scatter {label}")
+
+
+collective_cases = 0
+while True:  # until the test says stop; every rank reads the same case, rank 0 answers for all
+    case = json.loads(CASES.get(f"case/{collective_cases}"))
+    if case.get("stop"):
+        break
+    before = len(problems)
+    try:
+        run_case(getattr(torch, case["dtype"]), tuple(case["shape"]), case["op"], case["root"], case["salt"])
+    except Exception as exc:  # reported to the test as the case's failure; the next case goes on
+        problems.append(f"case {case}: {type(exc).__name__}: {exc}")
+    found = [None] * N
+    dist.all_gather_object(found, problems[before:], group=GLOO)
+    del problems[before:]  # the test reports them per case (and shrinks the case)
+    if RANK == 0:
+        CASES.set(f"result/{collective_cases}", json.dumps([p for rank_found in found for p in rank_found]))
     collective_cases += 1
 
 # all_to_all_single with uneven splits: rank r sends r+1+j rows to rank j

@@ -1,7 +1,9 @@
 """The torch.distributed backend "gradsync" under torch's own API (c10d/).
 
 backend_script.py runs under torchrun with 4 ranks and compares everything with a gloo group over
-the same ranks in the same run (see its docstring); backend_kill_script.py SIGKILLs a rank of a
+the same ranks in the same run (see its docstring); its collectives run on cases hypothesis draws
+here, served one at a time to the one running world through a TCPStore (a failing case is shrunk
+there too); backend_kill_script.py SIGKILLs a rank of a
 torch DDP job. The registration tests run fresh interpreters, as a user's script would.
 """
 
@@ -10,10 +12,13 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradsync.runtime import free_port
 
@@ -27,18 +32,63 @@ def _results(stdout: str) -> list[dict]:
     return sorted((decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:]), key=lambda row: row["rank"])
 
 
+FLOATING = ["float32", "float64", "float16", "bfloat16"]
+INTEGRAL = ["int32", "int64", "uint8", "int8", "bool"]
+CASE_COUNT = 40
+
+
+@st.composite
+def collective_cases(draw) -> dict:
+    """One case for backend_script.py's collectives: a dtype, a shape (empty dimensions included),
+    an op the dtype admits on both backends, a root rank and a salt for the values."""
+    dtype = draw(st.sampled_from(FLOATING + INTEGRAL))
+    if dtype in FLOATING:
+        ops = ["sum", "max", "min", "avg"]  # product of floats: gloo multiplies in another order
+    else:
+        ops = ["sum", "product", "max", "min", "band", "bor", "bxor"]
+    return {"dtype": dtype, "shape": draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)),
+            "op": draw(st.sampled_from(ops)), "root": draw(st.integers(0, 3)), "salt": draw(st.integers(0, 10_000))}
+
+
+def _serve_cases(store: dist.TCPStore, served: list[dict]) -> None:
+    """Hypothesis draws the cases; each goes to the running world, which answers what differed."""
+    @settings(max_examples=CASE_COUNT, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=collective_cases())
+    def every_collective_matches_gloo(case):
+        index = len(served)
+        store.set(f"case/{index}", json.dumps(case))
+        served.append(case)
+        assert json.loads(store.get(f"result/{index}")) == []
+
+    every_collective_matches_gloo()
+
+
 @pytest.mark.timeout(300)
 def test_torch_programs_on_the_gradsync_backend_match_gloo():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          str(HERE / "backend_script.py")], capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    rows = _results(out.stdout)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=150))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRADSYNC_TEST_CASES_PORT": str(store.port)}
+    world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                              str(HERE / "backend_script.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    served: list[dict] = []
+    try:
+        _serve_cases(store, served)
+    finally:
+        store.set(f"case/{len(served)}", json.dumps({"stop": True}))
+        try:
+            stdout, stderr = world.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            world.kill()
+            stdout, stderr = world.communicate()
+    assert world.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    assert len(served) >= CASE_COUNT
+    rows = _results(stdout)
     assert [row["rank"] for row in rows] == [0, 1, 2, 3]
     for row in rows:
         assert row["backend"] == "gradsync"
         assert row["problems"] == [], row["problems"]
-        assert row["cases"] == 40
+        assert row["cases"] == len(served)
         ddp = row["ddp"]
         assert max(ddp["no_sync"], ddp["unused"], ddp["static"]) <= DOUBLE, ddp
         assert ddp["fp16_hook"] <= FP16_ON_THE_WIRE, ddp
