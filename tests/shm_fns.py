@@ -178,3 +178,31 @@ def in_place_rewritten_at_once(numel: int, rounds: int):
         if not torch.equal(region, expected):
             wrong.append(i)
     return wrong
+
+
+def affinity_in_and_after_collectives():
+    """The calling thread's CPU affinity inside each shared-memory collective (seen from its
+    barriers) and after it, with the transport's own_core. Returns (own_core, before, [(name,
+    inside, after)])."""
+    transport = default_transport()
+    before = os.sched_getaffinity(0)
+    inside: list[set[int]] = []
+    plain_barrier = transport.barrier
+
+    def barrier(op, spin=False):
+        inside.append(os.sched_getaffinity(0))
+        return plain_barrier(op, spin)
+
+    transport.barrier = barrier
+    seen = []
+    try:
+        for name, run in (("all_reduce", lambda: gs.all_reduce(torch.ones(1 << 18))),
+                          ("broadcast", lambda: gs.broadcast(torch.ones(1 << 10), src=1)),
+                          ("reduce_scatter", lambda: gs.reduce_scatter(torch.ones(1 << 12))),
+                          ("all_gather", lambda: gs.all_gather(torch.ones(1 << 10)))):
+            inside.clear()
+            run()
+            seen.append((name, sorted(set.union(*inside)) if inside else None, sorted(os.sched_getaffinity(0))))
+    finally:
+        del transport.barrier
+    return transport.own_core, sorted(before), seen

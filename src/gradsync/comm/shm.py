@@ -53,7 +53,9 @@ exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: w
 being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps; with more ranks than cores a
 spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS and yields
-its core after every poll.
+its core after every poll. There the caller's thread is also held on one core while it is in a
+collective (``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), so the
+ranks that share a core yield to each other instead of following each other across cores.
 """
 
 from __future__ import annotations
@@ -136,11 +138,11 @@ def segment_prefix(job: str) -> str:
     return f"gradsync-{job}-r"
 
 
-def _usable_cores() -> int:
+def _usable_cores() -> list[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def _alive(pid: int) -> bool:
@@ -241,8 +243,10 @@ class ShmTransport(Transport):
         self._half = 0
         self._published = 0
         self._views: dict[tuple, list[torch.Tensor]] = {}
-        self.ranks_per_core = -(-len(local_ranks) // _usable_cores())   # sharing a core and its cache
+        cores = _usable_cores()
+        self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
+        self.own_core = cores[self.local_index[self.rank] % len(cores)] if self.ranks_per_core > 1 else None
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
