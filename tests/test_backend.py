@@ -66,7 +66,9 @@ def _serve_cases(store: dist.TCPStore, served: list[dict]) -> None:
 
 @pytest.mark.timeout(300)
 def test_torch_programs_on_the_gradsync_backend_match_gloo():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=150))
+    # waits: 90 s for any one answer (the first comes after the DDP part), then 180 s for the world to
+    # end; together under the test's 300 s, so a stuck world is killed here, not left behind
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=90))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRADSYNC_TEST_CASES_PORT": str(store.port)}
     world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                               str(HERE / "backend_script.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -77,7 +79,7 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo():
     finally:
         store.set(f"case/{len(served)}", json.dumps({"stop": True}))
         try:
-            stdout, stderr = world.communicate(timeout=240)
+            stdout, stderr = world.communicate(timeout=180)
         except subprocess.TimeoutExpired:
             world.kill()
             stdout, stderr = world.communicate()
