@@ -50,7 +50,21 @@ def collective_cases(draw) -> dict:
             "op": draw(st.sampled_from(ops)), "root": draw(st.integers(0, 3)), "salt": draw(st.integers(0, 10_000))}
 
 
-def _serve_cases(store: dist.TCPStore, served: list[dict]) -> None:
+def _answer(store: dist.TCPStore, world: subprocess.Popen, key: str, limit: float = 90.0) -> list[str]:
+    """The world's answer under ``key``; an error at once if the world has exited, or after ``limit``."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=1))
+            return json.loads(store.get(key))
+        except RuntimeError:  # torch's store timeout (DistStoreError)
+            if world.poll() is not None:
+                raise RuntimeError(f"the torchrun world exited ({world.returncode}) without answering {key}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer under {key} after {limit:.0f} s")
+
+
+def _serve_cases(store: dist.TCPStore, world: subprocess.Popen, served: list[dict]) -> None:
     """Hypothesis draws the cases; each goes to the running world, which answers what differed."""
     @settings(max_examples=CASE_COUNT, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -59,31 +73,38 @@ def _serve_cases(store: dist.TCPStore, served: list[dict]) -> None:
         index = len(served)
         store.set(f"case/{index}", json.dumps(case))
         served.append(case)
-        assert json.loads(store.get(f"result/{index}")) == []
+        assert _answer(store, world, f"result/{index}") == []
 
     every_collective_matches_gloo()
 
 
 @pytest.mark.timeout(300)
-def test_torch_programs_on_the_gradsync_backend_match_gloo():
-    # waits: 90 s for any one answer (the first comes after the DDP part), then 180 s for the world to
-    # end; together under the test's 300 s, so a stuck world is killed here, not left behind
+def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
+    # waits: 90 s for any one answer from a live world (the first comes after the DDP part), then 180 s
+    # for the world to end; together under the test's 300 s, so a stuck world is killed here
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=90))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRADSYNC_TEST_CASES_PORT": str(store.port)}
-    world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                              str(HERE / "backend_script.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:  # files: a full pipe would stall the world
+        world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "4", str(HERE / "backend_script.py")], stdout=out, stderr=err, env=env)
     served: list[dict] = []
+    failure = None
     try:
-        _serve_cases(store, served)
+        _serve_cases(store, world, served)
+    except BaseException as exc:  # raised below, after the world's own failure if it has one
+        failure = exc
     finally:
         store.set(f"case/{len(served)}", json.dumps({"stop": True}))
         try:
-            stdout, stderr = world.communicate(timeout=180)
+            world.wait(timeout=180)
         except subprocess.TimeoutExpired:
             world.kill()
-            stdout, stderr = world.communicate()
+            world.wait()
+    stdout, stderr = out_path.read_text(), err_path.read_text()
     assert world.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    if failure is not None:
+        raise failure
     assert len(served) >= CASE_COUNT
     rows = _results(stdout)
     assert [row["rank"] for row in rows] == [0, 1, 2, 3]
