@@ -246,7 +246,8 @@ class ShmTransport(Transport):
         cores = _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
-        self.own_core = cores[self.local_index[self.rank] % len(cores)] if self.ranks_per_core > 1 else None
+        holdable = self.ranks_per_core > 1 and hasattr(os, "sched_setaffinity")   # not on every OS
+        self.own_core = cores[self.local_index[self.rank] % len(cores)] if holdable else None
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
