@@ -253,3 +253,26 @@ def test_servers_and_their_workers_share_the_machines_cores_in_the_prediction():
         inter = 2 * 1e-4 + 2 * 1 / 2 * 8e6 * per_byte + 1 / 2 * 8e6 * intra.gamma
         within = 2 * intra.alpha + 2 * 1 / 2 * 16e6 * intra.beta * shared
         assert predict({**hier, "cores": cores}, 1e-9).step_s == pytest.approx(0.02 + inter + within), cores
+
+
+def test_a_servers_update_is_in_series_with_its_link_in_the_prediction():
+    """cluster/results.py and sim/cost.py: the servers' measured update seconds per step, u, add to
+    a sync step (one update between the pushes and the answers) and to an async server's time per
+    W pushes (W updates); the fit of h takes u out first; wire only leaves u out. Worked by hand at
+    1 Gbit/s: M = 16e6 B, W = 4, S = 1, c = 0.02 s, alpha = 1e-4 s, h = 1 ns/B, u = 0.05 s."""
+    from gradsync.cluster.results import fit_host_s_per_byte, link_for, predict, with_predictions
+
+    beta = link_for("1gbit", 1e-4).beta
+    row = {"link": "1gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4, "servers": 1,
+           "ranks_per_host": 1, "compute_s": 0.02, "cores": 2}
+    sync = {**row, "strategy": "ps-sync"}
+    without = 0.02 + 2 * (4e-4 + 64e6 * beta) + 2 * 64e6 * 1e-9
+    assert predict(sync, 1e-9).step_s == pytest.approx(without)
+    assert predict({**sync, "update_s": 0.05}, 1e-9).step_s == pytest.approx(without + 0.05)
+    # async: the server takes W*M*(beta + 2h) + u = 64e6*(beta + 2e-9) + 0.05 per W pushes; a worker
+    # offers one push per c + 2*(alpha + M*beta), about 0.29 s, so the server binds
+    assert predict({**row, "strategy": "ps-async", "update_s": 0.05}, 1e-9).step_s == pytest.approx(
+        64e6 * (beta + 2e-9) + 0.05)
+    measured = {**sync, "update_s": 0.05, "step_s": without + 0.05}
+    assert fit_host_s_per_byte([measured]) == pytest.approx(1e-9, rel=0.01)   # the fit leaves the alphas in h
+    assert with_predictions(measured, 1e-9)["wire_only_s"] == pytest.approx(0.02 + 2 * (4e-4 + 64e6 * beta))

@@ -22,13 +22,17 @@ forward + backward, and for ring and hierarchical the optimizer's update, which 
 hierarchical row showed missing: 2-3 ms of a 22 ms step):
     ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
     ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
+    ps-*                 with u, the busiest server's update seconds per step, measured in the job
+                         (median over reps; sync: one optimizer step, async and ssp: W of them),
+                         in series with the server's link (cost.py, "server update"); rows saved
+                         before it was measured have none (u = 0)
     ring                 strategy "ring"
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
 "wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
 it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
-ran at about 1 Gbit/s: h = (step - c - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6
+ran at about 1 Gbit/s: h = (step - c - u - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6
 (fit_host_s_per_byte; divided by the shared-cores factor below, 1 for one server on 2 or more
 cores). That value was fitted under heavy load; ``gradsync cluster --fit-host
 JSON`` fits h from the sync-PS rows of another run and predicts with it.
@@ -90,20 +94,24 @@ def link_for(rate: str, alpha_s: float) -> cost.Link:
     return cost.Link(alpha=alpha_s, beta=1 / (parse_rate(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
 
 
-def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> cost.StrategyCost:
-    """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute)."""
+def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool = False) -> cost.StrategyCost:
+    """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute,
+    server update); ``wire_only``: the textbook model, neither host term nor server update."""
+    if wire_only:
+        host_s_per_byte = 0.0
     link = link_for(row["link"], row["alpha_s"])
     if row["strategy"] == "hierarchical":   # the host's L rails share its one link
         link = cost.Link(alpha=link.alpha, beta=link.beta * row["ranks_per_host"], gamma=link.gamma)
     extra = {"ps_server": "serial"} if row["strategy"] == "ps-sync" else {}
-    shared = shared_cores_factor(row) if host_s_per_byte else 1.0   # wire only: the textbook model
+    shared = 1.0 if wire_only else shared_cores_factor(row)
     host_s_per_byte *= shared
     intra = cost.Link()
     if row["strategy"] == "hierarchical":   # its intra-host copies share the cores too
         intra = cost.Link(alpha=intra.alpha, beta=intra.beta * shared, gamma=intra.gamma * shared)
     return cost.strategy_cost(PREDICTED_AS[row["strategy"]], row["model_bytes"], row["workers"], link,
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
-                              intra=intra, host_s_per_byte=host_s_per_byte, **extra)
+                              intra=intra, host_s_per_byte=host_s_per_byte,
+                              server_update_s=0.0 if wire_only else row.get("update_s", 0.0), **extra)
 
 
 def shared_cores_factor(row: dict) -> float:
@@ -118,20 +126,21 @@ def shared_cores_factor(row: dict) -> float:
 def with_predictions(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> dict:
     """``row`` with predicted_s (host term), wire_only_s (none) and error = predicted / measured - 1."""
     predicted = predict(row, host_s_per_byte).step_s
-    return {**row, "predicted_s": predicted, "wire_only_s": predict(row, 0.0).step_s,
+    return {**row, "predicted_s": predicted, "wire_only_s": predict(row, wire_only=True).step_s,
             "host_s_per_byte": host_s_per_byte, "error": predicted / row["step_s"] - 1}
 
 
 def fit_host_s_per_byte(rows: list[dict]) -> float:
     """h from sync-PS rows with one server (module docstring): the median over them of
-    (step - c - 2*W*M*beta) / (2*W*M), at least 0. The host term moves with the machine's load
+    (step - c - u - 2*W*M*beta) / (2*W*M), at least 0. The host term moves with the machine's load
     (CPU per byte), so fit it from rows measured in the conditions it is to predict."""
     fits = []
     for row in rows:
         if row["strategy"] == "ps-sync" and row["servers"] == 1:
             traffic = 2 * row["workers"] * row["model_bytes"]
             beta = link_for(row["link"], row["alpha_s"]).beta
-            fits.append((row["step_s"] - row["compute_s"] - traffic * beta) / traffic / shared_cores_factor(row))
+            fits.append((row["step_s"] - row["compute_s"] - row.get("update_s", 0.0) - traffic * beta)
+                        / traffic / shared_cores_factor(row))
     if not fits:
         raise ValueError("fitting the host term needs sync-PS rows with one server (gradsync cluster --strategy "
                          "ps-sync --servers 1 ...); none were given")
@@ -158,6 +167,9 @@ def summarize(result: dict, rate: str) -> dict:
     step_s = statistics.median(rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"])
     workers = [r for r in ranks if r["role"] != "server"]
     compute_s = statistics.median(r["compute_s"] for r in workers)
+    servers = [r for r in ranks if r["role"] == "server"]
+    update_s = max((statistics.median(rep["update_s"] / rep["steps"] for rep in r["reps"]) for r in servers),
+                   default=0.0)
     alpha_s = ranks[0]["alpha_s"]
     links = []
     for host in range(job.hosts):
@@ -176,5 +188,6 @@ def summarize(result: dict, rate: str) -> dict:
             "params": ranks[0]["params"], "model_bytes": model_bytes, "cores": machine_cores(),
             "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
-            "compute_s": compute_s, "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
+            "compute_s": compute_s, "update_s": update_s,
+            "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

@@ -11,6 +11,8 @@ Vocabulary
     rep       ``steps`` training steps between two barriers; rep 0 is an untimed warm-up of one step
     wall      a rep's time on the slowest rank, from the barrier to its last step (PS workers: to
               close(), which returns once the server has taken every push)
+    update    a server's seconds in its optimizer steps during a rep (Server.stats()["update_seconds"]:
+              the optimizer, and the copy of the shard its answers send)
     window    the same span, for the byte counters: the meter (payload and control bytes this rank
               sent and received) and, on each host's local rank 0, the kernel counters of the host's
               link (/sys/class/net/$GLOO_SOCKET_IFNAME/statistics; `ip netns exec` mounts the
@@ -139,7 +141,7 @@ def _ps_reps(args, model, x, y) -> tuple[list[dict], str]:
 
         result = _window(run_steps, 1 if rep == 0 else args.steps)
         if rep:
-            reps.append(result)
+            reps.append({**result, "update_s": ps.stats()["update_seconds"] if ps.is_server else 0.0})
     return reps, role
 
 

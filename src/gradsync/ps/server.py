@@ -168,6 +168,7 @@ class Server:
         self.staleness = Counter()
         self.gaps = Counter()
         self.idle_seconds = 0.0
+        self.update_seconds = 0.0   # in _step: the optimizer, the tables, the published copy
         self.stop_asked = False
         self.final_version: int | None = None   # sync: the version from which answers carry FLAG_STOP
 
@@ -297,7 +298,7 @@ class Server:
         else:
             self.staleness[self.version - header.version] += 1
             workers = len(self.workers)
-            self._step(incoming / workers, [(local, grad / workers) for local, grad in rows])
+            self._step(incoming.div_(workers), [(local, grad / workers) for local, grad in rows])
             self._advance_boundary()
 
     def _stop_flag(self, version: int) -> int:
@@ -365,14 +366,16 @@ class Server:
             return
         self.staleness[0] += len(self.pushed_this_version)
         pushers = len(self.pushed_this_version)
-        self._step(self.grad_sum / pushers, [table.take_mean(pushers) for table in self.tables])
+        self._step(self.grad_sum.div_(pushers), [table.take_mean(pushers) for table in self.tables])
         self.grad_sum.zero_()
         self.pushed_this_version.clear()
         if self.stop_asked and self.final_version is None:
             self.final_version = self.version
 
     def _step(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows."""
+        """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows.
+        ``gradient`` may be overwritten (a push's buffer, or the sync sum)."""
+        started = time.perf_counter()
         self.shard.grad = gradient
         self.optimizer.step()
         self.shard.grad = None
@@ -383,6 +386,7 @@ class Server:
         self.version += 1
         self.published = self.shard.detach().clone()
         self.published_tables = self._publish_tables()
+        self.update_seconds += time.perf_counter() - started
 
     def _publish_tables(self) -> list[torch.Tensor] | int:
         """What pulls read rows from: the live blocks (rows are copied when answered); for bound-0 SSP
@@ -553,6 +557,7 @@ class Server:
             "clock_gap_histogram": dict(sorted(self.gaps.items())),
             "max_clock_gap": max(self.gaps) if self.gaps else 0,
             "idle_seconds": self.idle_seconds,
+            "update_seconds": self.update_seconds,
             "most_sends_in_flight": self.most_sends_in_flight,
             "most_pushes_in_flight": self.most_pushes_in_flight,
             "most_answers_in_flight": self.most_answers_in_flight,

@@ -33,6 +33,10 @@ backward pass takes b = backward_share * c):
                   per second while workers offer W/(c + 2*(alpha + M*beta)) per second:
                   step = W / min(S/(M*beta), W/(c + 2*(alpha + M*beta)))   (time per W pushes);
                   a gradient is then about W-1 versions stale on arrival
+    server update u = server_update_s (default 0): seconds a server spends per step applying updates
+                  (its optimizer, and the copy of the shard it answers with), between reading
+                  pushes and answering pulls, so in series with its link: ps T_comm += u (one
+                  update a step); ps-async's server takes W*M/S*beta + u per W pushes (W updates)
     ring, halving_doubling, tree, naive, hierarchical
                   step = c + T_allreduce(M)                  (no overlap with backward)
     ddp           ring all-reduce per bucket of B bytes, overlapped with backward. Bucket k of K
@@ -167,16 +171,18 @@ class StrategyCost:
 def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
                   backward_share: float = 2 / 3, ps_server: str = "pipelined",
-                  host_s_per_byte: float = 0.0) -> StrategyCost:
+                  host_s_per_byte: float = 0.0, server_update_s: float = 0.0) -> StrategyCost:
     """One strategy's cost per training step (formulas in the module docstring). ``ps_server``
     (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not.
-    ``host_s_per_byte``: the host term (module docstring)."""
+    ``host_s_per_byte``: the host term; ``server_update_s``: a PS server's update seconds per step
+    (module docstring)."""
     if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
         raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
                          f"servers={servers}, compute={compute_s}, bytes={nbytes}")
     w, m, c = workers, nbytes, compute_s
-    if host_s_per_byte < 0:
-        raise ValueError(f"host_s_per_byte must be >= 0, got {host_s_per_byte}")
+    if host_s_per_byte < 0 or server_update_s < 0:
+        raise ValueError(f"host_s_per_byte and server_update_s must be >= 0, got {host_s_per_byte} and "
+                         f"{server_update_s}")
     if strategy != "ps" and strategy != "ps-async" and 2 * host_s_per_byte > link.beta:
         link = Link(alpha=link.alpha, beta=2 * host_s_per_byte, gamma=link.gamma)   # CPU-bound rank
     if strategy == "ps":
@@ -184,17 +190,16 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
             raise ValueError(f"ps_server must be 'pipelined' or 'serial', got {ps_server!r}")
         link_bytes = w * m / servers
         comm = (w * link.alpha + link_bytes * link.beta) * (2 if ps_server == "serial" else 1)
-        comm += 2 * link_bytes * host_s_per_byte
+        comm += 2 * link_bytes * host_s_per_byte + server_update_s
         serial = f"push-then-pull server: {2 * comm:.3g} s" if ps_server == "pipelined" else "push-then-pull server"
         return StrategyCost(strategy, link_bytes, comm, c + comm, c / (c + comm),
                             f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; {serial}")
     if strategy == "ps-async":
-        per_byte = link.beta + 2 * host_s_per_byte
-        server_rate = servers / (m * per_byte) if per_byte > 0 else math.inf
-        worker_rate = w / (c + 2 * (link.alpha + m * link.beta))
-        step = w / min(server_rate, worker_rate)
+        server_s = w * m / servers * (link.beta + 2 * host_s_per_byte) + server_update_s   # per W pushes
+        worker_s = c + 2 * (link.alpha + m * link.beta)                                  # per push, each
+        step = max(server_s, worker_s)
         return StrategyCost(strategy, w * m / servers, max(0.0, step - c), step, c / step,
-                            f"~{w - 1} versions stale; {'server' if server_rate < worker_rate else 'worker'}-bound")
+                            f"~{w - 1} versions stale; {'server' if server_s > worker_s else 'worker'}-bound")
     if strategy in ALGORITHMS:
         comm = allreduce_time(strategy, m, w, link)
         return StrategyCost(strategy, allreduce_bytes_per_rank(strategy, m, w), comm, c + comm, c / (c + comm))
