@@ -276,3 +276,24 @@ def test_a_servers_update_is_in_series_with_its_link_in_the_prediction():
     measured = {**sync, "update_s": 0.05, "step_s": without + 0.05}
     assert fit_host_s_per_byte([measured]) == pytest.approx(1e-9, rel=0.01)   # the fit leaves the alphas in h
     assert with_predictions(measured, 1e-9)["wire_only_s"] == pytest.approx(0.02 + 2 * (4e-4 + 64e6 * beta))
+
+
+def test_the_async_servers_wire_time_grows_with_its_measured_duplex_factor():
+    """sim/cost.py via cluster/results.py: an async server's wire time per W pushes is W*M*beta*D
+    (D = 1: full duplex, the model as it was; D = 2: the link's two directions take turns); sync
+    rows already pay both directions in turn and do not change; wire only keeps D = 1. Worked by
+    hand at 10 Gbit/s (beta = 0.8364 ns/B): M = 16e6 B, W = 4, c = 0.02 s, h = 1 ns/B, u = 0.02 s."""
+    from gradsync.cluster.results import predict, with_predictions
+
+    beta = 1 / (1.25e9 * 1448 / 1514)
+    row = {"strategy": "ps-async", "link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4,
+           "servers": 1, "ranks_per_host": 1, "compute_s": 0.02, "cores": 2, "update_s": 0.02}
+    for duplex in (1.0, 1.6, 2.0):
+        expected = 64e6 * (beta * duplex + 2e-9) + 0.02
+        assert predict({**row, "duplex": duplex}, 1e-9).step_s == pytest.approx(expected), duplex
+    sync = {**row, "strategy": "ps-sync"}
+    assert predict({**sync, "duplex": 2.0}, 1e-9).step_s == pytest.approx(predict(sync, 1e-9).step_s)
+    assert with_predictions({**row, "duplex": 2.0, "step_s": 1.0}, 1e-9)["wire_only_s"] == pytest.approx(
+        predict({**row, "update_s": 0.0}, 0.0).step_s)
+    with pytest.raises(ValueError, match="duplex in"):
+        cost.strategy_cost("ps-async", 16e6, 4, cost.Link(), 0.02, duplex=2.5)

@@ -26,6 +26,12 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
                          (median over reps; sync: one optimizer step, async and ssp: W of them),
                          in series with the server's link (cost.py, "server update"); rows saved
                          before it was measured have none (u = 0)
+    ps-async, ssp        with D, the first server's link both ways at once against one way, measured
+                         in the job before the reps (worker.py: M bytes in from a worker and M out
+                         to another through gloo, at once and alone, medians of 5; D = both /
+                         max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
+                         Measured here: D = 1.01-1.02 at 1 Gbit/s, 1.5-1.8 at 10 Gbit/s, where the
+                         CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
     ring                 strategy "ring"
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
@@ -111,7 +117,8 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
     return cost.strategy_cost(PREDICTED_AS[row["strategy"]], row["model_bytes"], row["workers"], link,
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
                               intra=intra, host_s_per_byte=host_s_per_byte,
-                              server_update_s=0.0 if wire_only else row.get("update_s", 0.0), **extra)
+                              server_update_s=0.0 if wire_only else row.get("update_s", 0.0),
+                              duplex=1.0 if wire_only else row.get("duplex", 1.0), **extra)
 
 
 def shared_cores_factor(row: dict) -> float:
@@ -170,6 +177,8 @@ def summarize(result: dict, rate: str) -> dict:
     servers = [r for r in ranks if r["role"] == "server"]
     update_s = max((statistics.median(rep["update_s"] / rep["steps"] for rep in r["reps"]) for r in servers),
                    default=0.0)
+    timed = ranks[0].get("duplex") or {}
+    duplex = min(2.0, max(1.0, timed["both_s"] / max(timed["in_s"], timed["out_s"]))) if timed else 1.0
     alpha_s = ranks[0]["alpha_s"]
     links = []
     for host in range(job.hosts):
@@ -188,6 +197,6 @@ def summarize(result: dict, rate: str) -> dict:
             "params": ranks[0]["params"], "model_bytes": model_bytes, "cores": machine_cores(),
             "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
-            "compute_s": compute_s, "update_s": update_s,
+            "compute_s": compute_s, "update_s": update_s, "duplex": duplex,
             "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

@@ -151,6 +151,11 @@ def _update_ms(row: dict) -> str:
     return f"{row['update_s'] * 1e3:.1f}" if row.get("update_s") else "-"
 
 
+def _duplex(row: dict) -> str:
+    """The server link's duplex factor (results.py), "-" where none was measured."""
+    return f"{row['duplex']:.2f}" if "duplex" in row and row["servers"] else "-"
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
@@ -163,7 +168,7 @@ def print_table(rows: list[dict]) -> None:
                             f"({first['model_bytes'] / 1e6:.1f} MB), median of {first['reps']} reps x "
                             f"{first['steps']} steps; bytes per step on the busiest link (MB)")
         for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only", "predicted ms", "error",
-                       "compute ms", "update ms",
+                       "compute ms", "update ms", "duplex",
                        "comm share", "formula", "meter out/in", "kernel tx/rx", "link Gbit/s"):
             table.add_column(column, justify="right")
         for r in chosen:
@@ -172,7 +177,7 @@ def print_table(rows: list[dict]) -> None:
                           f"{r['hosts']}x{r['ranks_per_host']}", f"{r['step_s'] * 1e3:.0f}",
                           "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['wire_only_s'] * 1e3:.0f}",
                           f"{r['predicted_s'] * 1e3:.0f}",
-                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), f"{r['comm_share']:.0%}",
+                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r), f"{r['comm_share']:.0%}",
                           "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
                           f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
                           f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}")
@@ -185,9 +190,9 @@ def print_markdown(rows: list[dict]) -> None:
         chosen = [r for r in rows if r["link"] == rate]
         print(f"\n{rate} links, {chosen[0]['params'] / 1e6:.2f}M params ({chosen[0]['model_bytes'] / 1e6:.1f} MB); "
               f"bytes per step on the busiest link, MB\n")
-        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | update ms | "
+        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | update ms | duplex | "
               "comm share | formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in chosen:
             b = r["busiest"]
             reps = "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"])
@@ -195,7 +200,7 @@ def print_markdown(rows: list[dict]) -> None:
             print(f"| {r['strategy']} | {r['servers'] or '-'} | {r['workers']} | {r['hosts']}x{r['ranks_per_host']} | "
                   f"{r['step_s'] * 1e3:.0f} ({reps}) | {r['wire_only_s'] * 1e3:.0f} | {r['predicted_s'] * 1e3:.0f} | "
                   f"{r['error']:+.0%} | "
-                  f"{r['compute_s'] * 1e3:.1f} | {_update_ms(r)} | {r['comm_share']:.0%} | {formula} | "
+                  f"{r['compute_s'] * 1e3:.1f} | {_update_ms(r)} | {_duplex(r)} | {r['comm_share']:.0%} | {formula} | "
                   f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f} | "
                   f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f} | {achieved_gbit(r):.2f} |")
 

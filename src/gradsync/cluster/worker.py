@@ -24,7 +24,9 @@ Vocabulary
 
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
-After the reps: ``alpha_s``, the median of 20 one-element ring all-reduces divided by 2(N-1).
+Before the reps, PS jobs only: ``duplex``, the first server's link both ways at once against one
+way (the model's duplex factor: results.py). After the reps: ``alpha_s``, the median of 20
+one-element ring all-reduces divided by 2(N-1).
 Writes DIR/rank<r>.json (results.py reads them).
 """
 
@@ -159,6 +161,33 @@ def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
     return reps[1:], "rank"
 
 
+def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float]:
+    """The first server's link both ways at once against one way (module docstring, "duplex"):
+    medians of ``reps`` of receiving ``nbytes`` from the first worker, sending ``nbytes`` to the
+    next one (the same one when there is only one), and both at once, through torch.distributed's
+    gloo as the parameter server's transfers go. Every rank takes part in the barriers; the dict is
+    filled on the server rank alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source, sink = servers, min(servers + 1, world - 1)
+    inbox, outbox = torch.empty(nbytes // 4), torch.zeros(nbytes // 4)
+    times: dict[str, list[float]] = {"in_s": [], "out_s": [], "both_s": []}
+    for _ in range(reps):
+        for kind in times:
+            _barrier()
+            started = time.perf_counter()
+            handles = []
+            if kind != "out_s":   # the server receives from source
+                handles += [dist.irecv(inbox, source)] if rank == 0 else [dist.isend(outbox, 0)] if rank == source else []
+            if kind != "in_s":    # the server sends to sink
+                handles += [dist.isend(outbox, sink)] if rank == 0 else [dist.irecv(inbox, 0)] if rank == sink else []
+            for handle in handles:
+                handle.wait()
+            if rank == 0:
+                times[kind].append(time.perf_counter() - started)
+    _barrier()
+    return {kind: statistics.median(t) for kind, t in times.items()} if rank == 0 else {}
+
+
 def _fit_alpha(calls: int = 20) -> float:
     """Seconds per message: one-element ring all-reduces, 2(N-1) messages each (median of ``calls``)."""
     n = gs.world().world_size
@@ -188,16 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args.params)
     x, y = _batch(model, w.rank)
     compute_s = _measure_compute(model, x, y, update=args.strategy in DDP_ALGORITHMS)
+    params = sum(p.numel() for p in model.parameters())
+    duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
     else:
         reps, role = _ddp_reps(args, model, x, y)
     alpha_s = _fit_alpha()
-    params = sum(p.numel() for p in model.parameters())
     result = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank,
               "host": int(os.environ.get("GROUP_RANK", "0")), "hosts": [list(h) for h in w.hosts], "role": role,
               "strategy": args.strategy, "params": params, "model_bytes": params * 4, "compute_s": compute_s,
-              "alpha_s": alpha_s, "reps": reps}
+              "alpha_s": alpha_s, "duplex": duplex, "reps": reps}
     Path(args.out, f"rank{w.rank}.json").write_text(json.dumps(result))
     gs.shutdown()
 

@@ -37,6 +37,9 @@ backward pass takes b = backward_share * c):
                   (its optimizer, and the copy of the shard it answers with), between reading
                   pushes and answering pulls, so in series with its link: ps T_comm += u (one
                   update a step); ps-async's server takes W*M/S*beta + u per W pushes (W updates)
+    duplex D      how long a server link takes to move M bytes each way at once, against M one way
+                  (default 1: full duplex; 2: the directions take turns, as when the CPU, not the
+                  wire, moves the bytes): ps-async's server wire time is W*M/S*beta*D
     ring, halving_doubling, tree, naive, hierarchical
                   step = c + T_allreduce(M)                  (no overlap with backward)
     ddp           ring all-reduce per bucket of B bytes, overlapped with backward. Bucket k of K
@@ -171,18 +174,19 @@ class StrategyCost:
 def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
                   backward_share: float = 2 / 3, ps_server: str = "pipelined",
-                  host_s_per_byte: float = 0.0, server_update_s: float = 0.0) -> StrategyCost:
+                  host_s_per_byte: float = 0.0, server_update_s: float = 0.0,
+                  duplex: float = 1.0) -> StrategyCost:
     """One strategy's cost per training step (formulas in the module docstring). ``ps_server``
     (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not.
-    ``host_s_per_byte``: the host term; ``server_update_s``: a PS server's update seconds per step
-    (module docstring)."""
+    ``host_s_per_byte``: the host term; ``server_update_s``: a PS server's update seconds per step;
+    ``duplex``: the server link's duplex factor (module docstring)."""
     if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
         raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
                          f"servers={servers}, compute={compute_s}, bytes={nbytes}")
     w, m, c = workers, nbytes, compute_s
-    if host_s_per_byte < 0 or server_update_s < 0:
-        raise ValueError(f"host_s_per_byte and server_update_s must be >= 0, got {host_s_per_byte} and "
-                         f"{server_update_s}")
+    if host_s_per_byte < 0 or server_update_s < 0 or not 1 <= duplex <= 2:
+        raise ValueError(f"need host_s_per_byte >= 0, server_update_s >= 0 and duplex in [1, 2]; got "
+                         f"{host_s_per_byte}, {server_update_s} and {duplex}")
     if strategy != "ps" and strategy != "ps-async" and 2 * host_s_per_byte > link.beta:
         link = Link(alpha=link.alpha, beta=2 * host_s_per_byte, gamma=link.gamma)   # CPU-bound rank
     if strategy == "ps":
@@ -195,7 +199,7 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
         return StrategyCost(strategy, link_bytes, comm, c + comm, c / (c + comm),
                             f"{servers} server(s), each {link_bytes / 1e9:.3g} GB in and out; {serial}")
     if strategy == "ps-async":
-        server_s = w * m / servers * (link.beta + 2 * host_s_per_byte) + server_update_s   # per W pushes
+        server_s = w * m / servers * (link.beta * duplex + 2 * host_s_per_byte) + server_update_s   # per W pushes
         worker_s = c + 2 * (link.alpha + m * link.beta)                                  # per push, each
         step = max(server_s, worker_s)
         return StrategyCost(strategy, w * m / servers, max(0.0, step - c), step, c / step,
