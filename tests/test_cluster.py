@@ -82,6 +82,13 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     assert sum(rep["bytes_sent"] for rep in ranks[0]["reps"]) == w * M * steps
     row = summarize(result, RATE)   # the command's row: the server's link is the busiest
     assert row["busiest"]["host"] == 0 and row["busiest"]["meter_sent"] == w * M and row["step_s"] > 0
+    # the duplex timing moved M each way over the shaped link, outside the counted reps: no faster
+    # than its rate allows after the token bucket's burst (256 KiB at line rate); the server timed
+    # its updates
+    wire_s = (M - 256 * 1024) * 8 / netns.parse_rate(RATE)
+    assert netns.BURST == "256kb"
+    assert min(ranks[0]["duplex"].values()) >= wire_s and 1.0 <= row["duplex"] <= 2.0, ranks[0]["duplex"]
+    assert row["update_s"] > 0
 
 
 @pytest.mark.timeout(240)
@@ -195,21 +202,22 @@ def test_cost_model_host_term_by_hand():
 
 
 def test_host_term_fit_recovers_the_term_of_a_row_made_with_it():
-    """fit_host_s_per_byte inverts the serial sync-PS step, step = c + 2*W*M*(beta + h) (alphas
-    apart), on rows made with known h; other strategies and S = 2 rows are left out of the fit."""
+    """fit_host_s_per_byte inverts the serial sync-PS step, step = c + 2*W*M/S*(beta + h*f) (alphas
+    apart; f = max(1, 2S/C), the shared-cores factor), on rows made with known h, one server or
+    two; other strategies are left out of the fit."""
     from gradsync.cluster.results import fit_host_s_per_byte, link_for
 
     def row(strategy, workers, servers, h):
-        m, c = 16e6, 0.02
+        m, c, f = 16e6, 0.02, max(1, servers)   # 2 cores: f = S
         beta = link_for("1gbit", 1e-4).beta
         return {"strategy": strategy, "servers": servers, "workers": workers, "model_bytes": m, "link": "1gbit",
-                "alpha_s": 1e-4, "compute_s": c, "step_s": c + 2 * workers * m * (beta + h), "cores": 2}
+                "alpha_s": 1e-4, "compute_s": c, "step_s": c + 2 * workers * m / f * (beta + h * f), "cores": 2}
 
-    rows = [row("ps-sync", 2, 1, 1.0e-9), row("ps-sync", 4, 1, 1.2e-9), row("ps-sync", 6, 1, 1.4e-9),
-            row("ps-sync", 4, 2, 9e-9), row("ring", 4, 0, 9e-9)]
+    rows = [row("ps-sync", 2, 1, 1.0e-9), row("ps-sync", 4, 2, 1.1e-9), row("ps-sync", 6, 1, 1.2e-9),
+            row("ps-sync", 4, 2, 1.3e-9), row("ps-sync", 6, 2, 1.4e-9), row("ring", 4, 0, 9e-9), row("ring", 6, 0, 9e-9)]
     assert fit_host_s_per_byte(rows) == pytest.approx(1.2e-9)
     assert fit_host_s_per_byte([row("ps-sync", 2, 1, -1e-9)]) == 0.0   # faster than the wire: no host term
-    with pytest.raises(ValueError, match="sync-PS rows with one server"):
+    with pytest.raises(ValueError, match="needs sync-PS rows"):
         fit_host_s_per_byte([row("ring", 4, 0, 1e-9)])
 
 

@@ -30,7 +30,7 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
                          in the job before the reps (worker.py: M bytes in from a worker and M out
                          to another through gloo, at once and alone, medians of 5; D = both /
                          max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
-                         Measured here: D = 1.01-1.02 at 1 Gbit/s, 1.5-1.8 at 10 Gbit/s, where the
+                         Measured here: D = 1.00-1.03 at 1 Gbit/s, 1.37-1.93 at 10 Gbit/s, where the
                          CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
     ring                 strategy "ring"
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
@@ -38,9 +38,11 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
                          one link, so the inter-host beta is L*beta
 "wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
 it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
-ran at about 1 Gbit/s: h = (step - c - u - 2*W*M*beta) / (2*W*M), median over W = 2, 4, 6
-(fit_host_s_per_byte; divided by the shared-cores factor below, 1 for one server on 2 or more
-cores). That value was fitted under heavy load; ``gradsync cluster --fit-host
+ran at about 1 Gbit/s: h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's
+shared-cores factor below, the median over the rows (fit_host_s_per_byte; the one-server rows
+alone fall from about 0.9 to 0.5 ns/B from W = 2 to 6 within one run, so the median over all of
+them, S = 1 and 2, varies less from run to run: 0.76-0.82 ns/B in three idle runs against 0.61-0.79
+from the one-server rows). That value was fitted under heavy load; ``gradsync cluster --fit-host
 JSON`` fits h from the sync-PS rows of another run and predicts with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 
@@ -53,8 +55,7 @@ C cores of this machine (C recorded in the row). Host work that runs at once sha
     ps-*                 the S servers together do 2*W*M*h of host work a step (W*M in, W*M out),
                          and the workers, the other end of every byte, as much again: 4*W*M*h on
                          C cores takes 4*W*M*h/C, against a server's own 2*W*M/S*h. So the host
-                         term is h * max(1, 2S/C): one server on 2 cores keeps h (it is fitted
-                         there), two servers on 2 cores pay 2h, no less than one server's time
+                         term is h * max(1, 2S/C): one server on 2 cores keeps h, two servers on 2 cores pay 2h, no less than one server's time
 It matters only where the host term is not hidden by the link: at 10 Gbit/s, not at 1 Gbit/s for
 the ring (2h * N/C = 5.6 ns/B < beta = 8.4 ns/B); for two servers at 1 Gbit/s it adds 2*W*M/S*h,
 about 10% of such a step.
@@ -138,19 +139,19 @@ def with_predictions(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE) -> dic
 
 
 def fit_host_s_per_byte(rows: list[dict]) -> float:
-    """h from sync-PS rows with one server (module docstring): the median over them of
-    (step - c - u - 2*W*M*beta) / (2*W*M), at least 0. The host term moves with the machine's load
-    (CPU per byte), so fit it from rows measured in the conditions it is to predict."""
+    """h from sync-PS rows (module docstring): the median over them of (step - c - u - 2*W*M/S*beta)
+    / (2*W*M/S) / f, f the row's shared-cores factor, at least 0. The host term moves with the
+    machine's load (CPU per byte), so fit it from rows measured in the conditions it is to predict."""
     fits = []
     for row in rows:
-        if row["strategy"] == "ps-sync" and row["servers"] == 1:
-            traffic = 2 * row["workers"] * row["model_bytes"]
+        if row["strategy"] == "ps-sync":
+            traffic = 2 * row["workers"] * row["model_bytes"] / max(1, row["servers"])
             beta = link_for(row["link"], row["alpha_s"]).beta
             fits.append((row["step_s"] - row["compute_s"] - row.get("update_s", 0.0) - traffic * beta)
                         / traffic / shared_cores_factor(row))
     if not fits:
-        raise ValueError("fitting the host term needs sync-PS rows with one server (gradsync cluster --strategy "
-                         "ps-sync --servers 1 ...); none were given")
+        raise ValueError("fitting the host term needs sync-PS rows (gradsync cluster --strategy ps-sync ...); "
+                         "none were given")
     return max(0.0, statistics.median(fits))
 
 

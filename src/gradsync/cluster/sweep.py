@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of running: the rows of earlier --json files (repeatable), predictions redone "
                              "with today's model; for tables and figures")
     parser.add_argument("--fit-host", metavar="PATH", action="append", default=[],
-                        help="predict with the host term fitted from the one-server sync-PS rows of these --json "
+                        help="predict with the host term fitted from the sync-PS rows of these --json "
                              "files (repeatable; default: the value fitted on this machine under load, "
                              "cluster/results.py)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")

@@ -165,8 +165,8 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
     """The first server's link both ways at once against one way (module docstring, "duplex"):
     medians of ``reps`` of receiving ``nbytes`` from the first worker, sending ``nbytes`` to the
     next one (the same one when there is only one), and both at once, through torch.distributed's
-    gloo as the parameter server's transfers go. Every rank takes part in the barriers; the dict is
-    filled on the server rank alone."""
+    gloo as the parameter server's transfers go; each time from a barrier until the last rank's
+    transfers are done. Every rank takes part; the dict is filled on the server rank alone."""
     rank, world = dist.get_rank(), dist.get_world_size()
     source, sink = servers, min(servers + 1, world - 1)
     inbox, outbox = torch.empty(nbytes // 4), torch.zeros(nbytes // 4)
@@ -182,9 +182,9 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
                 handles += [dist.isend(outbox, sink)] if rank == 0 else [dist.irecv(inbox, 0)] if rank == sink else []
             for handle in handles:
                 handle.wait()
-            if rank == 0:
-                times[kind].append(time.perf_counter() - started)
-    _barrier()
+            # a send is done once its bytes are in the kernel's buffers: the transfer ends when the
+            # receiver has them, so each time is the slowest rank's
+            times[kind].append(_slowest(time.perf_counter() - started if handles else 0.0))
     return {kind: statistics.median(t) for kind, t in times.items()} if rank == 0 else {}
 
 
