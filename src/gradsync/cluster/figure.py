@@ -1,8 +1,8 @@
 """Measured and predicted step time vs workers W on the emulated cluster, one panel per link rate.
 
-Lines: sync PS with one server and ring DDP, measured (solid, markers; the bars span the reps'
+Lines: sync and async PS with one server and ring DDP, measured (solid, markers; the bars span the reps'
 per-step times) and predicted by the cost model (dashed, same colour; dotted: without the host
-term, the wire alone). The seed's claim: PS grows
+term and the server's update, the wire alone). The seed's claim: PS grows
 about linearly with W (its server link carries 2*W*M per step), ring stays flat (2(N-1)/N*M per link).
 The data behind it goes to a CSV beside the PNG.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-SHOWN = (("ps-sync", 1, "C0", "sync PS, 1 server"), ("ring", 0, "C3", "ring DDP"))
+SHOWN = (("ps-sync", 1, "C0", "sync PS, 1 server"), ("ps-async", 1, "C2", "async PS, 1 server"),
+         ("ring", 0, "C3", "ring DDP"))
 
 
 def step_time_vs_workers(rows: list[dict], png: Path) -> Path:
@@ -37,7 +38,7 @@ def step_time_vs_workers(rows: list[dict], png: Path) -> Path:
             ax.errorbar(w, measured, yerr=[low, high], color=colour, marker="o", capsize=3, label=f"{label}, measured")
             ax.plot(w, [r["predicted_s"] for r in chosen], "--", color=colour, label=f"{label}, cost model")
             ax.plot(w, [r["wire_only_s"] for r in chosen], ":", color=colour, linewidth=1,
-                    label=f"{label}, cost model without the host term")
+                    label=f"{label}, cost model, wire alone")
         first = next(r for r in rows if r["link"] == rate)
         ax.set(title=f"{rate} links, {first['params'] / 1e6:.1f}M params ({first['model_bytes'] / 1e6:.0f} MB)",
                xlabel="workers W", ylabel="seconds per step")
