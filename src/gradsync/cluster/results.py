@@ -30,7 +30,7 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
                          in the job before the reps (worker.py: M bytes in from a worker and M out
                          to another through gloo, at once and alone, medians of 5; D = both /
                          max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
-                         Measured here: D = 1.00-1.03 at 1 Gbit/s, 1.37-1.93 at 10 Gbit/s, where the
+                         Measured here: D = 1.00-1.02 at 1 Gbit/s, 1.33-1.75 at 10 Gbit/s, where the
                          CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
     ring                 strategy "ring"
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
@@ -40,10 +40,11 @@ hierarchical row showed missing: 2-3 ms of a 22 ms step):
 it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
 ran at about 1 Gbit/s: h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's
 shared-cores factor below, the median over the rows (fit_host_s_per_byte; the one-server rows
-alone fall from about 0.9 to 0.5 ns/B from W = 2 to 6 within one run, so the median over all of
-them, S = 1 and 2, varies less from run to run: 0.76-0.82 ns/B in three idle runs against 0.61-0.79
-from the one-server rows). That value was fitted under heavy load; ``gradsync cluster --fit-host
-JSON`` fits h from the sync-PS rows of another run and predicts with it.
+alone fall from about 0.9 to 0.5 ns/B from W = 2 to 6 within one run, so their median depends on
+which W a run has; the median over all of them, S = 1 and 2, gave 0.84-0.88 ns/B in the three
+latest idle 10 Gbit/s runs, against 0.66-0.75 from their one-server rows). HOST_S_PER_BYTE was
+fitted under heavy load; ``gradsync cluster --fit-host JSON`` fits h from the sync-PS rows of
+another run and predicts with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 
 Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
@@ -55,7 +56,8 @@ C cores of this machine (C recorded in the row). Host work that runs at once sha
     ps-*                 the S servers together do 2*W*M*h of host work a step (W*M in, W*M out),
                          and the workers, the other end of every byte, as much again: 4*W*M*h on
                          C cores takes 4*W*M*h/C, against a server's own 2*W*M/S*h. So the host
-                         term is h * max(1, 2S/C): one server on 2 cores keeps h, two servers on 2 cores pay 2h, no less than one server's time
+                         term is h * max(1, 2S/C): one server on 2 cores keeps h, two servers
+                         on 2 cores pay 2h, no less than one server's time
 It matters only where the host term is not hidden by the link: at 10 Gbit/s, not at 1 Gbit/s for
 the ring (2h * N/C = 5.6 ns/B < beta = 8.4 ns/B); for two servers at 1 Gbit/s it adds 2*W*M/S*h,
 about 10% of such a step.

@@ -177,7 +177,8 @@ def print_table(rows: list[dict]) -> None:
                           f"{r['hosts']}x{r['ranks_per_host']}", f"{r['step_s'] * 1e3:.0f}",
                           "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['wire_only_s'] * 1e3:.0f}",
                           f"{r['predicted_s'] * 1e3:.0f}",
-                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r), f"{r['comm_share']:.0%}",
+                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r),
+                          f"{r['comm_share']:.0%}",
                           "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
                           f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
                           f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}")
@@ -190,8 +191,8 @@ def print_markdown(rows: list[dict]) -> None:
         chosen = [r for r in rows if r["link"] == rate]
         print(f"\n{rate} links, {chosen[0]['params'] / 1e6:.2f}M params ({chosen[0]['model_bytes'] / 1e6:.1f} MB); "
               f"bytes per step on the busiest link, MB\n")
-        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | update ms | duplex | "
-              "comm share | formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
+        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | "
+              "update ms | duplex | comm share | formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in chosen:
             b = r["busiest"]

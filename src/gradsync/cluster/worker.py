@@ -162,7 +162,7 @@ def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
 
 
 def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float]:
-    """The first server's link both ways at once against one way (module docstring, "duplex"):
+    """The first server's link both ways at once against one way (module docstring):
     medians of ``reps`` of receiving ``nbytes`` from the first worker, sending ``nbytes`` to the
     next one (the same one when there is only one), and both at once, through torch.distributed's
     gloo as the parameter server's transfers go; each time from a barrier until the last rank's
@@ -176,10 +176,10 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
             _barrier()
             started = time.perf_counter()
             handles = []
-            if kind != "out_s":   # the server receives from source
-                handles += [dist.irecv(inbox, source)] if rank == 0 else [dist.isend(outbox, 0)] if rank == source else []
-            if kind != "in_s":    # the server sends to sink
-                handles += [dist.isend(outbox, sink)] if rank == 0 else [dist.irecv(inbox, 0)] if rank == sink else []
+            if kind != "out_s" and rank in (0, source):   # into the server, from source
+                handles.append(dist.irecv(inbox, source) if rank == 0 else dist.isend(outbox, 0))
+            if kind != "in_s" and rank in (0, sink):      # out of the server, to sink
+                handles.append(dist.isend(outbox, sink) if rank == 0 else dist.irecv(inbox, 0))
             for handle in handles:
                 handle.wait()
             # a send is done once its bytes are in the kernel's buffers: the transfer ends when the
