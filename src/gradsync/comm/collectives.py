@@ -86,12 +86,14 @@ def here() -> Place:
 
 def _on_own_core(collective):
     """Run ``collective(place, ...)`` with the calling thread held on the transport's ``own_core``
-    where it has one (shared memory with more local ranks than cores, shm.py), and give the thread
-    its own affinity back after. Only the collective is held: the program's other threads, and the
+    where it has one (shared memory with several local ranks, shm.py), and give the thread its own
+    affinity back after. Only the collective is held: the program's other threads, and the
     processes it starts, keep theirs. Measured with 4 ranks on 2 cores (docs/benchmarks.md, medians
     of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the
     same call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every
-    time. 4 MiB 3.7 -> 3.9 ms."""
+    time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (medians of 6 runs, alternating): 64 KiB
+    47 -> 38 us, 256 KiB 109 -> 81, 1 MiB 391 -> 321; unheld, 2 of 6 runs took over 200 us at
+    4 KiB or 64 KiB (both ranks on one core), held none."""
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
         core = getattr(place.transport, "own_core", None)

@@ -53,9 +53,11 @@ exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: w
 being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps; with more ranks than cores a
 spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS and yields
-its core after every poll. There the caller's thread is also held on one core while it is in a
-collective (``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), so the
-ranks that share a core yield to each other instead of following each other across cores.
+its core after every poll. The caller's thread is held on one core while it is in a collective
+(``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
+its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
+polling holds the core its peer needs to arrive); with more ranks than cores the ranks that share a
+core yield to each other instead of following each other across cores.
 """
 
 from __future__ import annotations
@@ -246,7 +248,7 @@ class ShmTransport(Transport):
         cores = _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
-        holdable = self.ranks_per_core > 1 and hasattr(os, "sched_setaffinity")   # not on every OS
+        holdable = len(local_ranks) > 1 and hasattr(os, "sched_setaffinity")   # not on every OS
         self.own_core = cores[self.local_index[self.rank] % len(cores)] if holdable else None
         self._lock = threading.Lock()
         self._sleepers = 0
