@@ -18,8 +18,9 @@ The meter column is the payload the host's ranks sent to ranks on other hosts (g
 per peer); the kernel columns add the TCP/IP headers, ACKs, the barriers and the PS headers.
 
 Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job's measured compute c:
-forward + backward, and for ring and hierarchical the optimizer's update, which the one-host
-hierarchical row showed missing: 2-3 ms of a 22 ms step):
+forward + backward, and for ring and hierarchical the optimizer's update and the copy of the
+gradients into DDP's buckets, which the one-host hierarchical row showed missing: the update 2-3 ms
+of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
     ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
     ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
     ps-*                 with u, the busiest server's update seconds per step, measured in the job
@@ -105,7 +106,8 @@ def link_for(rate: str, alpha_s: float) -> cost.Link:
 
 def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool = False) -> cost.StrategyCost:
     """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute,
-    server update); ``wire_only``: the textbook model, neither host term nor server update."""
+    server update); ``wire_only``: the textbook model, none of the host term, server update or
+    duplex factor."""
     if wire_only:
         host_s_per_byte = 0.0
     link = link_for(row["link"], row["alpha_s"])

@@ -20,7 +20,9 @@ Vocabulary
     compute   forward + backward of the bare model, all ranks at once after a barrier (they share
               the machine's cores as they do while training), median of 5; for ring and hierarchical
               also the optimizer's update, which each of their ranks runs on the whole model (a PS
-              worker leaves it to the servers: the model's host term)
+              worker leaves it to the servers: the model's host term), and the copy of the
+              gradients into one flat buffer, as DDP's hooks copy every new gradient into its
+              bucket (zero_grad(set_to_none=True) leaves none to reuse)
 
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
@@ -87,16 +89,19 @@ def _link_counters() -> dict[str, int] | None:
     return {name: int((base / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
 
 
-def _measure_compute(model, x, y, update: bool, reps: int = 5) -> float:
-    """Seconds of forward + backward (+ the SGD update when ``update``; lr 0 leaves the model as it
-    is and moves the same bytes) without communication (module docstring)."""
+def _measure_compute(model, x, y, ddp: bool, reps: int = 5) -> float:
+    """Seconds of forward + backward (+ with ``ddp``, the copy of the gradients into one flat buffer
+    and the SGD update; lr 0 leaves the model as it is and moves the same bytes) without
+    communication (module docstring)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    bucket = torch.empty(sum(p.numel() for p in model.parameters())) if ddp else None
     _barrier()
     times = []
     for _ in range(reps + 1):
         started = time.perf_counter()
         _loss(model, x, y).backward()
-        if update:
+        if ddp:
+            torch.cat([p.grad.reshape(-1) for p in model.parameters()], out=bucket)
             optimizer.step()
         times.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=True)
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     w = gs.init(timeout=args.timeout)
     model = build_model(args.params)
     x, y = _batch(model, w.rank)
-    compute_s = _measure_compute(model, x, y, update=args.strategy in DDP_ALGORITHMS)
+    compute_s = _measure_compute(model, x, y, ddp=args.strategy in DDP_ALGORITHMS)
     params = sum(p.numel() for p in model.parameters())
     duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
     if args.strategy in PS_MODES:
