@@ -197,6 +197,7 @@ def affinity_in_and_after_collectives():
     seen = []
     try:
         for name, run in (("all_reduce", lambda: gs.all_reduce(torch.ones(1 << 18))),
+                          ("all_reduce 4 MiB", lambda: gs.all_reduce(torch.ones(1 << 20))),
                           ("broadcast", lambda: gs.broadcast(torch.ones(1 << 10), src=1)),
                           ("reduce_scatter", lambda: gs.reduce_scatter(torch.ones(1 << 12))),
                           ("all_gather", lambda: gs.all_gather(torch.ones(1 << 10)))):

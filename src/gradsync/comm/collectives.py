@@ -84,20 +84,30 @@ def here() -> Place:
     return _HERE[0]
 
 
+HOLD_BELOW_BYTES = 4 << 20
+"""With a core per local rank, only collectives of fewer bytes than this are held on the rank's core
+(``_on_own_core``); with more ranks than cores, every one is."""
+
+
 def _on_own_core(collective):
-    """Run ``collective(place, ...)`` with the calling thread held on the transport's ``own_core``
-    where it has one (shared memory with several local ranks, shm.py), and give the thread its own
-    affinity back after. Only the collective is held: the program's other threads, and the
-    processes it starts, keep theirs. Measured with 4 ranks on 2 cores (docs/benchmarks.md, medians
-    of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the
-    same call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every
-    time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (medians of 6 runs, alternating): 64 KiB
-    47 -> 38 us, 256 KiB 109 -> 81, 1 MiB 391 -> 321; unheld, 2 of 6 runs took over 200 us at
-    4 KiB or 64 KiB (both ranks on one core), held none."""
+    """Run ``collective(place, tensor, ...)`` with the calling thread held on the transport's
+    ``own_core`` where it has one (shared memory with several local ranks, shm.py), and give the
+    thread its own affinity back after. Only the collective is held: the program's other threads,
+    and the processes it starts, keep theirs. Measured with 4 ranks on 2 cores (docs/benchmarks.md,
+    medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325;
+    unheld, the same call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held
+    1.3-1.4 ms every time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (medians of 11 runs,
+    alternating): 4 KiB 37 -> 32 us, 64 KiB 47 -> 39, 256 KiB 110 -> 94, 1 MiB 336 -> 270; unheld,
+    5 of 11 runs took over 200 us at 4 KiB, 64 KiB or 256 KiB (both ranks on one core), held none.
+    But 4 MiB 887 -> 968 us and 16 MiB 2.75 -> 3.08 ms: there the hold's moves cost more than they
+    save, so with a core per rank only messages below HOLD_BELOW_BYTES are held."""
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
-        core = getattr(place.transport, "own_core", None)
-        if core is None:
+        transport = place.transport
+        core = getattr(transport, "own_core", None)
+        tensor = args[0] if args else None
+        if core is None or (getattr(transport, "spin_allowed", False) and isinstance(tensor, torch.Tensor)
+                            and tensor.numel() * tensor.element_size() >= HOLD_BELOW_BYTES):
             return collective(place, *args, **kwargs)
         before = os.sched_getaffinity(0)
         try:
