@@ -56,8 +56,9 @@ spinning rank would take the core its peer needs, so it polls for at most YIELD_
 its core after every poll. The caller's thread is held on one core while it is in a collective
 (``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
 its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
-polling holds the core its peer needs to arrive); with more ranks than cores the ranks that share a
-core yield to each other instead of following each other across cores.
+polling holds the core its peer needs to arrive; collectives below 4 MiB only, where that costs
+more than the hold); with more ranks than cores the ranks that share a core yield to each other
+instead of following each other across cores.
 """
 
 from __future__ import annotations
