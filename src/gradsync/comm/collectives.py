@@ -96,11 +96,11 @@ def _on_own_core(collective):
     and the processes it starts, keep theirs. Measured with 4 ranks on 2 cores (docs/benchmarks.md,
     medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325;
     unheld, the same call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held
-    1.3-1.4 ms every time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (medians of 11 runs,
-    alternating): 4 KiB 37 -> 32 us, 64 KiB 47 -> 39, 256 KiB 110 -> 94, 1 MiB 336 -> 270; unheld,
-    5 of 11 runs took over 200 us at 4 KiB, 64 KiB or 256 KiB (both ranks on one core), held none.
-    But 4 MiB 887 -> 968 us and 16 MiB 2.75 -> 3.08 ms: there the hold's moves cost more than they
-    save, so with a core per rank only messages below HOLD_BELOW_BYTES are held."""
+    1.3-1.4 ms every time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each,
+    alternating) the medians are level up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7
+    of 45 run medians up to 256 KiB took over 200 us (both ranks on one core), held none; at
+    4 MiB (887 -> 968 us) and 16 MiB (2.75 -> 3.08 ms, 11 runs) the hold's moves cost more than
+    they save, so with a core per rank only messages below HOLD_BELOW_BYTES are held."""
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
         transport = place.transport
