@@ -37,9 +37,9 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
-"wire only" leaves the host term out (host_s_per_byte = 0, the textbook model); "predicted" adds
-it with HOST_S_PER_BYTE, fitted on this machine from the 10 Gbit/s sync-PS rows, where the links
-ran at about 1 Gbit/s: h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's
+"wire only" leaves the host term, u and D out (host_s_per_byte = 0, the textbook model);
+"predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
+10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s: h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's
 shared-cores factor below, the median over the rows (fit_host_s_per_byte; the one-server rows
 alone fall from about 0.9 to 0.5 ns/B from W = 2 to 6 within one run, so their median depends on
 which W a run has; the median over all of them, S = 1 and 2, gave 0.84-0.88 ns/B in the three

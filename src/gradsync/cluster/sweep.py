@@ -156,6 +156,24 @@ def _duplex(row: dict) -> str:
     return f"{row['duplex']:.2f}" if "duplex" in row and row["servers"] else "-"
 
 
+COLUMNS = ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only ms", "predicted ms", "error",
+           "compute ms", "update ms", "duplex", "comm share", "formula MB", "meter out/in", "kernel tx/rx",
+           "link Gbit/s")
+"""The tables' columns (Markdown puts the reps beside the step, in one cell)."""
+
+
+def _cells(r: dict) -> list[str]:
+    """One row's cells, in COLUMNS' order."""
+    b = r["busiest"]
+    return [r["strategy"], str(r["servers"] or "-"), str(r["workers"]), f"{r['hosts']}x{r['ranks_per_host']}",
+            f"{r['step_s'] * 1e3:.0f}", "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]),
+            f"{r['wire_only_s'] * 1e3:.0f}", f"{r['predicted_s'] * 1e3:.0f}", f"{r['error']:+.0%}",
+            f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r), f"{r['comm_share']:.0%}",
+            "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
+            f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
+            f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}"]
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
@@ -167,43 +185,27 @@ def print_table(rows: list[dict]) -> None:
         table = Table(title=f"emulated cluster, {rate} links: {first['params'] / 1e6:.2f}M params "
                             f"({first['model_bytes'] / 1e6:.1f} MB), median of {first['reps']} reps x "
                             f"{first['steps']} steps; bytes per step on the busiest link (MB)")
-        for column in ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only", "predicted ms", "error",
-                       "compute ms", "update ms", "duplex",
-                       "comm share", "formula", "meter out/in", "kernel tx/rx", "link Gbit/s"):
+        for column in COLUMNS:
             table.add_column(column, justify="right")
         for r in chosen:
-            b = r["busiest"]
-            table.add_row(r["strategy"], str(r["servers"] or "-"), str(r["workers"]),
-                          f"{r['hosts']}x{r['ranks_per_host']}", f"{r['step_s'] * 1e3:.0f}",
-                          "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]), f"{r['wire_only_s'] * 1e3:.0f}",
-                          f"{r['predicted_s'] * 1e3:.0f}",
-                          f"{r['error']:+.0%}", f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r),
-                          f"{r['comm_share']:.0%}",
-                          "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
-                          f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
-                          f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}")
+            table.add_row(*_cells(r))
         display.console(170).print(table)
 
 
 def print_markdown(rows: list[dict]) -> None:
     """The same rows as print_table, as Markdown: one table per link rate."""
+    step = COLUMNS.index("step ms")
+    header = [*COLUMNS[:step], "step ms (reps)", *COLUMNS[step + 2:]]
     for rate in dict.fromkeys(r["link"] for r in rows):
         chosen = [r for r in rows if r["link"] == rate]
         print(f"\n{rate} links, {chosen[0]['params'] / 1e6:.2f}M params ({chosen[0]['model_bytes'] / 1e6:.1f} MB); "
               f"bytes per step on the busiest link, MB\n")
-        print("| strategy | S | W | hosts | step ms (reps) | wire only ms | predicted ms | error | compute ms | "
-              "update ms | duplex | comm share | formula MB | meter out/in | kernel tx/rx | link Gbit/s |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
         for r in chosen:
-            b = r["busiest"]
-            reps = "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"])
-            formula = "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}"
-            print(f"| {r['strategy']} | {r['servers'] or '-'} | {r['workers']} | {r['hosts']}x{r['ranks_per_host']} | "
-                  f"{r['step_s'] * 1e3:.0f} ({reps}) | {r['wire_only_s'] * 1e3:.0f} | {r['predicted_s'] * 1e3:.0f} | "
-                  f"{r['error']:+.0%} | "
-                  f"{r['compute_s'] * 1e3:.1f} | {_update_ms(r)} | {_duplex(r)} | {r['comm_share']:.0%} | {formula} | "
-                  f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f} | "
-                  f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f} | {achieved_gbit(r):.2f} |")
+            cells = _cells(r)
+            cells[step:step + 2] = [f"{cells[step]} ({cells[step + 1]})"]
+            print("| " + " | ".join(cells) + " |")
 
 
 def main(args) -> int:
