@@ -159,6 +159,19 @@ def test_bench_collectives_skips_the_mpi_columns_with_the_reason_when_mpirun_is_
     assert "no mpirun" in result["mpi_skipped"] and "mpi" not in {r["transport"] for r in result["rows"]}
 
 
+def test_the_mpi_peer_reduces_memory_from_torchs_allocator_as_ours_does():
+    """numpy's own arrays of 4 MiB and more get huge pages and torch's tensors do not (mpi_peer.py):
+    the peer's buffers must be torch tensors' memory, so both sides run on the same kind of page."""
+    import numpy as np
+    import torch
+    from gradsync.bench import mpi_peer
+
+    source, buffer = mpi_peer._buffers(8 << 20)
+    assert isinstance(source, np.ndarray) and source.dtype == np.float32 and source.size == 2 << 20
+    assert isinstance(source.base, torch.Tensor) and isinstance(buffer.base, torch.Tensor)
+    assert buffer.size == source.size and (source == 1).all()
+
+
 @pytest.mark.timeout(180)
 def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
     from gradsync.bench import mpi_peer

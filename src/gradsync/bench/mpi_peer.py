@@ -8,8 +8,15 @@ region) and preceded by a barrier; a call's time is the slowest rank's (an allre
 times with MAX), the median over calls is reported, and the last result is checked against the
 closed form (every rank contributes ones, so every element is N).
 
-The call is ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)`` on a float32 numpy
-buffer, in place like ``dist.all_reduce(tensor)`` and ours. Open MPI picks its algorithm and
+The call is ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)`` on a float32 buffer, in
+place like ``dist.all_reduce(tensor)`` and ours. The buffer is a torch tensor's memory seen through
+numpy (``tensor.numpy()``), as a PyTorch program hands its tensors to MPI: both sides get their pages
+from the same allocator. A numpy array of its own would not be alike: numpy asks for transparent
+huge pages (madvise) for arrays of 4 MiB and more, torch only under THP_MEM_ALLOC_ENABLE=1, and
+huge pages make every copy cheaper (fewer pages to pin and to map). Measured with 2 ranks, medians
+of 20 calls, 3 runs each: MPI on numpy's huge pages took 4 MiB in 571-584 us and 16 MiB in
+2.00-2.39 ms, on torch's pages 728-785 us and 3.01-3.10 ms (docs/benchmarks.md). Run the bench
+under THP_MEM_ALLOC_ENABLE=1 to give both sides huge pages. Open MPI picks its algorithm and
 transport itself (shared memory between the ranks of one host); its default binding (each rank
 pinned to a core when N <= cores) is kept, since that is what a user of mpirun gets.
 
@@ -107,6 +114,15 @@ def run(workers: int, sizes: list[int], reps: int, warmup: int = 1, timeout_s: f
 
 # --- the worker: runs under mpirun, one process per rank -----------------------------------------
 
+def _buffers(nbytes: int):
+    """(source of ones, buffer): float32 numpy views of two fresh torch tensors of ``nbytes``, so
+    MPI reduces memory from torch's allocator, as ours does (module docstring)."""
+    import torch
+
+    numel = max(1, nbytes // 4)
+    return torch.ones(numel, dtype=torch.float32).numpy(), torch.empty(numel, dtype=torch.float32).numpy()
+
+
 def _bench_rank(sizes: list[int], reps: int, warmup: int) -> list[dict]:
     import numpy as np
     from mpi4py import MPI
@@ -123,8 +139,7 @@ def _bench_rank(sizes: list[int], reps: int, warmup: int) -> list[dict]:
 
     rows = []
     for nbytes in sizes:
-        source = np.ones(max(1, nbytes // 4), dtype=np.float32)
-        buffer = np.empty_like(source)
+        source, buffer = _buffers(nbytes)
         for _ in range(warmup):
             timed(buffer, source)
         times = [timed(buffer, source) for _ in range(reps)]
