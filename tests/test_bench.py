@@ -172,6 +172,17 @@ def test_the_mpi_peer_reduces_memory_from_torchs_allocator_as_ours_does():
     assert buffer.size == source.size and (source == 1).all()
 
 
+def test_the_bench_says_which_pages_both_sides_ran_on(monkeypatch):
+    from gradsync.bench import mpi_peer
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert "4 KiB pages" in mpi_peer.pages()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "true")   # torch reads only 1 as on
+    assert "4 KiB pages" in mpi_peer.pages()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert "huge pages (THP_MEM_ALLOC_ENABLE=1)" in mpi_peer.pages()
+
+
 @pytest.mark.timeout(180)
 def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
     from gradsync.bench import mpi_peer
@@ -189,4 +200,5 @@ def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
         assert r["warmup_calls"] == 1 and len(r["times_s"]) == 2 and r["result_correct"], r
         assert r["ratio_vs_mpi"] == 1.0 and r["ratio_vs_native"] > 0
     assert all(r["ratio_vs_mpi"] > 0 for r in rows)
-    assert "ours/MPI" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ours/MPI" in printed and "both sides on torch's memory" in printed

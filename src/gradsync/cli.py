@@ -364,9 +364,11 @@ def _add_mpi_peer(args, result: dict, console) -> bool:
         result["mpi_skipped"] = reason
         return False
     peer = mpi_peer.run(args.workers, args.sizes, args.reps)
-    console.print(f"MPI peer: {peer['command']}" + (f"; set {', '.join(peer['notes'])}" if peer["notes"] else ""))
+    console.print(f"MPI peer: {peer['command']}" + (f"; set {', '.join(peer['notes'])}" if peer["notes"] else "")
+                  + f"; {mpi_peer.pages()}")
     result["rows"] = collectives.add_mpi_rows(result["rows"], peer["rows"])
     result["mpi_command"] = peer["command"]
+    result["mpi_pages"] = mpi_peer.pages()
     return True
 
 
