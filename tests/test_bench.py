@@ -202,3 +202,40 @@ def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
     assert all(r["ratio_vs_mpi"] > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "ours/MPI" in printed and "both sides on torch's memory" in printed
+
+
+def _row(size, algorithm, transport, time_s, correct=True):
+    return {"size": size, "workers": 2, "algorithm": algorithm, "transport": transport, "time_s": time_s,
+            "times_s": [time_s], "result_correct": correct}
+
+
+def test_rounds_combine_into_the_median_of_each_rows_round_medians():
+    from gradsync.bench import collectives
+
+    rounds = [[_row(4096, "native", "gloo", 4e-4), _row(4096, "ring", "shm", 1e-4)],
+              [_row(4096, "native", "gloo", 9e-4), _row(4096, "ring", "shm", 5e-4, correct=False)],
+              [_row(4096, "native", "gloo", 5e-4), _row(4096, "ring", "shm", 2e-4)]]
+    native, ring = collectives.combine_rounds(rounds)   # medians, not means (6e-4 and 2.67e-4)
+    assert native["round_times_s"] == [4e-4, 9e-4, 5e-4] and native["time_s"] == 5e-4
+    assert ring["round_times_s"] == [1e-4, 5e-4, 2e-4] and ring["time_s"] == 2e-4
+    assert ring["times_s"] == [1e-4, 5e-4, 2e-4] and not ring["result_correct"] and native["result_correct"]
+    assert ring["ratio_vs_native"] == pytest.approx(5e-4 / 2e-4)   # from the combined medians
+    assert ring["algbw_GBps"] == pytest.approx(4096 / 2e-4 / 1e9)
+    with pytest.raises(ValueError, match="different sizes"):
+        collectives.combine_rounds([rounds[0], rounds[1][::-1]])
+
+
+@pytest.mark.timeout(180)
+def test_bench_collectives_rounds_repeat_the_run_and_show_each_round(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "2", "--algorithms", "ring",
+                 "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 2 and [r["algorithm"] for r in result["rows"]] == ["native", "ring"]
+    for r in result["rows"]:
+        assert len(r["round_times_s"]) == 2 and len(r["times_s"]) == 4 and r["result_correct"]
+        assert r["time_s"] == pytest.approx(sum(r["round_times_s"]) / 2)   # the median of two
+    printed = capsys.readouterr().out
+    assert "median of 2 rounds" in printed and "each round (us)" in printed
+    assert main(["bench", "collectives", "--rounds", "2", "--fit"]) == 2
+    assert "--rounds 2 repeats one run: use it without --fit" in capsys.readouterr().err

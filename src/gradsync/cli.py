@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "MPI_Allreduce via mpirun + mpi4py, the bench extra; adds an ours/MPI column)")
     coll.add_argument("--fit", action="store_true",
                       help="measure alpha/beta/gamma on this machine and save them for algorithm='auto'")
+    coll.add_argument("--rounds", type=_positive_int, default=1,
+                      help="whole runs, each ours then the MPI peer, taking turns; the table shows the median "
+                           "of the rounds' medians and each round's (default 1)")
     ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
     ddp.add_argument("--workers", type=_positive_int, default=2)
     ddp.add_argument("--model", choices=("mlp", "cnn", "charlm"), default="mlp")
@@ -306,25 +309,39 @@ def _bench_collectives(args) -> int:
     transports = [collectives.resolve_transport(t) for t in (args.transport or [None])]  # checked before any run
     if args.fit and len(transports) > 1:
         raise ValueError(f"--fit calibrates one transport; got --transport {','.join(transports)}: pick one")
+    if args.rounds > 1 and (args.fit or len(transports) > 1):
+        raise ValueError(f"--rounds {args.rounds} repeats one run: use it without --fit and with one --transport")
     console = display.console()
     ceiling = collectives.memory_copy_bandwidth()
     console.print(f"memory copy on this host (one thread, 64 MiB): {ceiling / 1e9:.1f} GB/s -- the ceiling for "
                   f"moving bytes between local ranks")
-    result = {"rows": [], "fit": None, "memory_copy_GBps": ceiling / 1e9}
-    for transport in transports:
-        one = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit,
-                              transport=transport)
-        result["rows"] += one["rows"]
-        result["fit"] = one["fit"] or result["fit"]
-    with_mpi = "mpi" in args.peers and _add_mpi_peer(args, result, console)
-    table = Table(title=f"all_reduce, {args.workers} ranks, float32, median of {args.reps}")
-    for column in ("size", "transport", "algorithm", "time (us)", "algbw GB/s", "busbw GB/s", "bytes/rank",
-                   "formula", "ours/native", *(["ours/MPI"] if with_mpi else [])):
+    result = {"rows": [], "fit": None, "memory_copy_GBps": ceiling / 1e9, "rounds": args.rounds}
+    with_mpi = "mpi" in args.peers and _mpi_available(result, console)
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        rows = []
+        for transport in transports:
+            one = collectives.run(args.workers, args.sizes, algorithms, reps=args.reps, fit=args.fit,
+                                  transport=transport)
+            rows += one["rows"]
+            result["fit"] = one["fit"] or result["fit"]
+        ours.append(rows)
+        if with_mpi:
+            theirs.append(_run_mpi_peer(args, result, console))
+    result["rows"] = ours[0] if args.rounds == 1 else collectives.combine_rounds(ours)
+    if with_mpi:
+        result["rows"] = collectives.add_mpi_rows(result["rows"], theirs[0] if args.rounds == 1
+                                                  else collectives.combine_rounds(theirs))
+    rounds = (f"; median of {args.rounds} rounds" + (", each ours then MPI" if with_mpi else "")) if args.rounds > 1 else ""
+    table = Table(title=f"all_reduce, {args.workers} ranks, float32, median of {args.reps}{rounds}")
+    for column in ("size", "transport", "algorithm", "time (us)", *(["each round (us)"] if args.rounds > 1 else []),
+                   "algbw GB/s", "busbw GB/s", "bytes/rank", "formula", "ours/native", *(["ours/MPI"] if with_mpi else [])):
         table.add_column(column, justify="right")
     baselines_first = {"native": 0, mpi_peer.ALGORITHM: 1}
     for r in sorted(result["rows"], key=lambda r: (r["size"], baselines_first.get(r["algorithm"], 2), r["transport"])):
         name = f"auto ({r['picked']})" if r["algorithm"] == "auto" else r["algorithm"]
         cells = [collectives.human_bytes(r["size"]), r["transport"], name, f"{r['time_s'] * 1e6:,.0f}",
+                 *([" / ".join(f"{t * 1e6:,.0f}" for t in r["round_times_s"])] if args.rounds > 1 else []),
                  f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                  "-" if r["bytes_per_rank"] is None else f"{r['bytes_per_rank']:,}",
                  "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}",
@@ -353,23 +370,28 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _add_mpi_peer(args, result: dict, console) -> bool:
-    """Run Open MPI's all-reduce on the same sizes, N and repetitions (bench/mpi_peer.py) and merge its
-    rows into ``result``; False, with the reason printed, when mpi4py or mpirun is missing."""
-    from gradsync.bench import collectives, mpi_peer
+def _mpi_available(result: dict, console) -> bool:
+    """False, with the reason printed and recorded, when mpi4py or mpirun is missing."""
+    from gradsync.bench import mpi_peer
 
     reason = mpi_peer.unavailable()
     if reason:
         console.print(f"MPI columns skipped: {reason}")
         result["mpi_skipped"] = reason
-        return False
+    return reason is None
+
+
+def _run_mpi_peer(args, result: dict, console) -> list[dict]:
+    """Open MPI's all-reduce on the same sizes, N and repetitions (bench/mpi_peer.py): its rows."""
+    from gradsync.bench import mpi_peer
+
     peer = mpi_peer.run(args.workers, args.sizes, args.reps)
-    console.print(f"MPI peer: {peer['command']}" + (f"; set {', '.join(peer['notes'])}" if peer["notes"] else "")
-                  + f"; {mpi_peer.pages()}")
-    result["rows"] = collectives.add_mpi_rows(result["rows"], peer["rows"])
+    if "mpi_command" not in result:
+        console.print(f"MPI peer: {peer['command']}" + (f"; set {', '.join(peer['notes'])}" if peer["notes"] else "")
+                      + f"; {mpi_peer.pages()}")
     result["mpi_command"] = peer["command"]
     result["mpi_pages"] = mpi_peer.pages()
-    return True
+    return peer["rows"]
 
 
 def _bench_backends(args) -> int:

@@ -34,7 +34,10 @@ never pass through our transport), so its measured column is empty.
 
 ``gradsync bench collectives --peers gloo,mpi`` adds Open MPI as a second baseline: the same sizes, N,
 warm-up and repetitions through mpirun + mpi4py (bench/mpi_peer.py), in a launch of its own right
-after ours; ``add_mpi_rows`` gives every row its ratio to MPI.
+after ours; ``add_mpi_rows`` gives every row its ratio to MPI. ``--rounds K`` repeats the whole run K
+times, ours then MPI in turn, and ``combine_rounds`` keeps each row's median over the rounds (and
+every round's median beside it): on this shared machine a minute can be 40% slower than the next,
+and taking turns puts such minutes on both sides.
 
 ``fit`` measures the link costs that algorithm="auto" and ``gradsync simulate --calibrated`` use:
 alpha and beta from exchanges between ranks 0 and 1 through our transport, each sending M bytes to
@@ -261,6 +264,33 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
                                             r.get("single_copy", False))
         r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["time_s"] > 0 else None
     return {"rows": rows, "fit": fitted}
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Rows of several rounds of one run's sizes and algorithms (each round a list of rows as ``run``
+    or the MPI peer return them, in the same order) -> one row per position: ``time_s`` the median of
+    the rounds' medians, ``round_times_s`` those medians in round order, ``result_correct`` only if
+    every round's was; bandwidths and ``ratio_vs_native`` from the combined times (the MPI peer's
+    rows, which have no native row beside them, get theirs from ``add_mpi_rows``). Rounds take turns with the MPI peer (``gradsync bench
+    collectives --rounds``), so a slow minute on this shared machine lands on both sides."""
+    if not rounds:
+        raise ValueError("combine_rounds needs at least one round")
+    keys = [[(r["size"], r["algorithm"], r["transport"]) for r in rows] for rows in rounds]
+    if any(k != keys[0] for k in keys[1:]):
+        raise ValueError("rounds measured different sizes, algorithms or transports; combine rounds of one run only")
+    combined = []
+    for same in zip(*rounds):
+        row = dict(same[0])
+        row["round_times_s"] = [r["time_s"] for r in same]
+        row["time_s"] = statistics.median(row["round_times_s"])
+        row["times_s"] = [t for r in same for t in r["times_s"]]
+        row["result_correct"] = all(r["result_correct"] for r in same)
+        combined.append(row)
+    native = {r["size"]: r["time_s"] for r in combined if r["algorithm"] == "native"}
+    for r in combined:
+        _add_bandwidths(r)
+        r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["size"] in native and r["time_s"] > 0 else None
+    return combined
 
 
 def _add_bandwidths(row: dict) -> None:
