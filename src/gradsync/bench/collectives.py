@@ -271,8 +271,9 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
     or the MPI peer return them, in the same order) -> one row per position: ``time_s`` the median of
     the rounds' medians, ``round_times_s`` those medians in round order, ``result_correct`` only if
     every round's was; bandwidths and ``ratio_vs_native`` from the combined times (the MPI peer's
-    rows, which have no native row beside them, get theirs from ``add_mpi_rows``). Rounds take turns with the MPI peer (``gradsync bench
-    collectives --rounds``), so a slow minute on this shared machine lands on both sides."""
+    rows, which have no native row beside them, get theirs from ``add_mpi_rows``). Rounds take
+    turns with the MPI peer (``gradsync bench collectives --rounds``), so a slow minute on this
+    shared machine lands on both sides."""
     if not rounds:
         raise ValueError("combine_rounds needs at least one round")
     keys = [[(r["size"], r["algorithm"], r["transport"]) for r in rows] for rows in rounds]
