@@ -206,7 +206,7 @@ def test_bench_collectives_with_mpi_as_a_peer(tmp_path, capsys):
 
 def _row(size, algorithm, transport, time_s, correct=True):
     return {"size": size, "workers": 2, "algorithm": algorithm, "transport": transport, "time_s": time_s,
-            "times_s": [time_s], "result_correct": correct}
+            "times_s": [time_s], "result_correct": correct, "bytes_per_rank": None, "formula_bytes": None}
 
 
 def test_rounds_combine_into_the_median_of_each_rows_round_medians():
@@ -225,17 +225,31 @@ def test_rounds_combine_into_the_median_of_each_rows_round_medians():
         collectives.combine_rounds([rounds[0], rounds[1][::-1]])
 
 
-@pytest.mark.timeout(180)
-def test_bench_collectives_rounds_repeat_the_run_and_show_each_round(tmp_path, capsys):
+def test_bench_collectives_rounds_repeat_the_run_and_show_each_round(tmp_path, capsys, monkeypatch):
+    """The command's loop and table; each run is a stand-in that returns the next round's rows (real
+    runs: the other bench tests), so the test spawns no ranks."""
+    from gradsync.bench import collectives
+
+    calls = []
+
+    def one_run(workers, sizes, algorithms, reps, fit, transport):
+        calls.append((workers, sizes, algorithms, reps))
+        k = len(calls)
+        return {"rows": [{**_row(4096, "native", "gloo", 1e-3 * k), "times_s": [1e-3 * k] * reps},
+                         {**_row(4096, "ring", "shm", 1e-4 * k), "times_s": [1e-4 * k] * reps,
+                          "bytes_per_rank": 4096, "formula_bytes": 4096.0}], "fit": None}
+
+    monkeypatch.setattr(collectives, "run", one_run)
     out = tmp_path / "rows.json"
     assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "2", "--algorithms", "ring",
-                 "--rounds", "2", "--json", str(out)]) == 0
+                 "--rounds", "3", "--json", str(out)]) == 0
+    assert calls == [(2, [4096], ["ring"], 2)] * 3
     result = json.loads(out.read_text())
-    assert result["rounds"] == 2 and [r["algorithm"] for r in result["rows"]] == ["native", "ring"]
-    for r in result["rows"]:
-        assert len(r["round_times_s"]) == 2 and len(r["times_s"]) == 4 and r["result_correct"]
-        assert r["time_s"] == pytest.approx(sum(r["round_times_s"]) / 2)   # the median of two
+    assert result["rounds"] == 3 and [r["algorithm"] for r in result["rows"]] == ["native", "ring"]
+    native, ring = result["rows"]
+    assert ring["round_times_s"] == pytest.approx([1e-4, 2e-4, 3e-4]) and ring["time_s"] == pytest.approx(2e-4)
+    assert len(ring["times_s"]) == 6 and ring["ratio_vs_native"] == pytest.approx(10.0)
     printed = capsys.readouterr().out
-    assert "median of 2 rounds" in printed and "each round (us)" in printed
+    assert "median of 3 rounds" in printed and "each round (us)" in printed and "100 / 200 / 300" in printed
     assert main(["bench", "collectives", "--rounds", "2", "--fit"]) == 2
     assert "--rounds 2 repeats one run: use it without --fit" in capsys.readouterr().err
