@@ -257,12 +257,10 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
     with pinned_transport(transport):
         results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
     rows, fitted = results[0]
-    native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
-        _add_bandwidths(r)
         r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"],
                                             r.get("single_copy", False))
-        r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["time_s"] > 0 else None
+    _add_native_ratios(rows)
     return {"rows": rows, "fit": fitted}
 
 
@@ -287,11 +285,17 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
         row["times_s"] = [t for r in same for t in r["times_s"]]
         row["result_correct"] = all(r["result_correct"] for r in same)
         combined.append(row)
-    native = {r["size"]: r["time_s"] for r in combined if r["algorithm"] == "native"}
-    for r in combined:
+    _add_native_ratios(combined)
+    return combined
+
+
+def _add_native_ratios(rows: list[dict]) -> None:
+    """Every row's bandwidths, and its ratio to torch's all-reduce of the same size where ``rows``
+    hold one (None otherwise)."""
+    native = {r["size"]: r["time_s"] for r in rows if r["algorithm"] == "native"}
+    for r in rows:
         _add_bandwidths(r)
         r["ratio_vs_native"] = native[r["size"]] / r["time_s"] if r["size"] in native and r["time_s"] > 0 else None
-    return combined
 
 
 def _add_bandwidths(row: dict) -> None:

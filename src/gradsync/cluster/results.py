@@ -39,13 +39,14 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          one link, so the inter-host beta is L*beta
 "wire only" leaves the host term, u and D out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
-10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s: h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's
-shared-cores factor below, the median over the rows (fit_host_s_per_byte; the one-server rows
-alone fall from about 0.9 to 0.5 ns/B from W = 2 to 6 within one run, so their median depends on
-which W a run has; the median over all of them, S = 1 and 2, gave 0.84-0.88 ns/B in the three
-latest idle 10 Gbit/s runs, against 0.66-0.75 from their one-server rows). HOST_S_PER_BYTE was
-fitted under heavy load; ``gradsync cluster --fit-host JSON`` fits h from the sync-PS rows of
-another run and predicts with it.
+10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
+h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's shared-cores factor below,
+the median over the rows (fit_host_s_per_byte; the one-server rows alone fall from about 0.9 to
+0.5 ns/B from W = 2 to 6 within one run, so their median depends on which W a run has; the
+median over all of them, S = 1 and 2, gave 0.84-0.88 ns/B in the three latest idle 10 Gbit/s
+runs, against 0.66-0.75 from their one-server rows). HOST_S_PER_BYTE was fitted under heavy load;
+``gradsync cluster --fit-host JSON`` fits h from the sync-PS rows of another run and predicts
+with it.
 comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
 
 Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
