@@ -180,6 +180,34 @@ def in_place_rewritten_at_once(numel: int, rounds: int):
     return wrong
 
 
+def reduce_scatter_region_rewritten_at_once(numel: int, rounds: int):
+    """Reduce-scatter a shared-region tensor, then overwrite it at once with the next round's values,
+    as the next backward does with ShardedOptimizer's gradients: the in-place reduce-scatter must
+    not return while another rank still reads this rank's input. Returns the rounds whose chunk
+    differs from the closed form."""
+    from gradsync.comm.allreduce_ring import ring_chunks
+
+    w = gs.world()
+    region = default_transport().regions.allocate(numel, torch.float64)
+    base = torch.arange(numel, dtype=torch.float64)
+    chunk = ring_chunks(numel, w.world_size)
+    wrong = []
+    for i in range(rounds):
+        torch.mul(base, w.rank + 1 + i, out=region)
+        shard = gs.reduce_scatter(region)
+        expected = chunk.view(base, w.rank) * sum(r + 1 + i for r in range(w.world_size))
+        if not torch.equal(shard, expected):
+            wrong.append(i)
+    return wrong
+
+
+def reduce_scatter_region_against_plain(numel: int):
+    """Every rank allocates a shared region; rank 1 then reduce-scatters a plain copy instead of it."""
+    region = default_transport().regions.allocate(numel, torch.float32)
+    region.fill_(1.0)
+    gs.reduce_scatter(region.clone() if gs.world().rank == 1 else region)
+
+
 def affinity_in_and_after_collectives():
     """The calling thread's CPU affinity inside each shared-memory collective (seen from its
     barriers) and after it, with the transport's own_core. Returns (own_core, before, [(name,

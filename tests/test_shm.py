@@ -8,6 +8,7 @@ import torch
 
 import gradsync as gs
 import shm_fns
+from world_pool import RankFailure
 
 
 @pytest.mark.timeout(120)
@@ -139,6 +140,25 @@ def test_in_place_all_reduce_of_a_region_rewritten_at_once(world_of):
     # 2 cores interleave unpredictably, which is what a missing barrier needs to show
     results = world_of(3).run(shm_fns.in_place_rewritten_at_once, 1 << 17, 60)
     assert results == [[], [], []]
+
+
+@pytest.mark.timeout(180)
+def test_in_place_reduce_scatter_of_a_region_rewritten_at_once(world_of):
+    # as above for ShardedOptimizer's gradients: 1 MiB of float64 in a region, from IN_PLACE_FROM_BYTES
+    # read where it lies (reduce_scatter_in_place.py), overwritten the moment each rank has its chunk
+    results = world_of(3).run(shm_fns.reduce_scatter_region_rewritten_at_once, 1 << 17, 60)
+    assert results == [[], [], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_reduce_scatter_of_a_region_against_a_plain_tensor_is_a_mismatch(world_of):
+    # every rank's input must be at the same place of its region; a plain tensor on one rank is
+    # named on every rank, before anything is read
+    with pytest.raises(RankFailure) as info:
+        world_of(3).run(shm_fns.reduce_scatter_region_against_plain, 100_000, case_timeout=30)
+    assert set(info.value.errors) == {0, 1, 2}
+    for name, message in info.value.errors.values():
+        assert name == "CollectiveMismatchError" and "shared_memory_in_place" in message and "rank 1" in message
 
 
 @pytest.mark.timeout(120)

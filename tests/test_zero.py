@@ -54,6 +54,27 @@ def test_zero1_equals_one_process_with_full_optimizer(world_of, world_size, opti
         assert results[0]["buckets"] > 1, "a tiny cap must give several buckets"
 
 
+# On one host each bucket's gradients live in a shared region: step() copies a new gradient in once
+# and makes .grad its view, so with zero_grad(set_to_none=False) backward writes straight into the
+# buffer; the reduce-scatter reads the buffers where they lie. Either way, exactly one process's result.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero1_gradients_live_in_shared_memory_and_backward_writes_into_them(world_of, set_to_none):
+    steps, local_batch = 3, 4
+    results = world_of(3).run(zero_fns.zero_copy_train, "momentum", steps, local_batch, 0.25, set_to_none)
+    model, _ = zero_fns.one_process("momentum", *ddp_fns.global_data(steps, 3, local_batch, torch.float64),
+                                    model_name="big_mlp")
+    oracle = {n: p.detach() for n, p in model.named_parameters()}
+    for r in results:
+        assert relative_error(r["params"], oracle) <= 1e-12
+        assert len(r["placed"]) > 1 and all(r["placed"]), "every bucket's gradients in a shared region"
+        assert r["after_step"] == [True] * steps
+        # the first backward makes new gradients; later ones accumulate into the views unless set to None
+        assert r["after_backward"] == [False] + [not set_to_none] * (steps - 1)
+    for r in results[1:]:
+        assert all(torch.equal(r["params"][n], results[0]["params"][n]) for n in oracle), "replicas differ"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 3), (3, 2), (2, 2)])
 def test_state_dict_reshards_onto_another_world_size(world_of, saved_by, loaded_by):

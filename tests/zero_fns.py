@@ -32,10 +32,10 @@ def one_process_steps(model, opt, xs, ys):
         opt.step()
 
 
-def one_process(opt_kind, xs, ys):
-    """A fresh float64 MLP and a plain ``opt_kind`` optimizer after one_process_steps; returns both."""
+def one_process(opt_kind, xs, ys, model_name="mlp"):
+    """A fresh float64 model and a plain ``opt_kind`` optimizer after one_process_steps; returns both."""
     cls, kwargs = OPTIMIZERS[opt_kind]
-    model = ddp_fns.make_model("mlp", torch.float64)
+    model = ddp_fns.make_model(model_name, torch.float64)
     opt = cls(model.parameters(), **kwargs)
     one_process_steps(model, opt, xs, ys)
     return model, opt
@@ -73,6 +73,39 @@ def zero_train(opt_kind, steps, local_batch, bucket_cap_mb):
                 scatter_gather_bytes(b.numel, w.world_size, w.rank) for b in opt.buckets),
             "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets),
             "shard_sizes": [b.chunks.sizes for b in opt.buckets]}
+
+
+def zero_copy_train(opt_kind, steps, local_batch, bucket_cap_mb, set_to_none):
+    """big_mlp in float64 under ShardedOptimizer on this rank's shard, zero_grad(set_to_none=...)
+    each step. Returns the parameters; per bucket whether its gradient buffer lies in a shared
+    region; per step whether, right after backward, every .grad already was its view of the bucket
+    (backward wrote into the buffer) and whether it was after step()."""
+    cls, kwargs = OPTIMIZERS[opt_kind]
+    w = gs.world()
+    model = ddp_fns.make_model("big_mlp", torch.float64, seed=w.rank)
+    opt = gs.ShardedOptimizer(model.parameters(), cls, bucket_cap_mb=bucket_cap_mb, **kwargs)
+    placed = [default_transport().regions.views_of(b.grads) is not None for b in opt.buckets]
+
+    def grads_are_views() -> bool:
+        for bucket in opt.buckets:
+            offset = 0
+            for p in bucket.params:
+                if p.grad is None or p.grad.data_ptr() != bucket.grads[offset:].data_ptr():
+                    return False
+                offset += p.numel()
+        return True
+
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
+    after_backward, after_step = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        after_backward.append(grads_are_views())
+        opt.step()
+        after_step.append(grads_are_views())
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "placed": placed,
+            "after_backward": after_backward, "after_step": after_step}
 
 
 def load_and_continue(full_state, params, steps):

@@ -21,6 +21,12 @@ one ring all-reduce sends (across hosts, the ring; on one host the shared-memory
 all-gather move as much, M - s_r + (N-1) s_r for chunk s_r, with no forwarding). Memory: optimizer state (Adam: m and v, 8 bytes per fp32 parameter)
 is 1/N of the unsharded state on every rank; ``state_bytes()`` measures it.
 
+Gradients: a bucket's gradients live in one flat buffer, in shared memory when every rank is on this
+host over shared memory (collectives.shared_allocator), so the reduce-scatter reads the other ranks'
+chunks where they lie (reduce_scatter_in_place.py). step() copies each new gradient in once and makes
+.grad a view of the buffer: after zero_grad(set_to_none=False) backward accumulates into the buffer
+and nothing is copied.
+
 Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped
 optimizer's own state_dict (per parameter, parameter order), so a plain torch optimizer can load it;
 other ranks get None. ``load_state_dict(full)`` takes that full dict on every rank and keeps this
@@ -40,7 +46,7 @@ from torch import nn
 
 from gradsync import runtime
 from gradsync.comm.allreduce_ring import Chunks, ring_chunks
-from gradsync.comm.collectives import all_gather, reduce_scatter
+from gradsync.comm.collectives import all_gather, reduce_scatter, shared_allocator
 from gradsync.replicas import broadcast_coalesced
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -51,6 +57,7 @@ class _Bucket:
     params: list[nn.Parameter]
     chunks: Chunks                 # the N-way partition of the bucket's n elements
     shard: nn.Parameter            # this rank's slice, what the wrapped optimizer updates
+    grads: torch.Tensor            # the bucket's gradients, flat; each parameter's .grad is a view of it
 
     @property
     def numel(self) -> int:
@@ -93,13 +100,17 @@ class ShardedOptimizer:
         self.params = [p for p in params if p.requires_grad]
         broadcast_coalesced(self.params)   # replicas must start equal; rank 0's values win
         rank, n_ranks = self.world.rank, self.world.world_size
+        allocate = None if any(p.is_cuda for p in self.params) else shared_allocator(self.world)
         self.buckets: list[_Bucket] = []
         for group in _build_buckets(self.params, int(bucket_cap_mb * (1 << 20))):
             numel = sum(p.numel() for p in group)
             chunks = ring_chunks(numel, n_ranks)
             flat = torch.cat([p.detach().reshape(-1) for p in group])
             shard = nn.Parameter(chunks.view(flat, rank).clone())
-            self.buckets.append(_Bucket(group, chunks, shard))
+            grads = allocate(numel, flat.dtype) if allocate is not None else None
+            if grads is None:   # not every rank on this host over shared memory, or /dev/shm is full
+                grads = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
+            self.buckets.append(_Bucket(group, chunks, shard, grads))
         self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
         self.last_comm_seconds = 0.0
 
@@ -127,15 +138,29 @@ class ShardedOptimizer:
                 bucket.shard.data[lo - start:hi - start].copy_(p.detach().reshape(-1)[lo - offset:hi - offset])
             offset += p.numel()
 
+    @staticmethod
+    def _collect_grads(bucket: _Bucket) -> None:
+        """Bring every parameter's gradient into the bucket's flat buffer and make its .grad a view of
+        it; a missing gradient counts as zeros (and .grad stays None). A gradient that is already the
+        view (the last step made it one, and zero_grad(set_to_none=False) kept it) is not copied."""
+        offset = 0
+        for p in bucket.params:
+            view = bucket.grads.narrow(0, offset, p.numel()).view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+            offset += p.numel()
+
     @torch.no_grad()
     def step(self) -> None:
         """Reduce-scatter gradients, update this rank's shards, all-gather the parameters."""
         started = time.perf_counter()
         for bucket in self.buckets:
             self._refresh_shard(bucket)
-            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                               for p in bucket.params])
-            bucket.shard.grad = reduce_scatter(grads, op="avg")
+            self._collect_grads(bucket)
+            bucket.shard.grad = reduce_scatter(bucket.grads, op="avg")
         comm = time.perf_counter() - started
         self.optimizer.step()
         started = time.perf_counter()

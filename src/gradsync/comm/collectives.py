@@ -6,7 +6,8 @@
     all_gather(shard) -> full                    concatenation of every rank's shard in rank order
                                                  (any shard sizes; the inverse of reduce_scatter)
     (both by ring, or on one host over shared memory by reduce_scatter_shared.py / all_gather_shared.py,
-    or their single-copy twins where the kernel lets ranks read each other's memory)
+    or their single-copy twins where the kernel lets ranks read each other's memory; an input in a
+    shared region is reduce-scattered where it lies, reduce_scatter_in_place.py)
     broadcast(t, src=0)                          in place; returns t
 
 Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
@@ -49,6 +50,7 @@ from gradsync.comm.all_gather_single_copy import all_gather_single_copy
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.broadcast import broadcast_binomial
+from gradsync.comm.reduce_scatter_in_place import reduce_scatter_in_place
 from gradsync.comm.reduce_scatter_shared import reduce_scatter_shared
 from gradsync.comm.reduce_scatter_single_copy import reduce_scatter_single_copy
 from gradsync.comm.transport import Transport, default_transport
@@ -119,6 +121,17 @@ def _on_own_core(collective):
         finally:
             os.sched_setaffinity(0, before)
     return held
+
+
+def shared_allocator(w: runtime.World):
+    """``allocate(numel, dtype)`` for buffers the collectives read where they lie (DDP's buckets,
+    ShardedOptimizer's gradients): the transport's shared regions when every rank of ``w`` is on this
+    host over shared memory (shm_regions.py; allocate returns None when /dev/shm cannot hold one);
+    None otherwise, and for a world of one."""
+    if w.world_size == 1:
+        return None
+    transport = default_transport()
+    return transport.regions.allocate if shared_layout_error(transport) is None else None
 
 
 def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,6 +321,15 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
         return tensor.detach().reshape(-1).clone()
     if _shared(transport, tensor):  # the fingerprint with the data
         flat = _flat(tensor)[1]
+        in_place = (transport.regions.views_of(flat) if flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES
+                    else None)
+        if in_place is not None:  # the input lives in a shared region (ShardedOptimizer's gradients)
+            region, views = in_place
+            fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+                                      "shared_memory_in_place", region=region)
+            stall.entered(fingerprint)
+            return reduce_scatter_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
+                                           spin=_spins(transport, fingerprint))
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
             fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                       "shared_memory_single_copy")  # each rank reads its chunk where it lies

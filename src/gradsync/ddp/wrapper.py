@@ -31,9 +31,7 @@ import torch
 from torch import nn
 
 from gradsync import runtime, trace
-from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
-from gradsync.comm.collectives import ALGORITHMS
-from gradsync.comm.transport import default_transport
+from gradsync.comm.collectives import ALGORITHMS, shared_allocator
 from gradsync.ddp import torch_arguments
 from gradsync.ddp.buckets import build_buckets
 from gradsync.ddp.hooks import BUILTIN
@@ -41,18 +39,6 @@ from gradsync.ddp.reducer import Reducer
 from gradsync.replicas import ReplicaMismatchError, broadcast_coalesced, first_mismatch, verify_same_model
 
 __all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
-
-
-def _shared_buckets(world, algorithm: str):
-    """Where buckets go when the all-reduce can read them in place: a shared region of the world's
-    transport (every rank on this host, shared-memory transport, algorithm auto or shared_memory);
-    None otherwise (ordinary memory)."""
-    if world.world_size == 1 or algorithm not in ("auto", "shared_memory"):
-        return None
-    transport = default_transport()
-    if shared_layout_error(transport) is not None:
-        return None
-    return transport.regions.allocate
 
 
 class DistributedDataParallel(nn.Module):
@@ -98,8 +84,10 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_state()
         self._has_buffers = any(b.numel() for b in module.buffers())
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
+        # in shared memory where the all-reduce can read them in place (auto or shared_memory)
+        allocate = shared_allocator(self.world) if algorithm in ("auto", "shared_memory") else None
         self.buckets = build_buckets([p for _, p in named], self._param_names, self.bucket_cap_bytes,
-                                     allocate=_shared_buckets(self.world, algorithm))
+                                     allocate=allocate)
         self.reducer = Reducer(self.buckets, algorithm, comm_hook, find_unused_parameters)
 
     # -- construction ------------------------------------------------------------------------------
