@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     zero1 = benches.add_parser("zero1", help="ZeRO-1 step time and optimizer-state bytes beside DDP")
     zero1.add_argument("--workers", type=_int_list, default=[2, 4], help="comma-separated rank counts")
-    zero1.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank")
+    zero1.add_argument("--model", choices=("charlm", "mlp"), default="charlm",
+                       help="charlm (0.47M parameters) or the DDP bench's mlp (10.5M)")
+    zero1.add_argument("--batch-size", type=_positive_int, default=16, help="samples per rank")
     zero1.add_argument("--steps", type=_positive_int, default=10, help="timed steps per implementation (median)")
     zero1.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     sim = commands.add_parser("simulate", help="alpha-beta cost model of every strategy at any scale")
@@ -480,8 +482,8 @@ def _bench_ps(args) -> int:
 def _bench_zero1(args) -> int:
     from gradsync.bench import zero1
 
-    rows = zero1.run(args.workers, args.batch_size, args.steps)
-    table = Table(title=f"ZeRO-1 vs DDP, charlm ({rows[0]['params'] / 1e6:.2f}M params), AdamW, "
+    rows = zero1.run(args.workers, args.batch_size, args.steps, model=args.model)
+    table = Table(title=f"ZeRO-1 vs DDP, {args.model} ({rows[0]['params'] / 1e6:.2f}M params), AdamW, "
                         f"batch {args.batch_size}/rank, median of {args.steps} steps")
     for column in ("N", "implementation", "step (ms)", "time ratio", "optimizer state/rank", "state ratio",
                    "bytes sent/step"):
