@@ -201,6 +201,38 @@ def reduce_scatter_region_rewritten_at_once(numel: int, rounds: int):
     return wrong
 
 
+def all_gather_region_rewritten_at_once(numel: int, rounds: int):
+    """Write this rank's chunk of a shared-region tensor, all-gather in place, then write the chunk
+    again at once, as ShardedOptimizer's next update does: no rank may return while another still
+    copies its chunk. Returns the rounds whose result differs from the closed form."""
+    from gradsync.comm.allreduce_ring import ring_chunks
+    from gradsync.comm.collectives import all_gather_in_place
+
+    w = gs.world()
+    region = default_transport().regions.allocate(numel, torch.float64)
+    chunks = ring_chunks(numel, w.world_size)
+    base = torch.arange(numel, dtype=torch.float64)
+    wrong = []
+    for i in range(rounds):
+        torch.mul(chunks.view(base, w.rank), w.rank + 1 + i, out=chunks.view(region, w.rank))
+        all_gather_in_place(region)
+        expected = torch.cat([chunks.view(base, r) * (r + 1 + i) for r in range(w.world_size)])
+        if not torch.equal(region, expected):
+            wrong.append(i)
+    return wrong
+
+
+def all_gather_in_place_of_a_plain_tensor():
+    """all_gather_in_place on a tensor outside any shared region: the error's message."""
+    from gradsync.comm.collectives import all_gather_in_place
+
+    try:
+        all_gather_in_place(torch.zeros(10))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def reduce_scatter_region_against_plain(numel: int):
     """Every rank allocates a shared region; rank 1 then reduce-scatters a plain copy instead of it."""
     region = default_transport().regions.allocate(numel, torch.float32)

@@ -150,6 +150,15 @@ def test_in_place_reduce_scatter_of_a_region_rewritten_at_once(world_of):
     assert results == [[], [], []]
 
 
+@pytest.mark.timeout(180)
+def test_in_place_all_gather_of_a_region_rewritten_at_once(world_of):
+    # ShardedOptimizer's parameters: each rank writes its chunk, the others copy it out of its region
+    results = world_of(3).run(shm_fns.all_gather_region_rewritten_at_once, 1 << 17, 60)
+    assert results == [[], [], []]
+    messages = world_of(3).run(shm_fns.all_gather_in_place_of_a_plain_tensor)
+    assert all(m and "needs a 1-D tensor in a shared region" in m and "use all_gather" in m for m in messages)
+
+
 @pytest.mark.timeout(120)
 def test_a_reduce_scatter_of_a_region_against_a_plain_tensor_is_a_mismatch(world_of):
     # every rank's input must be at the same place of its region; a plain tensor on one rank is

@@ -56,7 +56,8 @@ def test_zero1_equals_one_process_with_full_optimizer(world_of, world_size, opti
 
 # On one host each bucket's gradients live in a shared region: step() copies a new gradient in once
 # and makes .grad its view, so with zero_grad(set_to_none=False) backward writes straight into the
-# buffer; the reduce-scatter reads the buffers where they lie. Either way, exactly one process's result.
+# buffer; the reduce-scatter reads the buffers where they lie. The parameters are views of shared
+# values, which the all-gather fills in place. Either way, exactly one process's result.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_zero1_gradients_live_in_shared_memory_and_backward_writes_into_them(world_of, set_to_none):
@@ -71,6 +72,8 @@ def test_zero1_gradients_live_in_shared_memory_and_backward_writes_into_them(wor
         assert r["after_step"] == [True] * steps
         # the first backward makes new gradients; later ones accumulate into the views unless set to None
         assert r["after_backward"] == [False] + [not set_to_none] * (steps - 1)
+        # the parameters live in shared values too, and step() takes in data a program replaced
+        assert all(r["values_placed"]) and r["params_in_place"] == [True, False, True]
     for r in results[1:]:
         assert all(torch.equal(r["params"][n], results[0]["params"][n]) for n in oracle), "replicas differ"
 

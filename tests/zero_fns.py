@@ -79,7 +79,9 @@ def zero_copy_train(opt_kind, steps, local_batch, bucket_cap_mb, set_to_none):
     """big_mlp in float64 under ShardedOptimizer on this rank's shard, zero_grad(set_to_none=...)
     each step. Returns the parameters; per bucket whether its gradient buffer lies in a shared
     region; per step whether, right after backward, every .grad already was its view of the bucket
-    (backward wrote into the buffer) and whether it was after step()."""
+    (backward wrote into the buffer) and whether it was after step(); whether the parameters were
+    views of their buckets' shared values after construction, after one was given new data (at
+    step 1) and at the end; and per bucket whether its values lie in a shared region."""
     cls, kwargs = OPTIMIZERS[opt_kind]
     w = gs.world()
     model = ddp_fns.make_model("big_mlp", torch.float64, seed=w.rank)
@@ -95,17 +97,27 @@ def zero_copy_train(opt_kind, steps, local_batch, bucket_cap_mb, set_to_none):
                 offset += p.numel()
         return True
 
+    def params_are_views() -> bool:
+        return all(p.data_ptr() == b.values[sum(q.numel() for q in b.params[:i]):].data_ptr()
+                   for b in opt.buckets for i, p in enumerate(b.params))
+
     xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
-    after_backward, after_step = [], []
+    after_backward, after_step, params_in_place = [], [], [params_are_views()]
     for step in range(steps):
         opt.zero_grad(set_to_none=set_to_none)
         x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
         nn.CrossEntropyLoss()(model(x), y).backward()
         after_backward.append(grads_are_views())
+        if step == 1:   # a program replaces a parameter's data: step() must take the new values in
+            first = next(model.parameters())
+            first.data = first.data.clone()
+            params_in_place.append(params_are_views())
         opt.step()
         after_step.append(grads_are_views())
+    params_in_place.append(params_are_views())
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "placed": placed,
-            "after_backward": after_backward, "after_step": after_step}
+            "after_backward": after_backward, "after_step": after_step, "params_in_place": params_in_place,
+            "values_placed": [default_transport().regions.views_of(b.values) is not None for b in opt.buckets]}
 
 
 def load_and_continue(full_state, params, steps):

@@ -25,7 +25,9 @@ Gradients: a bucket's gradients live in one flat buffer, in shared memory when e
 host over shared memory (collectives.shared_allocator), so the reduce-scatter reads the other ranks'
 chunks where they lie (reduce_scatter_in_place.py). step() copies each new gradient in once and makes
 .grad a view of the buffer: after zero_grad(set_to_none=False) backward accumulates into the buffer
-and nothing is copied.
+and nothing is copied. On one host the parameters, too, are views of a flat shared buffer per bucket
+(their .data is replaced at construction): step() writes its updated shard there and the all-gather
+copies the other ranks' shards straight into the parameters (all_gather_in_place.py).
 
 Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped
 optimizer's own state_dict (per parameter, parameter order), so a plain torch optimizer can load it;
@@ -46,7 +48,7 @@ from torch import nn
 
 from gradsync import runtime
 from gradsync.comm.allreduce_ring import Chunks, ring_chunks
-from gradsync.comm.collectives import all_gather, reduce_scatter, shared_allocator
+from gradsync.comm.collectives import all_gather, all_gather_in_place, reduce_scatter, shared_allocator
 from gradsync.replicas import broadcast_coalesced
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -58,6 +60,7 @@ class _Bucket:
     chunks: Chunks                 # the N-way partition of the bucket's n elements
     shard: nn.Parameter            # this rank's slice, what the wrapped optimizer updates
     grads: torch.Tensor            # the bucket's gradients, flat; each parameter's .grad is a view of it
+    values: torch.Tensor | None    # on one host: the parameters, flat in a shared region (each .data a view)
 
     @property
     def numel(self) -> int:
@@ -110,7 +113,11 @@ class ShardedOptimizer:
             grads = allocate(numel, flat.dtype) if allocate is not None else None
             if grads is None:   # not every rank on this host over shared memory, or /dev/shm is full
                 grads = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
-            self.buckets.append(_Bucket(group, chunks, shard, grads))
+            values = allocate(numel, flat.dtype) if allocate is not None else None
+            if values is not None:
+                values.copy_(flat)
+            self.buckets.append(_Bucket(group, chunks, shard, grads, values))
+            self._point_into_values(self.buckets[-1])
         self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
         self.last_comm_seconds = 0.0
 
@@ -126,9 +133,32 @@ class ShardedOptimizer:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    @staticmethod
+    def _point_into_values(bucket: _Bucket) -> None:
+        """Make every parameter's .data its view of the bucket's shared values, first copying in the
+        values of one whose .data was replaced since (e.g. ``p.data = ...``; an in-place change, as
+        model.load_state_dict() makes, is already there)."""
+        if bucket.values is None:
+            return
+        offset = 0
+        for p in bucket.params:
+            view = bucket.values.narrow(0, offset, p.numel()).view_as(p)
+            if p.data_ptr() != view.data_ptr():
+                if p.dtype != view.dtype or p.device != view.device or p.numel() != view.numel():
+                    raise RuntimeError(f"ShardedOptimizer: a parameter became {p.dtype} {tuple(p.shape)} on {p.device} "
+                                       f"after construction, where it was {view.dtype} {tuple(view.shape)} on "
+                                       f"{view.device}; build the optimizer after moving or casting the model")
+                view.copy_(p.detach())
+                p.data = view
+            offset += p.numel()
+
     def _refresh_shard(self, bucket: _Bucket) -> None:
         """Copy this rank's slice of the parameters into the shard: the parameters are the truth, as for a
         torch optimizer, so a model.load_state_dict() between steps is honoured."""
+        if bucket.values is not None:
+            self._point_into_values(bucket)
+            bucket.shard.data.copy_(bucket.chunks.view(bucket.values, self.world.rank))
+            return
         start = bucket.chunks.offsets[self.world.rank]
         end = start + bucket.shard.numel()
         offset = 0
@@ -166,6 +196,10 @@ class ShardedOptimizer:
         started = time.perf_counter()
         for bucket in self.buckets:
             bucket.shard.grad = None
+            if bucket.values is not None:   # written where the parameters are
+                bucket.chunks.view(bucket.values, self.world.rank).copy_(bucket.shard.detach())
+                all_gather_in_place(bucket.values)
+                continue
             full = all_gather(bucket.shard.detach())
             offset = 0
             for p in bucket.params:

@@ -5,6 +5,8 @@
                                                  the first n mod N ranks get one extra element)
     all_gather(shard) -> full                    concatenation of every rank's shard in rank order
                                                  (any shard sizes; the inverse of reduce_scatter)
+    all_gather_in_place(full)                    the same within a shared-region tensor whose chunk
+                                                 r this rank wrote (one host; ShardedOptimizer)
     (both by ring, or on one host over shared memory by reduce_scatter_shared.py / all_gather_shared.py,
     or their single-copy twins where the kernel lets ranks read each other's memory; an input in a
     shared region is reduce-scattered where it lies, reduce_scatter_in_place.py)
@@ -45,6 +47,7 @@ from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY
 from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
+from gradsync.comm.all_gather_in_place import all_gather_in_place as all_gather_region
 from gradsync.comm.all_gather_shared import all_gather_shared
 from gradsync.comm.all_gather_single_copy import all_gather_single_copy
 from gradsync.comm.allreduce_tree import allreduce_tree
@@ -386,6 +389,33 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     full = torch.empty(sum(sizes), dtype=flat_shard.dtype, device=flat_shard.device)
     chunks.view(full, w.rank).copy_(flat_shard)
     all_gather_ring(full, chunks, transport, "all_gather/ring")
+    return full
+
+
+@stall.tracked
+def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
+    """All-gather within ``full``, a 1-D tensor in a shared region (``shared_allocator``) whose chunk
+    ``ring_chunks(n, N)`` r this rank has written: afterwards every chunk holds its owner's values,
+    copied out of the owners' regions (all_gather_in_place.py). Returns ``full``."""
+    return all_gather_in_place_in(here(), full)
+
+
+@_on_own_core
+def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
+    """all_gather_in_place on ``place``."""
+    w, transport = place.world, place.transport
+    _check_tensor(full, "all_gather_in_place", w)
+    if w.world_size == 1:
+        return full
+    located = transport.regions.views_of(full) if full.dim() == 1 and _shared(transport, full) else None
+    if located is None:
+        raise ValueError("all_gather_in_place needs a 1-D tensor in a shared region (collectives.shared_allocator), "
+                         "with every rank on this host over shared memory; use all_gather otherwise")
+    region, views = located
+    fingerprint = Fingerprint("all_gather", _next_sequence(transport), full.numel(), full.dtype, "none",
+                              "shared_memory_in_place", region=region)
+    stall.entered(fingerprint)
+    all_gather_region(full, transport, views, fingerprint=fingerprint, spin=_spins(transport, fingerprint))
     return full
 
 

@@ -1,0 +1,52 @@
+"""In-place all-gather: each rank's shard already lies in its chunk of a shared-region tensor, and
+the others copy it out of there.
+
+For ranks of one host, and a tensor inside a shared region (shm_regions.py; ShardedOptimizer keeps
+its parameters there). The staged and single-copy all-gathers (all_gather_shared.py,
+all_gather_single_copy.py) return a new tensor, which ShardedOptimizer then copied into the
+parameters; here the result is written where the parameters are.
+
+Vocabulary: N ranks; n elements; chunk r = ring_chunks(n, N) chunk r (allreduce_ring.py), written
+by rank r before the call.
+
+Phases
+    barrier   every rank's chunk is written (and every rank has published its fingerprint, with the
+              region and offset: agree.py, staged; a mismatch raises on every rank here)
+    copy      rank r copies chunk j of rank j's tensor into chunk j of its own, for every j != r
+    barrier   every rank has finished copying: only now may a rank return and let its caller write
+              its chunk again
+
+Traffic (bytes read out of another rank's memory, as the staged all-gather's):
+    received from j = |chunk j|,  sent to j = |chunk r|
+Memory traffic per rank: read and write (N-1)/N * M; the staged one also stages the shard and
+writes a new tensor of M bytes, which ShardedOptimizer then copied into its parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.allreduce_ring import ring_chunks
+
+
+def all_gather_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
+                        fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
+    """Fill every chunk of ``flat`` (which is ``views[rank]``) from its owner's ``views[j]``."""
+    op = "all_gather/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    if fingerprint is not None:
+        transport.publish(fingerprint.values())
+    transport.barrier(op, spin)
+    if fingerprint is not None:
+        compare_published(transport, fingerprint)
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    for owner in range(n_ranks):
+        if owner != rank:
+            chunks.view(flat, owner).copy_(chunks.view(views[owner], owner))
+    transport.barrier(op, spin)
+    esize = flat.element_size()
+    for other in range(n_ranks):
+        if other != rank:
+            transport.meter.record_exchange(peer=other, received=chunks.sizes[other] * esize,
+                                             sent=chunks.sizes[rank] * esize, op=op)
