@@ -153,6 +153,16 @@ def check_staged(transport, mine: Fingerprint, spin: bool = False) -> None:
     compare_published(transport, mine)
 
 
+def barrier_staged(transport, mine: Fingerprint | None, op: str, spin: bool = False) -> None:
+    """The staged check as the first barrier of a collective named ``op``: publish ``mine`` (when
+    given), one barrier, compare every rank's fingerprint."""
+    if mine is not None:
+        transport.publish(mine.values())
+    transport.barrier(op, spin)
+    if mine is not None:
+        compare_published(transport, mine)
+
+
 def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: str, spin: bool = False) -> list[int]:
     """The staged check for single-copy reads: publish ``mine`` with ``flat``'s address, one barrier,
     compare every rank's fingerprint; returns every rank's tensor address in rank order."""

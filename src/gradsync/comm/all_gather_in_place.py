@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import Fingerprint, barrier_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 
 
@@ -35,11 +35,7 @@ def all_gather_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor]
     """Fill every chunk of ``flat`` (which is ``views[rank]``) from its owner's ``views[j]``."""
     op = "all_gather/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    if fingerprint is not None:
-        transport.publish(fingerprint.values())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
+    barrier_staged(transport, fingerprint, op, spin)
     chunks = ring_chunks(flat.numel(), n_ranks)
     for owner in range(n_ranks):
         if owner != rank:

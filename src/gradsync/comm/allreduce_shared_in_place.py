@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import Fingerprint, barrier_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.allreduce_shared_single_copy import piece_bytes
 from gradsync.comm.reduce_ops import SUM, Reduction
@@ -53,11 +53,7 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
     """In-place all-reduce of ``flat``, which is ``views[rank]``; ``views[j]`` is rank j's copy."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    if fingerprint is not None:
-        transport.publish(fingerprint.values())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
+    barrier_staged(transport, fingerprint, op, spin)
     if flat.numel() == 0:
         return
     chunks = ring_chunks(flat.numel(), n_ranks)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import Fingerprint, barrier_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
 
@@ -40,11 +40,7 @@ def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Ten
     ``views[j]`` is rank j's input."""
     op = "reduce_scatter/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    if fingerprint is not None:
-        transport.publish(fingerprint.values())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
+    barrier_staged(transport, fingerprint, op, spin)
     chunks = ring_chunks(flat.numel(), n_ranks)
     shard = chunks.view(flat, rank).clone()
     for other in range(n_ranks):
