@@ -26,8 +26,9 @@ host over shared memory (collectives.shared_allocator), so the reduce-scatter re
 chunks where they lie (reduce_scatter_in_place.py). step() copies each new gradient in once and makes
 .grad a view of the buffer: after zero_grad(set_to_none=False) backward accumulates into the buffer
 and nothing is copied. On one host the parameters, too, are views of a flat shared buffer per bucket
-(their .data is replaced at construction): step() writes its updated shard there and the all-gather
-copies the other ranks' shards straight into the parameters (all_gather_in_place.py).
+(their .data is replaced at construction) and this rank's shard is its chunk of that buffer: the
+wrapped optimizer updates the parameters where they lie, and the all-gather copies the other ranks'
+shards straight into them (all_gather_in_place.py).
 
 Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped
 optimizer's own state_dict (per parameter, parameter order), so a plain torch optimizer can load it;
@@ -58,7 +59,7 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 class _Bucket:
     params: list[nn.Parameter]
     chunks: Chunks                 # the N-way partition of the bucket's n elements
-    shard: nn.Parameter            # this rank's slice, what the wrapped optimizer updates
+    shard: nn.Parameter            # this rank's slice, what the wrapped optimizer updates (a view of values)
     grads: torch.Tensor            # the bucket's gradients, flat; each parameter's .grad is a view of it
     values: torch.Tensor | None    # on one host: the parameters, flat in a shared region (each .data a view)
 
@@ -109,13 +110,15 @@ class ShardedOptimizer:
             numel = sum(p.numel() for p in group)
             chunks = ring_chunks(numel, n_ranks)
             flat = torch.cat([p.detach().reshape(-1) for p in group])
-            shard = nn.Parameter(chunks.view(flat, rank).clone())
             grads = allocate(numel, flat.dtype) if allocate is not None else None
             if grads is None:   # not every rank on this host over shared memory, or /dev/shm is full
                 grads = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
             values = allocate(numel, flat.dtype) if allocate is not None else None
-            if values is not None:
+            if values is not None:   # the shard is this rank's chunk of them: updated where it lies
                 values.copy_(flat)
+                shard = nn.Parameter(chunks.view(values, rank))
+            else:
+                shard = nn.Parameter(chunks.view(flat, rank).clone())
             self.buckets.append(_Bucket(group, chunks, shard, grads, values))
             self._point_into_values(self.buckets[-1])
         self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
@@ -154,10 +157,10 @@ class ShardedOptimizer:
 
     def _refresh_shard(self, bucket: _Bucket) -> None:
         """Copy this rank's slice of the parameters into the shard: the parameters are the truth, as for a
-        torch optimizer, so a model.load_state_dict() between steps is honoured."""
+        torch optimizer, so a model.load_state_dict() between steps is honoured. (With shared values
+        the shard is that slice: only a parameter given new .data is copied in.)"""
         if bucket.values is not None:
             self._point_into_values(bucket)
-            bucket.shard.data.copy_(bucket.chunks.view(bucket.values, self.world.rank))
             return
         start = bucket.chunks.offsets[self.world.rank]
         end = start + bucket.shard.numel()
@@ -196,8 +199,7 @@ class ShardedOptimizer:
         started = time.perf_counter()
         for bucket in self.buckets:
             bucket.shard.grad = None
-            if bucket.values is not None:   # written where the parameters are
-                bucket.chunks.view(bucket.values, self.world.rank).copy_(bucket.shard.detach())
+            if bucket.values is not None:   # the update is already in place; the others' shards follow
                 all_gather_in_place(bucket.values)
                 continue
             full = all_gather(bucket.shard.detach())
