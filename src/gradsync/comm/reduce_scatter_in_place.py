@@ -12,8 +12,9 @@ the result rank r returns.
 Phases
     barrier   every rank's input is final (and every rank has published its fingerprint, with the
               region and offset: agree.py, staged; a mismatch raises on every rank here)
-    reduce    rank r copies chunk r of its own input into its result, then combines chunk r of
-              every other rank's input in rank order; avg divides the finished chunk by N
+    reduce    rank r folds chunk r of its own input and of the lowest other rank's into its result
+              (one pass, no copy first), then combines chunk r of the remaining ranks' inputs in
+              rank order; avg divides the finished chunk by N
     barrier   every rank has finished reading: only now may a rank return (and its caller write
               to its input again, as the next backward does)
 
@@ -42,10 +43,11 @@ def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Ten
     n_ranks, rank = transport.world_size, transport.rank
     barrier_staged(transport, fingerprint, op, spin)
     chunks = ring_chunks(flat.numel(), n_ranks)
-    shard = chunks.view(flat, rank).clone()
-    for other in range(n_ranks):
-        if other != rank:
-            reduction.combine(shard, chunks.view(views[other], rank))
+    theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
+    shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
+    reduction.fold(shard, chunks.view(flat, rank), theirs[0])   # own first
+    for other in theirs[1:]:
+        reduction.combine(shard, other)
     reduction.finish(shard, n_ranks)
     transport.barrier(op, spin)
     esize = flat.element_size()
