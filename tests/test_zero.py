@@ -79,6 +79,19 @@ def test_zero1_gradients_live_in_shared_memory_and_backward_writes_into_them(wor
 
 
 @pytest.mark.timeout(300)
+def test_zero1_over_tcp_keeps_plain_buffers_and_equals_one_process(world_of):
+    # no shared memory between the ranks: gradients gathered into an ordinary flat buffer per bucket,
+    # the ring's reduce-scatter and all-gather, and the result copied into the parameters
+    steps, local_batch = 3, 4
+    results = world_of(3, GRADSYNC_TRANSPORT="tcp").run(zero_fns.zero_train, "adam", steps, local_batch, 0.001)
+    model, _ = zero_fns.one_process("adam", *ddp_fns.global_data(steps, 3, local_batch, torch.float64))
+    oracle = {n: p.detach() for n, p in model.named_parameters()}
+    for r in results:
+        assert relative_error(r["params"], oracle) <= 1e-12
+        assert r["sent"] == r["expected_bytes"] and r["buckets"] > 1
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 3), (3, 2), (2, 2)])
 def test_state_dict_reshards_onto_another_world_size(world_of, saved_by, loaded_by):
     saved = world_of(saved_by).run(zero_fns.zero_train, "adam", 3, 4, 0.001)

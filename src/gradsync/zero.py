@@ -83,6 +83,14 @@ def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.P
     return buckets
 
 
+def _views(flat: torch.Tensor, params: list[nn.Parameter]):
+    """(p, p's part of ``flat`` shaped like p) for each parameter, the parts back to back."""
+    offset = 0
+    for p in params:
+        yield p, flat.narrow(0, offset, p.numel()).view_as(p)
+        offset += p.numel()
+
+
 class ShardedOptimizer:
     """See the module docstring. ``defaults`` go to ``optimizer_class``; ``bucket_cap_mb`` sets the bucket size."""
 
@@ -143,17 +151,14 @@ class ShardedOptimizer:
         model.load_state_dict() makes, is already there)."""
         if bucket.values is None:
             return
-        offset = 0
-        for p in bucket.params:
-            view = bucket.values.narrow(0, offset, p.numel()).view_as(p)
+        for p, view in _views(bucket.values, bucket.params):
             if p.data_ptr() != view.data_ptr():
-                if p.dtype != view.dtype or p.device != view.device or p.numel() != view.numel():
-                    raise RuntimeError(f"ShardedOptimizer: a parameter became {p.dtype} {tuple(p.shape)} on {p.device} "
-                                       f"after construction, where it was {view.dtype} {tuple(view.shape)} on "
-                                       f"{view.device}; build the optimizer after moving or casting the model")
+                if p.dtype != view.dtype or p.device != view.device:
+                    raise RuntimeError(f"ShardedOptimizer: a parameter became {p.dtype} on {p.device} after "
+                                       f"construction, where it was {view.dtype} on {view.device}; build the "
+                                       f"optimizer after moving or casting the model")
                 view.copy_(p.detach())
                 p.data = view
-            offset += p.numel()
 
     def _refresh_shard(self, bucket: _Bucket) -> None:
         """Copy this rank's slice of the parameters into the shard: the parameters are the truth, as for a
@@ -176,15 +181,12 @@ class ShardedOptimizer:
         """Bring every parameter's gradient into the bucket's flat buffer and make its .grad a view of
         it; a missing gradient counts as zeros (and .grad stays None). A gradient that is already the
         view (the last step made it one, and zero_grad(set_to_none=False) kept it) is not copied."""
-        offset = 0
-        for p in bucket.params:
-            view = bucket.grads.narrow(0, offset, p.numel()).view_as(p)
+        for p, view in _views(bucket.grads, bucket.params):
             if p.grad is None:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
                 p.grad = view
-            offset += p.numel()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -202,11 +204,8 @@ class ShardedOptimizer:
             if bucket.values is not None:   # the update is already in place; the others' shards follow
                 all_gather_in_place(bucket.values)
                 continue
-            full = all_gather(bucket.shard.detach())
-            offset = 0
-            for p in bucket.params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, gathered in _views(all_gather(bucket.shard.detach()), bucket.params):
+                p.copy_(gathered)
         self.last_comm_seconds = comm + time.perf_counter() - started
 
     def state_bytes(self) -> int:
