@@ -3,8 +3,8 @@ the others copy it out of there.
 
 For ranks of one host, and a tensor inside a shared region (shm_regions.py; ShardedOptimizer keeps
 its parameters there). The staged and single-copy all-gathers (all_gather_shared.py,
-all_gather_single_copy.py) return a new tensor, which ShardedOptimizer then copied into the
-parameters; here the result is written where the parameters are.
+all_gather_single_copy.py) return a new tensor, which the caller copies where it is needed; here
+the result is written there, into the parameters.
 
 Vocabulary: N ranks; n elements; chunk r = ring_chunks(n, N) chunk r (allreduce_ring.py), written
 by rank r before the call.
@@ -19,7 +19,7 @@ Phases
 Traffic (bytes read out of another rank's memory, as the staged all-gather's):
     received from j = |chunk j|,  sent to j = |chunk r|
 Memory traffic per rank: read and write (N-1)/N * M; the staged one also stages the shard and
-writes a new tensor of M bytes, which ShardedOptimizer then copied into its parameters.
+writes a new tensor of M bytes, which the caller then copies.
 """
 
 from __future__ import annotations
