@@ -128,9 +128,9 @@ def _on_own_core(collective):
 
 def shared_allocator(w: runtime.World):
     """``allocate(numel, dtype)`` for buffers the collectives read where they lie (DDP's buckets,
-    ShardedOptimizer's gradients and parameters): the transport's shared regions when every rank of ``w`` is on this
-    host over shared memory (shm_regions.py; allocate returns None when /dev/shm cannot hold one);
-    None otherwise, and for a world of one."""
+    ShardedOptimizer's gradients and parameters): the transport's shared regions when every rank of
+    ``w`` is on this host over shared memory (shm_regions.py; allocate returns None when /dev/shm
+    cannot hold one); None otherwise, and for a world of one."""
     if w.world_size == 1:
         return None
     transport = default_transport()
