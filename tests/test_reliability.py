@@ -15,8 +15,10 @@ VICTIMS = {"ddp": 0, "zero1": 2, "ps-sync": 0, "ps-async": 1, "ssp": 2}
 SEED_DRAWING = {0: 1, 1: 0, 2: 3}
 
 
+# ssp's trial (a worker killed under the parameter server, as ps-async's) runs with -m slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", faults.STRATEGIES)
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s == "ssp" else s
+                                      for s in faults.STRATEGIES])
 def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
     victim = VICTIMS[strategy]
     result = faults.kill_trial(strategy, seed=SEED_DRAWING[victim], workers=3, timeout=10.0)

@@ -133,6 +133,7 @@ def test_runs_unchanged_under_torchrun(tmp_path):
     assert (tmp_path / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow   # a mid-epoch --checkpoint-every checkpoint resumed bit-identically: also the snapshot test below
 @pytest.mark.timeout(300)
 def test_checkpoint_every_n_steps_resumes_mid_epoch_bit_identically(tmp_path):
     """A checkpoint taken by --checkpoint-every mid-epoch (copied while the job runs) resumes to the
