@@ -268,6 +268,7 @@ def _worker_of_rank(agent_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
+@pytest.mark.slow   # torchrun's agent restarts workers that go on from the last periodic checkpoint: the elastic test
 @pytest.mark.timeout(400)
 def test_a_torchrun_restart_continues_from_the_last_checkpoint(tmp_path):
     """Elastic torchrun on one host (--nnodes 1:2, c10d rendezvous, --max-restarts 1), no --resume: a
