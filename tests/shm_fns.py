@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
+from gradsync.comm.hold import current_cpu
 from gradsync.comm.transport import PeerError, default_transport
 
 
@@ -241,17 +242,28 @@ def reduce_scatter_region_against_plain(numel: int):
 
 
 def affinity_in_and_after_collectives():
-    """The calling thread's CPU affinity inside each shared-memory collective (seen from its
-    barriers) and after it, with the transport's own_core. Returns (own_core, before, [(name,
-    inside, after)])."""
+    """The calling thread's CPU affinity and core inside each shared-memory collective (seen at its
+    barriers' entries and exits) and its affinity after it, with the transport's own_core. Returns
+    (own_core, before, [(name, affinities at entries, cores at entries, affinities at exits, after)]).
+    "all_reduce, late peer": the last rank enters 50 ms late, so the others sleep in the barrier."""
     transport = default_transport()
     before = os.sched_getaffinity(0)
-    inside: list[set[int]] = []
+    entries: list[set[int]] = []
+    cores: list[int] = []
+    exits: list[set[int]] = []
     plain_barrier = transport.barrier
+    last = gs.world().rank == gs.world().world_size - 1
 
     def barrier(op, spin=False):
-        inside.append(os.sched_getaffinity(0))
-        return plain_barrier(op, spin)
+        entries.append(os.sched_getaffinity(0))
+        cores.append(current_cpu())
+        plain_barrier(op, spin)
+        exits.append(os.sched_getaffinity(0))
+
+    def late_all_reduce():
+        if last:
+            time.sleep(0.05)
+        gs.all_reduce(torch.ones(1 << 10))
 
     transport.barrier = barrier
     seen = []
@@ -260,10 +272,13 @@ def affinity_in_and_after_collectives():
                           ("all_reduce 4 MiB", lambda: gs.all_reduce(torch.ones(1 << 20))),
                           ("broadcast", lambda: gs.broadcast(torch.ones(1 << 10), src=1)),
                           ("reduce_scatter", lambda: gs.reduce_scatter(torch.ones(1 << 12))),
-                          ("all_gather", lambda: gs.all_gather(torch.ones(1 << 10)))):
-            inside.clear()
+                          ("all_gather", lambda: gs.all_gather(torch.ones(1 << 10))),
+                          ("all_reduce, late peer", late_all_reduce)):
+            plain_barrier("test/line up")
+            entries.clear(), cores.clear(), exits.clear()
             run()
-            seen.append((name, sorted(set.union(*inside)) if inside else None, sorted(os.sched_getaffinity(0))))
+            seen.append((name, [sorted(a) for a in entries], list(cores), [sorted(a) for a in exits],
+                         sorted(os.sched_getaffinity(0))))
     finally:
         del transport.barrier
     return transport.own_core, sorted(before), seen

@@ -64,6 +64,21 @@ class TrafficMeter:
                 counts["received"] += received
                 counts["sent"] += sent
 
+    def record_exchanges(self, exchanges, *, op: str, control: bool = False) -> None:
+        """Count several exchanges at once, each ``(peer, nbytes)`` received from and sent to ``peer``
+        (one lock for all the peers of a small collective)."""
+        with self._lock:
+            for peer, nbytes in exchanges:
+                if control:
+                    self._control_received += nbytes
+                    self._control_sent += nbytes
+                    continue
+                self._received += nbytes
+                self._sent += nbytes
+                for counts in (self._per_peer[peer], self._per_op[op]):
+                    counts["received"] += nbytes
+                    counts["sent"] += nbytes
+
     def snapshot(self) -> dict:
         """A copy of the counters: bytes_sent, bytes_received, per_peer, per_op, control_bytes_*."""
         with self._lock:

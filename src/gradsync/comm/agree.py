@@ -175,11 +175,18 @@ def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: st
 
 
 def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) -> list[int]:
-    """After the barrier that follows ``transport.publish``: raise when any rank's fingerprint differs
-    from ``mine``, naming this rank and the first such rank. Any difference makes every rank raise
-    (if all others equalled this rank's, they would equal each other). ``sizes_differ``: element
-    counts may differ (all_gather's shards); returns every rank's element count in rank order."""
+    """After the barrier that follows ``transport.publish(mine.values())``: raise when any rank's
+    fingerprint differs from ``mine``, naming this rank and the first such rank. Any difference makes
+    every rank raise (if all others equalled this rank's, they would equal each other).
+    ``sizes_differ``: element counts may differ (all_gather's shards); returns every rank's element
+    count in rank order."""
     op = f"{mine.kind}/agree"
+    if not sizes_differ:   # the published bytes compared as they lie; read out only on a difference
+        other = transport.first_differing(op)
+        if other is not None:
+            raise mismatch_error(transport.rank, mine, other, _readable(transport.published(other, op), other,
+                                                                        transport.rank))
+        return [mine.numel] * transport.world_size
     values = mine.values()
     counts = []
     for other in range(transport.world_size):
@@ -187,7 +194,7 @@ def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) 
             counts.append(mine.numel)
             continue
         theirs = transport.published(other, op)
-        if (theirs[:2] + theirs[3:] != values[:2] + values[3:]) if sizes_differ else theirs != values:
+        if theirs[:2] + theirs[3:] != values[:2] + values[3:]:
             raise mismatch_error(transport.rank, mine, other, _readable(theirs, other, transport.rank))
         counts.append(theirs[2])
     return counts

@@ -57,6 +57,4 @@ def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reducti
     for other in range(2, n_ranks):
         reduction.combine(flat, stages[other])
     reduction.finish(flat, n_ranks)
-    for other in range(n_ranks):
-        if other != rank:
-            transport.meter.record_exchange(peer=other, received=nbytes, sent=nbytes, op=op)
+    transport.meter.record_exchanges(((other, nbytes) for other in range(n_ranks) if other != rank), op=op)

@@ -95,34 +95,31 @@ HOLD_BELOW_BYTES = 4 << 20
 
 
 def _on_own_core(collective):
-    """Run ``collective(place, tensor, ...)`` with the calling thread held on the transport's
-    ``own_core`` where it has one (shared memory with several local ranks, shm.py), and give the
-    thread its own affinity back after. Only the collective is held: the program's other threads,
-    and the processes it starts, keep theirs. Measured with 4 ranks on 2 cores (docs/benchmarks.md,
-    medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325;
-    unheld, the same call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held
-    1.3-1.4 ms every time. 4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each,
-    alternating) the medians are level up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7
-    of 45 run medians up to 256 KiB took over 200 us (both ranks on one core), held none; at
-    4 MiB (887 -> 968 us) and 16 MiB (2.75 -> 3.08 ms, 11 runs) the hold's moves cost more than
-    they save, so with a core per rank only messages below HOLD_BELOW_BYTES are held."""
+    """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
+    the transport has one (shared memory with several local ranks: hold.py, lazily while every rank
+    has a core of its own). Measured with 4 ranks on 2 cores (docs/benchmarks.md, medians of 3
+    runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same
+    call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
+    4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
+    up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7 of 45 run medians up to 256 KiB took
+    over 200 us (both ranks on one core), held none; at 4 MiB (887 -> 968 us) and 16 MiB (2.75 ->
+    3.08 ms, 11 runs) the hold's moves cost more than they save, so with a core per rank only
+    messages below HOLD_BELOW_BYTES are held."""
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
         transport = place.transport
-        core = getattr(transport, "own_core", None)
+        hold = getattr(transport, "hold", None)
+        lazy = getattr(transport, "spin_allowed", False)
         tensor = args[0] if args else None
-        if core is None or (getattr(transport, "spin_allowed", False) and isinstance(tensor, torch.Tensor)
+        if hold is None or (lazy and isinstance(tensor, torch.Tensor)
                             and tensor.numel() * tensor.element_size() >= HOLD_BELOW_BYTES):
             return collective(place, *args, **kwargs)
-        before = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, (core,))
-        except OSError:  # the core was taken from this process since (cpuset): run where it may
+        if not hold.enter(lazy):   # inside a held collective already
             return collective(place, *args, **kwargs)
         try:
             return collective(place, *args, **kwargs)
         finally:
-            os.sched_setaffinity(0, before)
+            hold.leave()
     return held
 
 

@@ -78,6 +78,7 @@ import torch
 from gradsync import runtime
 from gradsync.comm import single_copy
 from gradsync.comm.doorbell import Doorbell
+from gradsync.comm.hold import CoreHold
 from gradsync.comm.shm_regions import SharedRegions
 from gradsync.comm.shm_ring import FRAME, Ring, slot_bytes
 from gradsync.comm.transport import Handle, PeerError, TorchTransport, Transport
@@ -245,12 +246,14 @@ class ShmTransport(Transport):
         self._barriers = 0
         self._half = 0
         self._published = 0
+        self._mine = b""   # this rank's last published fingerprint, packed
         self._views: dict[tuple, list[torch.Tensor]] = {}
         cores = _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
         holdable = len(local_ranks) > 1 and hasattr(os, "sched_setaffinity")   # not on every OS
         self.own_core = cores[self.local_index[self.rank] % len(cores)] if holdable else None
+        self.hold = CoreHold(self.own_core) if holdable else None
         self._lock = threading.Lock()
         self._sleepers = 0
         self._order = 0
@@ -330,6 +333,8 @@ class ShmTransport(Transport):
         self._in = {peer: Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
         self._out = {peer: Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
         self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
+        self._peer_counters = [self._counters[peer] for peer in self.pids]
+        self._ordered_peers = sorted(self.pids)
         self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
                                                offset=self._stage_offset()) for rank in self.local_ranks}
 
@@ -503,6 +508,8 @@ class ShmTransport(Transport):
         """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
         with self._lock:
             seen = self._advance()
+        if self.hold is not None:
+            self.hold.before_sleep()
         self._bell.sleep(seen, seconds)
 
     def _wait_for(self, handle: _ShmOp, timeout: float | None) -> None:
@@ -514,6 +521,8 @@ class ShmTransport(Transport):
         """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
         the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll up to SPIN_SECONDS first (up to
         YIELD_SECONDS, yielding the core between polls, with more local ranks than cores)."""
+        if spin and is_done():   # nothing to wait for (other traffic moves in the next wait that needs it)
+            return
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
         if spin:
@@ -535,6 +544,8 @@ class ShmTransport(Transport):
             try:
                 if waited >= limit:
                     raise self._broken_by(stuck(waited, limit, "timed out"))
+                if self.hold is not None:
+                    self.hold.before_sleep()
                 self._bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
                 if time.monotonic() - started >= LIVENESS_SLICE:
                     for peer in peers:
@@ -567,7 +578,7 @@ class ShmTransport(Transport):
         self._counters[self.rank].value = count
         for bell in self._bells.values():
             bell.ring()
-        counters = [self._counters[peer] for peer in self.pids]
+        counters = self._peer_counters
 
         def stuck(waited, limit, what):
             behind = [peer for peer in self.pids if self._counters[peer].value < count]
@@ -583,8 +594,22 @@ class ShmTransport(Transport):
         and so has read it), and ``address``: where its tensor lies, for single-copy reads."""
         self._published += 1
         offset = self._published_offset()
-        _FINGERPRINT.pack_into(self._mappings[self.rank], offset, *values, *(0,) * (8 - len(values)))
-        _ADDRESS.pack_into(self._mappings[self.rank], offset + FRAME, address)
+        self._mine = _FINGERPRINT.pack(*values, *(0,) * (8 - len(values)))
+        own = self._mappings[self.rank]
+        own[offset:offset + _FINGERPRINT.size] = self._mine
+        _ADDRESS.pack_into(own, offset + FRAME, address)
+
+    def first_differing(self, op: str) -> int | None:
+        """The lowest local rank whose fingerprint for the agreement this rank last published differs
+        from this rank's, byte for byte; None when all are equal. Metered as ``published``, once for
+        every peer."""
+        self.meter.record_exchanges(((peer, _FINGERPRINT.size) for peer in self.pids), op=op, control=True)
+        start = self._published_offset()
+        end, mine = start + _FINGERPRINT.size, self._mine
+        for peer in self._ordered_peers:
+            if self._mappings[peer][start:end] != mine:
+                return peer
+        return None
 
     def published(self, rank: int, op: str) -> tuple[int, ...]:
         """Local rank ``rank``'s fingerprint for the agreement this rank last published (read it after
