@@ -5,8 +5,8 @@ MPI ranks cannot join our process group, so the peer runs in a launch of its own
 worker, ``_bench_rank``) times the same sizes with the same rules as collectives.py: ``warmup``
 untimed calls, then ``reps`` timed calls, each starting from a fresh input (reset outside the timed
 region) and preceded by a barrier; a call's time is the slowest rank's (an allreduce of the per-rank
-times with MAX), the median over calls is reported, and the last result is checked against the
-closed form (every rank contributes ones, so every element is N).
+times with MAX), the median over calls is reported, and every timed call's result is checked against
+the closed form after the call (every rank contributes ones, so every element is N).
 
 The call is ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)`` on a float32 buffer, in
 place like ``dist.all_reduce(tensor)`` and ours. The buffer is a torch tensor's memory seen through
@@ -151,10 +151,13 @@ def _bench_rank(sizes: list[int], reps: int, warmup: int) -> list[dict]:
         source, buffer = _buffers(nbytes)
         for _ in range(warmup):
             timed(buffer, source)
-        times = [timed(buffer, source) for _ in range(reps)]
+        times, correct = [], True
+        for _ in range(reps):   # every call's result checked, as ours are (outside the timed region)
+            times.append(timed(buffer, source))
+            correct = bool(np.all(buffer == world_size)) and correct
         rows.append({"size": source.size * 4, "workers": world_size, "algorithm": ALGORITHM, "transport": TRANSPORT,
                      "time_s": statistics.median(times), "times_s": times, "bytes_per_rank": None,
-                     "warmup_calls": warmup, "result_correct": bool(np.all(buffer == world_size))})
+                     "warmup_calls": warmup, "result_correct": correct})
     return rows
 
 
