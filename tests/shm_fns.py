@@ -243,7 +243,8 @@ def reduce_scatter_region_against_plain(numel: int):
 
 def affinity_in_and_after_collectives():
     """The calling thread's CPU affinity and core inside each shared-memory collective (seen at its
-    barriers' entries and exits) and its affinity after it, with the transport's own_core. Returns
+    barriers' entries and exits) and its affinity after it, with the transport's own_core. Each
+    collective is entered from another core than the rank's own (where there is one). Returns
     (own_core, before, [(name, affinities at entries, cores at entries, affinities at exits, after)]).
     "all_reduce, late peer": the last rank enters 50 ms late, so the others sleep in the barrier."""
     transport = default_transport()
@@ -275,6 +276,10 @@ def affinity_in_and_after_collectives():
                           ("all_gather", lambda: gs.all_gather(torch.ones(1 << 10))),
                           ("all_reduce, late peer", late_all_reduce)):
             plain_barrier("test/line up")
+            elsewhere = [core for core in sorted(before) if core != transport.own_core][:1]
+            if elsewhere:   # start the collective on another core than the rank's own
+                os.sched_setaffinity(0, elsewhere)
+                os.sched_setaffinity(0, before)
             entries.clear(), cores.clear(), exits.clear()
             run()
             seen.append((name, [sorted(a) for a in entries], list(cores), [sorted(a) for a in exits],
