@@ -287,3 +287,50 @@ def affinity_in_and_after_collectives():
     finally:
         del transport.barrier
     return transport.own_core, sorted(before), seen
+
+
+def repeated_small_all_reduces(rounds: int):
+    """Small all-reduces repeated per shape (from the second call each runs its kept plan), every call
+    on new integer-valued inputs, against torch.distributed's all-reduce of the same inputs (gloo:
+    an independent implementation; integer values make every order of summation exact). Then the
+    same shapes as a tensor that needs grad and as a strided view, which do not take the plan.
+    Returns (mismatches, the plans' keys)."""
+    import torch.distributed as dist
+    rank = gs.world().rank
+    cases = [("sum", torch.float32, 1), ("sum", torch.float32, 1000), ("avg", torch.float64, 300),
+             ("max", torch.float32, 1000), ("bor", torch.int64, 5000), ("sum", torch.int32, 0)]
+    native = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "bor": dist.ReduceOp.BOR}
+    mismatches = []
+    for call in range(rounds):
+        for op, dtype, numel in cases:
+            generator = torch.Generator().manual_seed(1000 * call + 10 * rank + numel)
+            values = torch.randint(0, 64, (numel,), generator=generator).to(dtype)
+            expected = values.clone()
+            dist.all_reduce(expected, op=native[op])
+            if op == "avg":
+                expected /= gs.world().world_size
+            if call == rounds - 1 and dtype.is_floating_point and numel > 1:   # the same shape, not plain
+                needs_grad = values.clone().requires_grad_()
+                with torch.no_grad():
+                    gs.all_reduce(needs_grad, op=op)
+                strided = torch.zeros(2 * numel, dtype=dtype)[::2]
+                strided.copy_(values)
+                gs.all_reduce(strided, op=op)
+                for name, got in (("needs grad", needs_grad.detach()), ("strided", strided)):
+                    if not torch.equal(got, expected):
+                        mismatches.append((call, op, str(dtype), numel, name))
+            gs.all_reduce(values, op=op)
+            if not torch.equal(values, expected):
+                mismatches.append((call, op, str(dtype), numel, "plain"))
+    return mismatches, sorted((k[1], str(k[3]), k[4]) for k in default_transport().plans if k[0] == "all_reduce")
+
+
+def plan_then_mismatch(kind: str):
+    """Every rank all-reduces the same 1,000 float32 three times (the last two from the kept plan);
+    then rank 1 alone changes the call (``kind``: "dtype" or "op")."""
+    for _ in range(3):
+        gs.all_reduce(torch.ones(1000))
+    if gs.world().rank == 1:
+        gs.all_reduce(torch.ones(1000, dtype=torch.float64) if kind == "dtype" else torch.ones(1000), op="max")
+    else:
+        gs.all_reduce(torch.ones(1000))

@@ -196,3 +196,28 @@ def test_a_collective_holds_its_thread_on_the_ranks_own_core_and_gives_it_back(w
             assert all(a in (cores, [own_core]) for a in entries + exits), (rank, name, entries, exits)
             if name == "all_reduce, late peer" and rank != n - 1:
                 assert exits[0] == [own_core], (rank, name, exits)
+
+
+@pytest.mark.timeout(120)
+def test_a_small_all_reduce_repeated_from_its_plan_equals_torch_distributed(world_of):
+    # shapes from no element to 40 KB, four ops and four dtypes, five calls each: every call equal
+    # to gloo's all-reduce of the same inputs, a plan kept for each shape, and tensors of the same
+    # shapes that need grad or are strided (the general path) equal too
+    for mismatches, plans in world_of(3).run(shm_fns.repeated_small_all_reduces, 5):
+        assert mismatches == []
+        assert {("avg", "torch.float64", 300), ("bor", "torch.int64", 5000), ("max", "torch.float32", 1000),
+                ("sum", "torch.float32", 1), ("sum", "torch.float32", 1000), ("sum", "torch.int32", 0)} <= set(plans)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["dtype", "op"])
+def test_a_call_that_differs_from_a_kept_plan_is_a_mismatch_on_every_rank(world_of, kind):
+    # ranks 0 and 2 run the kept plan of 1,000 float32 sums, rank 1 changes the dtype or the op:
+    # every rank raises, naming a rank that differs, before anything is folded
+    with pytest.raises(RankFailure) as info:
+        world_of(3).run(shm_fns.plan_then_mismatch, kind, case_timeout=30)
+    assert set(info.value.errors) == {0, 1, 2}
+    for rank, (name, message) in info.value.errors.items():
+        assert name == "CollectiveMismatchError", message
+        assert ("float64" if kind == "dtype" else "op=max") in message, message
+        assert f"rank {0 if rank == 1 else 1}" in message, message

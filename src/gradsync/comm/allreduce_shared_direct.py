@@ -34,27 +34,45 @@ import torch
 from gradsync.comm.agree import Fingerprint, compare_published
 from gradsync.comm.reduce_ops import SUM, Reduction
 
+OP = "all_reduce/shared_memory"
+
+
+class DirectAllReduce:
+    """The direct all-reduce of one shape (element count, dtype, reduction), made ready once: both
+    staging halves' views, the meter's exchanges, and the fingerprint every call publishes (with its
+    sequence number). collectives.py keeps one per small all-reduce a program repeats
+    (``transport.plans``), so a repeated call skips the checks, the algorithm choice and the views
+    that its first call made."""
+
+    def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
+                 spin: bool = False) -> None:
+        self.nbytes = numel * dtype.itemsize
+        if self.nbytes > transport.stage_bytes:
+            raise ValueError(f"{OP}: {self.nbytes} bytes do not fit a {transport.stage_bytes}-byte staging half")
+        self.reduction, self.spin = reduction, spin
+        self.stages = [transport.staged_views(half, self.nbytes, dtype) for half in (0, 1)]
+        self.exchanges = [(other, self.nbytes) for other in range(transport.world_size) if other != transport.rank]
+
+    def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
+        """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
+        stages = self.stages[transport.next_half()]
+        stages[transport.rank].copy_(flat)
+        if fingerprint is not None:
+            transport.publish(fingerprint.values())
+        transport.barrier(OP, self.spin)
+        if fingerprint is not None:
+            compare_published(transport, fingerprint)
+        if self.nbytes == 0:
+            return
+        reduction = self.reduction
+        reduction.fold(flat, stages[0], stages[1])
+        for other in range(2, len(stages)):
+            reduction.combine(flat, stages[other])
+        reduction.finish(flat, len(stages))
+        transport.meter.record_exchanges(self.exchanges, op=OP)
+
 
 def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
                             fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor of at most one staging half."""
-    op = "all_reduce/shared_memory"
-    n_ranks, rank = transport.world_size, transport.rank
-    nbytes = flat.numel() * flat.element_size()
-    if nbytes > transport.stage_bytes:
-        raise ValueError(f"{op}: {nbytes} bytes do not fit a {transport.stage_bytes}-byte staging half")
-    half = transport.next_half()
-    stages = transport.staged_views(half, nbytes, flat.dtype)
-    stages[rank].copy_(flat)
-    if fingerprint is not None:
-        transport.publish(fingerprint.values())
-    transport.barrier(op, spin)
-    if fingerprint is not None:
-        compare_published(transport, fingerprint)
-    if nbytes == 0:
-        return
-    reduction.fold(flat, stages[0], stages[1])
-    for other in range(2, n_ranks):
-        reduction.combine(flat, stages[other])
-    reduction.finish(flat, n_ranks)
-    transport.meter.record_exchanges(((other, nbytes) for other in range(n_ranks) if other != rank), op=op)
+    DirectAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)

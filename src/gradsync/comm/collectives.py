@@ -41,7 +41,8 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import allreduce_shared
+from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
+from gradsync.comm.allreduce_shared_direct import DirectAllReduce
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
 from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES
 from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
@@ -260,6 +261,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
 def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """all_reduce on ``place``."""
     w, transport = place.world, place.transport
+    plans = getattr(transport, "plans", None)
+    if plans is not None and type(tensor) is torch.Tensor:   # a small shape reduced before: straight to its plan
+        plan = plans.get(("all_reduce", op, algorithm, tensor.dtype, tensor.numel()))
+        if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
+                and not tensor.is_cuda):
+            fingerprint = Fingerprint("all_reduce", _next_sequence(transport), tensor.numel(), tensor.dtype, op,
+                                      "shared_memory")
+            stall.entered(fingerprint)
+            plan(tensor, transport, fingerprint)
+            return tensor
     _check_tensor(tensor, "all_reduce", w)
     chosen = reduction(op, tensor.dtype, "all_reduce")
     if algorithm not in ALGORITHMS:
@@ -267,7 +278,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     if w.world_size == 1:
         return tensor
     target, flat = _flat(tensor)
-    algorithm = resolve_algorithm(place, flat, algorithm)
+    requested, algorithm = algorithm, resolve_algorithm(place, flat, algorithm)
     in_place = (transport.regions.views_of(flat) if algorithm == "shared_memory"
                 and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
@@ -289,6 +300,8 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         stall.entered(fingerprint)
         allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
                          spin=_spins(transport, fingerprint))
+        if flat is target:
+            _remember_plan(transport, flat, op, requested, chosen, _spins(transport, fingerprint))
     else:
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         _agree(w, transport, fingerprint)
@@ -299,6 +312,21 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     if flat is not target and (flat.data_ptr() != target.data_ptr() or not target.is_contiguous()):
         target.copy_(flat.view_as(target))
     return tensor
+
+
+def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
+                   spin: bool) -> None:
+    """Keep a DirectAllReduce for ``flat``'s shape when every later call of it takes the direct
+    all-reduce (below IN_PLACE_FROM_BYTES, where no tensor lies in place, and within one staging
+    half and DIRECT_BELOW_BYTES); all_reduce_in runs it straight from its key."""
+    nbytes = flat.numel() * flat.element_size()
+    plans = getattr(transport, "plans", None)
+    if plans is None or nbytes >= min(IN_PLACE_FROM_BYTES, DIRECT_BELOW_BYTES, transport.stage_bytes + 1):
+        return
+    if len(plans) >= 256:
+        plans.clear()
+    plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = DirectAllReduce(
+        transport, flat.numel(), flat.dtype, chosen, spin)
 
 
 @stall.tracked

@@ -248,6 +248,7 @@ class ShmTransport(Transport):
         self._published = 0
         self._mine = b""   # this rank's last published fingerprint, packed
         self._views: dict[tuple, list[torch.Tensor]] = {}
+        self.plans: dict[tuple, object] = {}   # small collectives made ready per shape (collectives.py)
         cores = _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
@@ -366,7 +367,7 @@ class ShmTransport(Transport):
                 if bell is not None:
                     bell.release()
             self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
-            self._views = {}
+            self._views, self.plans, self._peer_counters = {}, {}, []
             for mapping in self._mappings.values():
                 try:
                     mapping.close()
