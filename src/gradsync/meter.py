@@ -54,30 +54,25 @@ class TrafficMeter:
         """Count both directions of one exchange with ``peer`` at once (one lock instead of two:
         the shared-memory collectives record every peer this way on every call)."""
         with self._lock:
-            if control:
-                self._control_received += received
-                self._control_sent += sent
-                return
-            self._received += received
-            self._sent += sent
-            for counts in (self._per_peer[peer], self._per_op[op]):
-                counts["received"] += received
-                counts["sent"] += sent
+            self._count_exchange(peer, received, sent, op, control)
 
     def record_exchanges(self, exchanges, *, op: str, control: bool = False) -> None:
         """Count several exchanges at once, each ``(peer, nbytes)`` received from and sent to ``peer``
         (one lock for all the peers of a small collective)."""
         with self._lock:
             for peer, nbytes in exchanges:
-                if control:
-                    self._control_received += nbytes
-                    self._control_sent += nbytes
-                    continue
-                self._received += nbytes
-                self._sent += nbytes
-                for counts in (self._per_peer[peer], self._per_op[op]):
-                    counts["received"] += nbytes
-                    counts["sent"] += nbytes
+                self._count_exchange(peer, nbytes, nbytes, op, control)
+
+    def _count_exchange(self, peer: int, received: int, sent: int, op: str, control: bool) -> None:
+        if control:
+            self._control_received += received
+            self._control_sent += sent
+            return
+        self._received += received
+        self._sent += sent
+        for counts in (self._per_peer[peer], self._per_op[op]):
+            counts["received"] += received
+            counts["sent"] += sent
 
     def snapshot(self) -> dict:
         """A copy of the counters: bytes_sent, bytes_received, per_peer, per_op, control_bytes_*."""
