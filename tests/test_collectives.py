@@ -53,11 +53,12 @@ TRANSPORTS = {"auto": {},                                          # shared memo
               # 2 KiB rings: messages stream and wrap; 4 KiB staging halves: the shared-memory all-reduce
               # splits what does not fit one half into pieces (allreduce_shared.py), the rest is direct
               "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"}}
-SETUPS = ([(n, "auto") if n not in (5, 6, 7) else pytest.param(n, "auto", marks=pytest.mark.slow) for n in WORLD_SIZES]
+SETUPS = ([(n, "auto") if n not in (5, 6, 7, 8) else pytest.param(n, "auto", marks=pytest.mark.slow)
+           for n in WORLD_SIZES]
           + [(2, "tcp"), pytest.param(3, "tcp", marks=pytest.mark.slow), (5, "tcp")]
           + [(n, "tiny-rings") for n in (2, 4)])
-"""N = 5, 6 and 7 on shared memory (between the odd 3 and the largest 8), and N = 3 over TCP (odd, as 5),
-run with -m slow."""
+"""N = 5 to 8 on shared memory (larger worlds than 4, which also puts two ranks on a core here),
+and N = 3 over TCP (odd, as 5), run with -m slow."""
 
 
 @pytest.mark.timeout(900)
