@@ -78,7 +78,6 @@ def kill_trial(strategy: str, seed: int, workers: int = 3, timeout: float = 10.0
 
 def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> dict:
     rng = random.Random(seed)
-    ps = strategy in PS_STRATEGIES
     cmd = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", strategy, "--workers", str(workers),
            "--timeout", str(timeout), "--steps", "100000", "--quiet", "--out", out, "--seed", str(seed)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -31,7 +31,6 @@ import time
 import warnings
 
 import torch
-from torch import nn
 
 import gradsync as gs
 from gradsync.train import tokens

@@ -39,10 +39,10 @@ OP = "all_reduce/shared_memory"
 
 class DirectAllReduce:
     """The direct all-reduce of one shape (element count, dtype, reduction), made ready once: both
-    staging halves' views, the meter's exchanges, and the fingerprint every call publishes (with its
-    sequence number). collectives.py keeps one per small all-reduce a program repeats
-    (``transport.plans``), so a repeated call skips the checks, the algorithm choice and the views
-    that its first call made."""
+    staging halves' views and the meter's exchanges. collectives.py keeps one per small all-reduce
+    a program repeats (``transport.plans``), so a repeated call skips the checks, the algorithm
+    choice and the views that its first call made; the caller's fingerprint is still published and
+    compared on every call."""
 
     def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
                  spin: bool = False) -> None:

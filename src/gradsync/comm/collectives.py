@@ -28,7 +28,6 @@ group.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -298,10 +297,10 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         stall.entered(fingerprint)
-        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                         spin=_spins(transport, fingerprint))
+        spin = _spins(transport, fingerprint)
+        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
         if flat is target:
-            _remember_plan(transport, flat, op, requested, chosen, _spins(transport, fingerprint))
+            _remember_plan(transport, flat, op, requested, chosen, spin)
     else:
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
         _agree(w, transport, fingerprint)
