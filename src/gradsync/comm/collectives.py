@@ -114,12 +114,12 @@ def _on_own_core(collective):
         if hold is None or (lazy and isinstance(tensor, torch.Tensor)
                             and tensor.numel() * tensor.element_size() >= HOLD_BELOW_BYTES):
             return collective(place, *args, **kwargs)
-        if not hold.enter(lazy):   # inside a held collective already
-            return collective(place, *args, **kwargs)
+        holding = hold.enter(lazy)   # False inside a held collective already
         try:
             return collective(place, *args, **kwargs)
         finally:
-            hold.leave()
+            if holding:
+                hold.leave()
     return held
 
 
