@@ -334,3 +334,25 @@ def plan_then_mismatch(kind: str):
         gs.all_reduce(torch.ones(1000, dtype=torch.float64) if kind == "dtype" else torch.ones(1000), op="max")
     else:
         gs.all_reduce(torch.ones(1000))
+
+
+def nan_payloads_all_reduced(sizes: list[int], ops: list[str]):
+    """Each rank all-reduces float32 tensors holding NaNs of its own payload and finite values, twice
+    per (op, size) (the second call of a small shape runs its kept plan): at every third element
+    ranks 0 and 1 hold NaNs (the others a finite value), at the next one ranks 0 and 2. x86's add
+    and multiply return one operand's payload, chosen by position, so only ranks that all fold in
+    the same order, operand for operand, end with the same bits. Returns {(op, size, call): the
+    result's bits as int32}."""
+    rank = gs.world().rank
+    results = {}
+    for op in ops:
+        for numel in sizes:
+            for call in range(2):
+                index = torch.arange(numel)
+                bits = (index.to(torch.int32) % 1000) * 8 + rank + 1
+                values = (bits | 0x7FC00000).view(torch.float32).clone()
+                nan = (index % 3 == 0) & (rank < 2) | (index % 3 == 1) & (rank % 2 == 0)
+                values[~nan] = (index[~nan] % 7).to(torch.float32) + rank
+                gs.all_reduce(values, op=op)
+                results[(op, numel, call)] = values.view(torch.int32).clone()
+    return results

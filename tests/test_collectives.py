@@ -88,15 +88,18 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 
 # From its FROM_BYTES up, a tensor outside a shared region is read where it lies and the result written
 # into it, one kernel copy per slice (allreduce_shared_single_copy.py); with GRADSYNC_SHM_SINGLE_COPY=0
-# it is staged piece by piece from DIRECT_BELOW_BYTES up (allreduce_shared.py). Every dtype and op at
-# DIRECT_BELOW_BYTES, sizes not divisible by N, one float32 case just over FROM_BYTES, and one whose
-# slices span several PIECE_BYTES pieces, against the fold, gloo and across ranks bit for bit.
+# it is staged piece by piece from DIRECT_BELOW_BYTES up (allreduce_shared.py); with two ranks both
+# start at TWO_RANKS_DIRECT_BELOW_BYTES, and the direct all-reduce takes everything below. Every dtype
+# and op at DIRECT_BELOW_BYTES, sizes not divisible by N, one float32 case just over FROM_BYTES, one
+# whose slices span several PIECE_BYTES pieces (over 2 MiB at every N), and one just over a staging
+# half, against the fold, gloo and across ranks bit for bit.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), pytest.param(4, "1", marks=pytest.mark.slow),
                                                     (3, "0")])
 def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_size, single_copy):
     from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
     from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES, PIECE_BYTES
+    from gradsync.comm.shm import stage_bytes
 
     pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
     states = pool.run(cases.single_copy_state)
@@ -107,6 +110,7 @@ def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_s
              for dtype in DTYPES for op in applicable_ops(dtype)]
     batch.append(("shared_memory", torch.float32, "sum", FROM_BYTES // 4 + 2 * world_size + 1))
     batch.append(("shared_memory", torch.float32, "sum", 5 * PIECE_BYTES // 4 * world_size // 2 + 3))
+    batch.append(("shared_memory", torch.float32, "sum", stage_bytes() // 4 + 2 * world_size + 1))
     answers = pool.run(cases.op_dtype_algorithm_cases, batch, case_timeout=300)
     for index, (algorithm, dtype, op, numel) in enumerate(batch):
         label = f"{dtype} op={op} n={numel} N={world_size} single_copy={single_copy}"

@@ -210,6 +210,23 @@ def test_a_small_all_reduce_repeated_from_its_plan_equals_torch_distributed(worl
 
 
 @pytest.mark.timeout(120)
+def test_small_all_reduces_of_nan_payloads_end_bit_identical_on_every_rank(world_of):
+    # every rank folds in rank order, operand for operand, whether its own input comes from its
+    # tensor (ranks 0 and 1) or from its staging half (rank 2); x86's add and multiply keep the NaN
+    # payload of one operand by position, so a rank that swapped two operands would end with other bits
+    sizes, ops = [1, 1000, 20000, 100000], ["sum", "product", "avg"]
+    results = world_of(3).run(shm_fns.nan_payloads_all_reduced, sizes, ops)
+    for key, bits in results[0].items():
+        assert bits.numel() == key[1]
+        for rank in (1, 2):
+            assert torch.equal(results[rank][key], bits), (key, rank)
+    sums = results[0][("sum", 1000, 1)]
+    assert bool(torch.isnan(sums[0::3].view(torch.float32)).all()) and bool(torch.isnan(sums[1::3].view(torch.float32)).all())
+    assert set((sums[0::3] & 7).tolist()) <= {1, 2} and set((sums[1::3] & 7).tolist()) <= {1, 3}   # a rank's payload
+    assert bool(torch.isfinite(sums[2::3].view(torch.float32)).all())
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["dtype", "op"])
 def test_a_call_that_differs_from_a_kept_plan_is_a_mismatch_on_every_rank(world_of, kind):
     # ranks 0 and 2 run the kept plan of 1,000 float32 sums, rank 1 changes the dtype or the op:

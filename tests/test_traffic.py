@@ -89,11 +89,15 @@ def test_receive_from_any_source_names_the_sender(world_of):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
-    from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES
+    from types import SimpleNamespace
+
+    from gradsync.comm import shm
+    from gradsync.comm.allreduce_shared_single_copy import from_bytes
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    large = FROM_BYTES // 4 + 3               # just over: the single-copy one moves slices
+    # just over where the single-copy one takes over and moves slices (with two ranks: one staging half)
+    large = from_bytes(SimpleNamespace(world_size=world_size, stage_bytes=shm.stage_bytes())) // 4 + 3
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes

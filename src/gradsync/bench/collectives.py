@@ -327,7 +327,8 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int, single_copy: bool)
     ``single_copy``: the shared-memory transport could read and write other ranks' memory."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
-    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
+    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py);
+        # with two ranks both formulas give M, so the direct all-reduce's wider range there does not matter
         direct = nbytes < (SINGLE_COPY_FROM_BYTES if single_copy else min(DIRECT_BELOW_BYTES, shm.stage_bytes() + 1))
         return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None

@@ -12,8 +12,9 @@ Vocabulary
              the two halves (see ShmTransport.next_half)
     slice    slice j of a piece is ring_chunks(piece, N) chunk j; rank j reduces it
 
-Messages below DIRECT_BELOW_BYTES take the direct all-reduce instead (allreduce_shared_direct.py:
-one barrier, every rank folds every input itself). The rest go piece by piece:
+Messages below direct_below(transport) take the direct all-reduce instead (allreduce_shared_direct.py:
+one barrier, every rank folds every input itself): DIRECT_BELOW_BYTES, with two ranks
+TWO_RANKS_DIRECT_BELOW_BYTES, within one staging half. The rest go piece by piece:
 
 Phases, per piece
     stage     rank r copies its piece into its staging half (the first piece also its fingerprint:
@@ -53,6 +54,25 @@ here (2 cores, median of 40 calls, 16:55 UTC: N=2 256 KiB 86 against 138 us, 512
 197 us, 1 MiB 335 against 310 us; N=4 512 KiB 0.79-0.82 against 0.89-0.92 ms, 1 MiB 1.48-1.51
 against 1.26-1.37 ms; N=8 the same crossing)."""
 
+TWO_RANKS_DIRECT_BELOW_BYTES = 2 << 20
+"""With two ranks the direct all-reduce takes messages below this (and fitting one staging half).
+It folds all M bytes on each rank where the others fold M/2, but it has one barrier against two,
+and no kernel copies (the single-copy one reads and writes through the kernel, page by page).
+Blocks of 50 calls alternating in one world, each call's result checked after it as the bench
+does (docs/benchmarks.md, "The own input read where it lies, and two ranks direct up to 2 MiB"),
+direct against single-copy, us: 512 KiB 172 and 201 against 197 and 250; 1 MiB 402 and 361 against 445 and 378;
+2 MiB 556 and 548 against 573 and 531; 4 MiB 1,613 and 2,101 against 1,189 and 1,550 (it reads
+and writes more memory, which costs more the colder the caches: without the checks it was 3-6%
+ahead there). Against the split all-reduce (single-copy reads off), without checks: 1 MiB 285-451
+against 432-574 us, 2 MiB 483-547 against 788-918."""
+
+
+def direct_below(transport) -> int:
+    """Messages of fewer bytes than this take the direct all-reduce: DIRECT_BELOW_BYTES, or with two
+    ranks TWO_RANKS_DIRECT_BELOW_BYTES, and at most one staging half."""
+    below = TWO_RANKS_DIRECT_BELOW_BYTES if transport.world_size == 2 else DIRECT_BELOW_BYTES
+    return min(below, transport.stage_bytes + 1)
+
 
 def layout_error(transport: Transport) -> str | None:
     """None when the shared-memory all-reduce can run on ``transport``, else why not."""
@@ -72,7 +92,7 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
     if n_ranks == 1:
         return
     esize = flat.element_size()
-    if flat.numel() * esize < min(DIRECT_BELOW_BYTES, transport.stage_bytes + 1):
+    if flat.numel() * esize < direct_below(transport):
         allreduce_shared_direct(flat, transport, reduction=reduction, fingerprint=fingerprint, spin=spin)
         return
     piece_elems = transport.stage_bytes // esize

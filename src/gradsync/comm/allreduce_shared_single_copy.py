@@ -46,6 +46,7 @@ import torch
 
 from gradsync.comm.agree import Fingerprint, offer_staged
 from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.allreduce_shared import direct_below
 from gradsync.comm.reduce_ops import SUM, Reduction
 
 FROM_BYTES = 512 << 10
@@ -72,6 +73,15 @@ core they share its L2 too, so pieces are PIECE_BYTES / R (piece_bytes): 4 ranks
 256 KiB against 512 KiB pieces (08:35 UTC, medians of 4 runs alternating): 4 MiB 3.83 against 4.17
 ms, 16 MiB 11.1 against 13.5 ms, 64 MiB 40.1 against 45.0 ms; 1 MiB level. At N=2 256 KiB was no
 better (4 MiB 0.60 against 0.57 ms, 16 MiB level)."""
+
+
+def from_bytes(transport) -> int:
+    """All-reduces of at least this many bytes run here where single-copy reads are allowed:
+    FROM_BYTES, and with two ranks only what does not take the direct all-reduce
+    (allreduce_shared.direct_below)."""
+    if transport.world_size == 2:
+        return max(FROM_BYTES, direct_below(transport))
+    return FROM_BYTES
 
 
 def piece_bytes(transport) -> int:

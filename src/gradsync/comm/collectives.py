@@ -40,11 +40,11 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES, allreduce_shared
+from gradsync.comm.allreduce_shared import allreduce_shared, direct_below
 from gradsync.comm.allreduce_shared_direct import DirectAllReduce
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES
 from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
+from gradsync.comm.allreduce_shared_single_copy import from_bytes as single_copy_from
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.all_gather_in_place import all_gather_in_place as all_gather_region
@@ -288,7 +288,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=_spins(transport, fingerprint))
     elif (algorithm == "shared_memory" and transport.single_copy
-          and flat.numel() * flat.element_size() >= SINGLE_COPY_FROM_BYTES):  # read where it lies, no staging
+          and flat.numel() * flat.element_size() >= single_copy_from(transport)):  # read where it lies, no staging
         fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory_single_copy")
         stall.entered(fingerprint)
@@ -316,11 +316,11 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
 def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
                    spin: bool) -> None:
     """Keep a DirectAllReduce for ``flat``'s shape when every later call of it takes the direct
-    all-reduce (below IN_PLACE_FROM_BYTES, where no tensor lies in place, and within one staging
-    half and DIRECT_BELOW_BYTES); all_reduce_in runs it straight from its key."""
+    all-reduce (below IN_PLACE_FROM_BYTES, where no tensor lies in place, and below
+    allreduce_shared.direct_below); all_reduce_in runs it straight from its key."""
     nbytes = flat.numel() * flat.element_size()
     plans = getattr(transport, "plans", None)
-    if plans is None or nbytes >= min(IN_PLACE_FROM_BYTES, DIRECT_BELOW_BYTES, transport.stage_bytes + 1):
+    if plans is None or nbytes >= min(IN_PLACE_FROM_BYTES, direct_below(transport)):
         return
     if len(plans) >= 256:
         plans.clear()

@@ -66,7 +66,8 @@ class Reduction:
     """torch's out-of-place form of ``combine`` (called with ``out=``), for ``fold``."""
 
     def fold(self, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
-        """out <- first (op) second; ``out`` may be neither input."""
+        """out <- first (op) second; ``out`` may be one of the inputs itself (the same tensor, as an
+        in-place operation), but must not overlap either in part."""
         self.out_of_place(first, second, out=out)
 
     def finish(self, owned: torch.Tensor, n_ranks: int) -> None:
