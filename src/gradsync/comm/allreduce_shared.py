@@ -60,11 +60,11 @@ It folds all M bytes on each rank where the others fold M/2, but it has one barr
 and no kernel copies (the single-copy one reads and writes through the kernel, page by page).
 Blocks of 50 calls alternating in one world, each call's result checked after it as the bench
 does (docs/benchmarks.md, "The own input read where it lies, and two ranks direct up to 2 MiB"),
-direct against single-copy, us: 512 KiB 172 and 201 against 197 and 250; 1 MiB 402 and 361 against 445 and 378;
-2 MiB 556 and 548 against 573 and 531; 4 MiB 1,613 and 2,101 against 1,189 and 1,550 (it reads
-and writes more memory, which costs more the colder the caches: without the checks it was 3-6%
-ahead there). Against the split all-reduce (single-copy reads off), without checks: 1 MiB 285-451
-against 432-574 us, 2 MiB 483-547 against 788-918."""
+direct against single-copy, us: 512 KiB 172 and 201 against 197 and 250; 1 MiB 402 and 361
+against 445 and 378; 2 MiB 556 and 548 against 573 and 531; 4 MiB 1,613 and 2,101 against 1,189
+and 1,550 (it reads and writes more memory, which costs more the colder the caches: without the
+checks it was 3-6% ahead there). Against the split all-reduce (single-copy reads off), without
+checks: 1 MiB 285-451 against 432-574 us, 2 MiB 483-547 against 788-918."""
 
 
 def direct_below(transport) -> int:
