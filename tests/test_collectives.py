@@ -55,10 +55,10 @@ TRANSPORTS = {"auto": {},                                          # shared memo
               "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"}}
 SETUPS = ([(n, "auto") if n not in (5, 6, 7, 8) else pytest.param(n, "auto", marks=pytest.mark.slow)
            for n in WORLD_SIZES]
-          + [(2, "tcp"), pytest.param(3, "tcp", marks=pytest.mark.slow), (5, "tcp")]
+          + [(2, "tcp"), (3, "tcp"), pytest.param(5, "tcp", marks=pytest.mark.slow)]
           + [(n, "tiny-rings") for n in (2, 4)])
 """N = 5 to 8 on shared memory (larger worlds than 4, which also puts two ranks on a core here),
-and N = 3 over TCP (odd, as 5), run with -m slow."""
+and N = 5 over TCP (odd, as 3), run with -m slow."""
 
 
 @pytest.mark.timeout(900)
@@ -180,9 +180,10 @@ def test_ring_pipelined_across_many_segments(world_of, world_size, transport):
 # auto: the shared-memory reduce-scatter and all-gather (one host); tcp: the ring ones; tiny-rings:
 # 4 KiB staging halves, so the shared-memory ones go piece by piece
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size,transport", [(1, "auto"), (2, "auto"),
-                                                  pytest.param(3, "auto", marks=pytest.mark.slow),  # odd, as 5
-                                                  (5, "auto"), (8, "auto"), (3, "tcp"), (4, "tiny-rings")])
+@pytest.mark.parametrize("world_size,transport", [(1, "auto"), (2, "auto"), (3, "auto"),
+                                                  pytest.param(5, "auto", marks=pytest.mark.slow),  # odd, as 3
+                                                  pytest.param(8, "auto", marks=pytest.mark.slow),  # two ranks a core, as 4
+                                                  (3, "tcp"), (4, "tiny-rings")])
 def test_reduce_scatter_and_all_gather_against_closed_form_and_torch(world_of, world_size, transport):
     pool = world_of(world_size, **TRANSPORTS[transport])
     combos = [(dtype, op) for dtype in DTYPES for op in applicable_ops(dtype)]
@@ -218,7 +219,7 @@ def test_reduce_scatter_and_all_gather_against_closed_form_and_torch(world_of, w
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
+@pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(7, marks=pytest.mark.slow)])
 def test_broadcast_any_source_and_non_contiguous(world_of, world_size):
     pool = world_of(world_size)
     for src in range(world_size):
