@@ -298,7 +298,8 @@ def repeated_small_all_reduces(rounds: int):
     import torch.distributed as dist
     rank = gs.world().rank
     cases = [("sum", torch.float32, 1), ("sum", torch.float32, 1000), ("avg", torch.float64, 300),
-             ("max", torch.float32, 1000), ("bor", torch.int64, 5000), ("sum", torch.int32, 0)]
+             ("max", torch.float32, 1000), ("bor", torch.int64, 5000), ("sum", torch.int32, 0),
+             ("sum", torch.float32, 100_000)]
     native = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "bor": dist.ReduceOp.BOR}
     mismatches = []
     for call in range(rounds):
@@ -356,3 +357,23 @@ def nan_payloads_all_reduced(sizes: list[int], ops: list[str]):
                 gs.all_reduce(values, op=op)
                 results[(op, numel, call)] = values.view(torch.int32).clone()
     return results
+
+
+def plan_then_region(numel: int):
+    """A plain float32 tensor of ``numel`` all-reduced twice (a plan is kept for its shape), then a
+    tensor of the same shape in a shared region, then the plain one again. Returns, per call, the
+    bytes this rank read out of the others' memory and whether the result was the closed form, and
+    whether a plan was kept."""
+    w = gs.world()
+    transport = default_transport()
+    plain = torch.empty(numel)
+    region = transport.regions.allocate(numel, torch.float32)
+    expected = torch.arange(numel, dtype=torch.float32) * sum(r + 1 for r in range(w.world_size))
+    calls = []
+    for tensor in (plain, plain, region, plain):
+        torch.mul(torch.arange(numel, dtype=torch.float32), w.rank + 1, out=tensor)
+        gs.traffic_reset()
+        gs.all_reduce(tensor)
+        calls.append((gs.traffic()["bytes_received"], torch.equal(tensor, expected)))
+    kept = ("all_reduce", "sum", "auto", torch.float32, numel) in transport.plans
+    return calls, kept

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.comm.allreduce_ring import ring_chunks
 import shm_fns
 from world_pool import RankFailure
 
@@ -206,7 +207,22 @@ def test_a_small_all_reduce_repeated_from_its_plan_equals_torch_distributed(worl
     for mismatches, plans in world_of(3).run(shm_fns.repeated_small_all_reduces, 5):
         assert mismatches == []
         assert {("avg", "torch.float64", 300), ("bor", "torch.int64", 5000), ("max", "torch.float32", 1000),
-                ("sum", "torch.float32", 1), ("sum", "torch.float32", 1000), ("sum", "torch.int32", 0)} <= set(plans)
+                ("sum", "torch.float32", 1), ("sum", "torch.float32", 1000), ("sum", "torch.int32", 0),
+                ("sum", "torch.float32", 100_000)} <= set(plans)
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_plan_is_not_used_for_a_tensor_that_lies_in_a_shared_region(world_of):
+    # 400 KB float32, 3 ranks: plain tensors take the direct all-reduce and keep a plan (each rank
+    # reads all of both others' copies, 2M), a tensor of the same shape in a shared region is
+    # reduced in place (a slice from each other rank and the others' slices of the result, 2(N-1)/N M)
+    numel, m = 100_000, 400_000
+    for rank, (calls, kept) in enumerate(world_of(3).run(shm_fns.plan_then_region, numel)):
+        assert kept, rank
+        assert all(right for _, right in calls), (rank, calls)
+        sizes = ring_chunks(numel, 3).sizes
+        in_place = (2 * sizes[rank] + numel - sizes[rank]) * 4
+        assert [received for received, _ in calls] == [2 * m, 2 * m, in_place, 2 * m], (rank, calls)
 
 
 @pytest.mark.timeout(120)

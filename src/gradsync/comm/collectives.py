@@ -264,7 +264,8 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     if plans is not None and type(tensor) is torch.Tensor:   # a small shape reduced before: straight to its plan
         plan = plans.get(("all_reduce", op, algorithm, tensor.dtype, tensor.numel()))
         if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
-                and not tensor.is_cuda):
+                and not tensor.is_cuda
+                and (plan.nbytes < IN_PLACE_FROM_BYTES or transport.regions.views_of(tensor) is None)):
             fingerprint = Fingerprint("all_reduce", _next_sequence(transport), tensor.numel(), tensor.dtype, op,
                                       "shared_memory")
             stall.entered(fingerprint)
@@ -315,12 +316,13 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
 
 def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
                    spin: bool) -> None:
-    """Keep a DirectAllReduce for ``flat``'s shape when every later call of it takes the direct
-    all-reduce (below IN_PLACE_FROM_BYTES, where no tensor lies in place, and below
-    allreduce_shared.direct_below); all_reduce_in runs it straight from its key."""
+    """Keep a DirectAllReduce for ``flat``'s shape when later calls of it take the direct all-reduce
+    (below allreduce_shared.direct_below); all_reduce_in runs it straight from its key, for a tensor
+    of IN_PLACE_FROM_BYTES or more only when it does not lie in a shared region (those are reduced
+    in place)."""
     nbytes = flat.numel() * flat.element_size()
     plans = getattr(transport, "plans", None)
-    if plans is None or nbytes >= min(IN_PLACE_FROM_BYTES, direct_below(transport)):
+    if plans is None or nbytes >= direct_below(transport):
         return
     if len(plans) >= 256:
         plans.clear()
