@@ -201,7 +201,7 @@ def test_a_collective_holds_its_thread_on_the_ranks_own_core_and_gives_it_back(w
 
 @pytest.mark.timeout(120)
 def test_a_small_all_reduce_repeated_from_its_plan_equals_torch_distributed(world_of):
-    # shapes from no element to 40 KB, four ops and four dtypes, five calls each: every call equal
+    # shapes from no element to 400 KB, four ops and four dtypes, five calls each: every call equal
     # to gloo's all-reduce of the same inputs, a plan kept for each shape, and tensors of the same
     # shapes that need grad or are strided (the general path) equal too
     for mismatches, plans in world_of(3).run(shm_fns.repeated_small_all_reduces, 5):

@@ -261,7 +261,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     """all_reduce on ``place``."""
     w, transport = place.world, place.transport
     plans = getattr(transport, "plans", None)
-    if plans is not None and type(tensor) is torch.Tensor:   # a small shape reduced before: straight to its plan
+    if plans is not None and type(tensor) is torch.Tensor:   # a shape reduced directly before: straight to its plan
         plan = plans.get(("all_reduce", op, algorithm, tensor.dtype, tensor.numel()))
         if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
                 and not tensor.is_cuda
