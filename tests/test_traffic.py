@@ -16,7 +16,7 @@ def test_ring_chunks_worked_examples():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])
 def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
     pool = world_of(world_size)
     numel = 1024 * world_size * 3  # divisible by N (each chunk fits one segment; test_collectives crosses many)
@@ -32,7 +32,7 @@ def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [3, 4, 7])
+@pytest.mark.parametrize("world_size", [3, 4, pytest.param(7, marks=pytest.mark.slow)])
 def test_ring_uneven_chunking_formula(world_of, world_size):
     pool = world_of(world_size)
     for numel in (1, world_size - 1, 10 * world_size + 3):
