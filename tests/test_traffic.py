@@ -58,7 +58,7 @@ def test_naive_is_the_parameter_server_pattern(world_of, world_size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_halving_doubling_and_tree_traffic(world_of, world_size):
     pool = world_of(world_size)
     numel = 64 * world_size
