@@ -255,3 +255,22 @@ def test_a_call_that_differs_from_a_kept_plan_is_a_mismatch_on_every_rank(world_
         assert name == "CollectiveMismatchError", message
         assert ("float64" if kind == "dtype" else "op=max") in message, message
         assert f"rank {0 if rank == 1 else 1}" in message, message
+
+
+def test_a_wait_polls_long_only_on_the_main_thread_and_yields_where_ranks_outnumber_cores():
+    # with a core per rank, the main thread polls SPIN_SECONDS (about a sleep and wake-up) before it
+    # sleeps; a communication thread (DDP's reducer, the c10d backend's) shares its core with the
+    # main thread's backward and polls only BACKGROUND_SPIN_SECONDS; where ranks outnumber the cores
+    # every thread polls YIELD_SECONDS, yielding the core between polls
+    import threading
+
+    from gradsync.comm import shm
+
+    assert shm.BACKGROUND_SPIN_SECONDS < shm.SPIN_SECONDS
+    assert shm.poll_seconds(True) == shm.SPIN_SECONDS
+    assert shm.poll_seconds(False) == shm.YIELD_SECONDS
+    seen = []
+    thread = threading.Thread(target=lambda: seen.extend([shm.poll_seconds(True), shm.poll_seconds(False)]))
+    thread.start()
+    thread.join(timeout=10)
+    assert seen == [shm.BACKGROUND_SPIN_SECONDS, shm.YIELD_SECONDS]

@@ -176,8 +176,9 @@ yielding the core, for up to 1 ms before they sleep (shm.py's ``spin``): their p
 and short, so a sleep and wake-up would dominate them (4 ranks on 2 cores, 1 MiB: 1.3-1.4 ms a call
 against 1.6-2.1 ms sleeping at once). Larger ones sleep at once there: polling made them faster
 alone (4 MiB 3.90 -> 3.54 ms) but not torch's DDP, whose communication thread shares a core with
-backward. With a core per rank every collective polls, for at most 30 us: N=2, 4 MiB 690 -> 617 us,
-16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
+backward. With a core per rank every collective polls (shm.poll_seconds: 200 us on the main thread,
+30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617 us, 16 MiB 2.33 ->
+2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
 
 
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
@@ -197,7 +198,7 @@ def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
 
 def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
     """Whether the collective's barriers poll before they sleep: always while every local rank has a
-    core (30 us at most, shm.py), below SPIN_BELOW_BYTES when ranks outnumber the cores."""
+    core (shm.poll_seconds), below SPIN_BELOW_BYTES when ranks outnumber the cores."""
     return (getattr(transport, "spin_allowed", False)
             or fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES)
 

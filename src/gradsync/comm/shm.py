@@ -51,7 +51,8 @@ seconds; after each slice it checks that the peers it waits for are still alive 
 /proc tells), which turns a dead peer into an error within a fraction of a second. The one
 exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
 being woken costs more than the wait): while every local rank can have a core of its own
-(``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps; with more ranks than cores a
+(``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps (BACKGROUND_SPIN_SECONDS on a
+thread other than the main one, which shares its core with the main thread's work); with more ranks than cores a
 spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS and yields
 its core after every poll. The caller's thread is held on one core while it is in a collective
 (``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
@@ -99,15 +100,37 @@ stages the others read from cache."""
 SEGMENT_BYTES = 1 << 20
 """The ring all-reduce's wire unit on shared memory (the TCP default is 4 MiB): half a ring, so the
 sender fills one half while the receiver drains the other."""
-SPIN_SECONDS = 30e-6
-"""Longest a ``spin`` barrier polls before it sleeps: about what a futex sleep and wake-up cost here,
-so a peer that arrives later than this costs one wake-up more than it would have anyway."""
+SPIN_SECONDS = 200e-6
+"""Longest a ``spin`` wait polls on the main thread before it sleeps: about what a futex sleep and
+wake-up cost here, so a peer that arrives later than this costs one wake-up more than it would have
+anyway. Measured (2026-12-02, a /tmp probe, 2 ranks, the waker 2 ms late, 190 wake-ups each run):
+from the waker's barrier to the sleeper's return 173-176 us median, 107-122 us p10, 233-235 us p90.
+In-world A/B against 30 us (2 ranks, blocks of 10 calls alternating, the bench's loop, slowest
+rank, medians; two runs, us): 64 KiB 39 -> 36 and 41 -> 37, 256 KiB 115 -> 93 and 138 -> 142,
+1 MiB 322 -> 282 and 424 -> 375, 4 MiB 1,013 -> 935 and 1,559 -> 1,498, 16 MiB 4,957 -> 5,179,
+7,577 -> 6,954 and 6,146 -> 5,611; 4 KiB level (docs/benchmarks.md)."""
+BACKGROUND_SPIN_SECONDS = 30e-6
+"""Longest a ``spin`` wait polls on any other thread: DDP's reducer and the c10d backend run their
+collectives on a communication thread while the main thread computes backward on the same core, and
+a longer poll takes that core from backward (DDP's step with 200 us on its thread, in-world A/B:
+1.171-1.207x of the no-communication floor against 1.169-1.199x with 30 us)."""
 YIELD_SECONDS = 1e-3
 """With more local ranks than cores, a ``spin`` wait polls this long, giving its core away between
 polls (sched_yield): the rank it waits for is likely queued on the same core, and a yield hands it
 the core at once where a futex sleep costs a wake-up (4 ranks on 2 cores, 64 KiB: 0.24-0.30 ms
 a call against 0.34-0.49 ms)."""
 SHM_DIR = "/dev/shm"
+
+
+def poll_seconds(spin_allowed: bool) -> float:
+    """How long a ``spin`` wait polls before it sleeps: YIELD_SECONDS (yielding the core between
+    polls) where local ranks outnumber the cores, else SPIN_SECONDS on the main thread and
+    BACKGROUND_SPIN_SECONDS on any other."""
+    if not spin_allowed:
+        return YIELD_SECONDS
+    return SPIN_SECONDS if threading.current_thread() is threading.main_thread() else BACKGROUND_SPIN_SECONDS
+
+
 _FINGERPRINT = struct.Struct("8q")
 """A fingerprint slot: up to 8 int64 values (agree.Fingerprint.values)."""
 _ADDRESS = struct.Struct("Q")
@@ -520,14 +543,13 @@ class ShmTransport(Transport):
 
     def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
         """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
-        the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll up to SPIN_SECONDS first (up to
-        YIELD_SECONDS, yielding the core between polls, with more local ranks than cores)."""
+        the timeout raises ``stuck(waited, limit, what)``. ``spin``: poll first, for ``poll_seconds``."""
         if spin and is_done():   # nothing to wait for (other traffic moves in the next wait that needs it)
             return
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
         if spin:
-            until = time.perf_counter() + (SPIN_SECONDS if self.spin_allowed else YIELD_SECONDS)
+            until = time.perf_counter() + poll_seconds(self.spin_allowed)
             while time.perf_counter() < until:
                 with self._lock:
                     self._advance()
