@@ -4,9 +4,12 @@ For every message size and algorithm, each rank times ``reps`` calls after ``war
 calls (the same number for ours and native; ours are metered on the last of them), each call
 preceded by a barrier (each side's own, as MPI's calls start from MPI_Barrier: gloo's for torch's
 all-reduce, the shared-memory transport's for ours on one host, gloo's otherwise; a barrier that
-lets ranks leave far apart would charge the skew to the collective); a call's time is the slowest
-rank's (an all-reduce of the per-rank times with MAX, once after the calls), and the table shows
-the median over calls. Every call, timed or not, starts from the same input
+lets ranks leave far apart would charge the skew to the collective) and followed by one, untimed
+(as MPI's side all-reduces each call's time right after the call): where ranks outnumber the
+cores, a rank that has returned would otherwise go on to check its result and copy the next input
+while its core-mate, still inside the call, waits for that core, and the core-mate's time would
+include that work; a call's time is the slowest rank's (an all-reduce of the per-rank times with
+MAX, once after the calls), and the table shows the median over calls. Every call, timed or not, starts from the same input
 (reset outside the timed region: reducing one tensor in place again and again would multiply it
 by N per call and reach inf in float32), and every timed call's result is checked after it, on
 every side, against the closed form (every rank contributes ones, so every element is N). Each
@@ -97,7 +100,9 @@ def _timed(fn, tensor: torch.Tensor, source: torch.Tensor, barrier=dist.barrier)
     barrier()
     started = time.perf_counter()
     fn()
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    barrier()   # no rank checks the result or copies the next input before every rank has returned
+    return elapsed
 
 
 def _slowest(times: list[float]) -> list[float]:

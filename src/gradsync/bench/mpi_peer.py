@@ -5,7 +5,8 @@ MPI ranks cannot join our process group, so the peer runs in a launch of its own
 worker, ``_bench_rank``) times the same sizes with the same rules as collectives.py: ``warmup``
 untimed calls, then ``reps`` timed calls, each starting from a fresh input (reset outside the timed
 region) and preceded by a barrier; a call's time is the slowest rank's (an allreduce of the per-rank
-times with MAX), the median over calls is reported, and every timed call's result is checked against
+times with MAX, right after each call: the point where ours pass an untimed barrier), the median
+over calls is reported, and every timed call's result is checked against
 the closed form after the call (every rank contributes ones, so every element is N).
 
 The call is ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)`` on a float32 buffer, in
