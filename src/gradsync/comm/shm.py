@@ -52,9 +52,9 @@ seconds; after each slice it checks that the peers it waits for are still alive 
 exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
 being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps (BACKGROUND_SPIN_SECONDS on a
-thread other than the main one, which shares its core with the main thread's work); with more ranks than cores a
-spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS and yields
-its core after every poll. The caller's thread is held on one core while it is in a collective
+thread other than the main one, which shares its core with the main thread's work); with more ranks
+than cores a spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS
+and yields its core after every poll. The caller's thread is held on one core while it is in a collective
 (``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
 its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
 polling holds the core its peer needs to arrive; collectives below 4 MiB only, where that costs
