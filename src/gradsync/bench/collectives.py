@@ -12,9 +12,9 @@ include that work; a call's time is the slowest rank's (an all-reduce of the per
 MAX, once after the calls), and the table shows the median over calls. Every call, timed or not,
 starts from the same input (reset outside the timed region: reducing one tensor in place again and
 again would multiply it by N per call and reach inf in float32), and every timed call's result is
-checked after it, on every side, against the closed form (every rank contributes ones, so every element is N). Each
-side's timed calls run back to back (all of torch's, then all of each of ours), as MPI's do in
-their own launch: a gloo collective between two of ours slows the next one of ours by tens of
+checked after it, on every side, against the closed form (every rank contributes ones, so every
+element is N). Each side's timed calls run back to back (all of torch's, then all of each of
+ours), as MPI's do in their own launch: a gloo collective between two of ours slows the next one of ours by tens of
 microseconds at small sizes (gloo's threads take the same 2 cores), which is the other side's
 cost, not ours.
 
