@@ -1,22 +1,22 @@
 """gradsync bench collectives: an nccl-tests style table, ours beside torch.distributed in one run.
 
-For every message size and algorithm, each rank times ``reps`` calls after ``warmup`` untimed
-calls (the same number for ours and native; ours are metered on the last of them), each call
-preceded by a barrier (each side's own, as MPI's calls start from MPI_Barrier: gloo's for torch's
-all-reduce, the shared-memory transport's for ours on one host, gloo's otherwise; a barrier that
-lets ranks leave far apart would charge the skew to the collective) and followed by one, untimed
-(as MPI's side all-reduces each call's time right after the call): where ranks outnumber the
-cores, a rank that has returned would otherwise go on to check its result and copy the next input
-while its core-mate, still inside the call, waits for that core, and the core-mate's time would
-include that work; a call's time is the slowest rank's (an all-reduce of the per-rank times with
-MAX, once after the calls), and the table shows the median over calls. Every call, timed or not,
-starts from the same input (reset outside the timed region: reducing one tensor in place again and
-again would multiply it by N per call and reach inf in float32), and every timed call's result is
-checked after it, on every side, against the closed form (every rank contributes ones, so every
-element is N). Each side's timed calls run back to back (all of torch's, then all of each of
-ours), as MPI's do in their own launch: a gloo collective between two of ours slows the next one of ours by tens of
-microseconds at small sizes (gloo's threads take the same 2 cores), which is the other side's
-cost, not ours.
+For every message size and algorithm, each rank times ``reps`` calls after ``warmup`` untimed calls
+(the same number for ours and native; ours are metered on the last of them), each call preceded by
+a barrier (each side's own, as MPI's calls start from MPI_Barrier: gloo's for torch's all-reduce,
+the shared-memory transport's for ours on one host, gloo's otherwise; a barrier that lets ranks
+leave far apart would charge the skew to the collective) and followed by one, untimed (as MPI's
+side all-reduces each call's time right after the call): where ranks outnumber the cores, a rank
+that has returned would otherwise go on to check its result and copy the next input while its
+core-mate, still inside the call, waits for that core, and the core-mate's time would include that
+work; a call's time is the slowest rank's (an all-reduce of the per-rank times with MAX, once after
+the calls), and the table shows the median over calls. Every call, timed or not, starts from the
+same input (reset outside the timed region: reducing one tensor in place again and again would
+multiply it by N per call and reach inf in float32), and every timed call's result is checked after
+it, on every side, against the closed form (every rank contributes ones, so every element is N).
+Each side's timed calls run back to back (all of torch's, then all of each of ours), as MPI's do in
+their own launch: a gloo collective between two of ours slows the next one of ours by tens of
+microseconds at small sizes (gloo's threads take the same 2 cores), which is the other side's cost,
+not ours.
 
     algbw = M / t                     (M: message bytes, t: median seconds)
     busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
