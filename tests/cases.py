@@ -273,3 +273,27 @@ def scatter_gather_closed_cases(cases: list) -> list:
             dist.all_reduce(native, op=getattr(dist.ReduceOp, NATIVE[op]))
         answers.append((shard, full, native))
     return answers
+
+
+def repeated_small_traffic(numel: int, calls: int):
+    """The same float32 shape all-reduced ``calls`` times (the first keeps a plan, the others run it):
+    the meter read after each call, then read once more with no call in between; then one call
+    not read before a reset, and a read after one more call. Returns (the reads after each call, the read with no call, the read
+    after the reset and one call, whether every result was the closed form)."""
+    w = gs.world()
+    expected = expected_sum(w.world_size, numel, torch.float32)
+    reads, right = [], True
+    gs.traffic_reset()
+    for _ in range(calls):
+        t = contribution(w.rank, numel, torch.float32)
+        gs.all_reduce(t)
+        right = right and torch.equal(t, expected)
+        reads.append(gs.traffic())
+    again = gs.traffic()
+    for reset in (False, True):
+        if reset:
+            gs.traffic_reset()
+        t = contribution(w.rank, numel, torch.float32)
+        gs.all_reduce(t)
+        right = right and torch.equal(t, expected)
+    return reads, again, gs.traffic(), right and torch.equal(t, expected)

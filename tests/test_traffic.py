@@ -131,3 +131,26 @@ def test_shared_memory_reduce_scatter_and_all_gather_traffic(world_of, world_siz
         assert {p: c["received"] for p, c in gathered["per_peer"].items()} == {
             p: sizes[p] * 8 for p in range(world_size) if p != rank}
         assert gathered["bytes_sent"] == (world_size - 1) * sizes[rank] * 8
+
+
+@pytest.mark.timeout(300)
+def test_a_small_all_reduce_run_from_its_plan_is_metered_as_its_first_call(world_of):
+    # 3 ranks, 1,000 float32 reduced four times: the first call keeps a plan, the other three run it
+    # and count their calls for the meter to multiply when read (TrafficMeter.tally). After each
+    # call the counts grow by one call's closed form: the whole 4 KB from each other rank, one
+    # 64-byte fingerprint each way with each; a second read adds nothing, and a reset drops every
+    # call made before it, read or not
+    world_size, numel = 3, 1000
+    m_bytes = numel * 4
+    for rank, (reads, again, after_reset, right) in enumerate(
+            world_of(world_size).run(cases.repeated_small_traffic, numel, 4)):
+        assert right, rank
+        peers = [peer for peer in range(world_size) if peer != rank]
+        for calls, t in enumerate(reads + [after_reset], start=1):
+            calls = 1 if t is after_reset else calls
+            assert t["bytes_received"] == t["bytes_sent"] == calls * (world_size - 1) * m_bytes, (rank, calls)
+            assert t["per_peer"] == {peer: {"sent": calls * m_bytes, "received": calls * m_bytes} for peer in peers}
+            assert t["per_op"] == {"all_reduce/shared_memory": {"sent": calls * (world_size - 1) * m_bytes,
+                                                                "received": calls * (world_size - 1) * m_bytes}}
+            assert t["control_bytes_received"] == t["control_bytes_sent"] == calls * 64 * (world_size - 1)
+        assert again == reads[-1]

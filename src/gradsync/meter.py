@@ -21,6 +21,7 @@ class TrafficMeter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._tallies: dict[tuple, list] = {}   # tally()'s counters: key -> [counter, calls counted]
         self.reset()
 
     def reset(self) -> None:
@@ -32,6 +33,8 @@ class TrafficMeter:
             self._control_received = 0
             self._per_peer: dict[int, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
             self._per_op: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
+            for entry in self._tallies.values():
+                entry[1] = entry[0][0]
 
     def record(self, *, peer: int, nbytes: int, op: str, sent: bool, control: bool = False) -> None:
         """Count one completed transfer of ``nbytes`` to (sent=True) or from ``peer``."""
@@ -63,6 +66,33 @@ class TrafficMeter:
             for peer, nbytes in exchanges:
                 self._count_exchange(peer, nbytes, nbytes, op, control)
 
+    def tally(self, exchanges, *, op: str, control_each: int = 0, control_op: str | None = None) -> list[int]:
+        """A call counter for a collective that repeats the same ``exchanges`` (as in
+        record_exchanges) and ``control_each`` control bytes each way with each of those peers, for
+        ``control_op``: its caller adds 1 to ``counter[0]`` after each call, and the meter counts
+        the calls' bytes when it is read or reset, so the call itself takes no lock (a repeated
+        small all-reduce: allreduce_shared_direct.py). Only the caller writes the counter; the meter
+        keeps how many of its calls it has counted. One counter per distinct set of arguments, kept
+        while the meter lives (a program's repeated shapes are few)."""
+        key = (tuple(exchanges), op, control_each, control_op)
+        with self._lock:
+            entry = self._tallies.get(key)
+            if entry is None:
+                entry = self._tallies[key] = [[0], 0]
+            return entry[0]
+
+    def _count_tallies(self) -> None:
+        """Count the calls of every tally() counter made since the last count (under the lock)."""
+        for (exchanges, op, control_each, control_op), entry in self._tallies.items():
+            calls = entry[0][0] - entry[1]
+            if calls:
+                entry[1] += calls
+                for peer, nbytes in exchanges:
+                    if nbytes:
+                        self._count_exchange(peer, calls * nbytes, calls * nbytes, op, False)
+                    if control_each:
+                        self._count_exchange(peer, calls * control_each, calls * control_each, control_op, True)
+
     def _count_exchange(self, peer: int, received: int, sent: int, op: str, control: bool) -> None:
         if control:
             self._control_received += received
@@ -77,6 +107,7 @@ class TrafficMeter:
     def snapshot(self) -> dict:
         """A copy of the counters: bytes_sent, bytes_received, per_peer, per_op, control_bytes_*."""
         with self._lock:
+            self._count_tallies()
             return {
                 "bytes_sent": self._sent,
                 "bytes_received": self._received,

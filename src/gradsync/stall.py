@@ -27,13 +27,17 @@ import sys
 import threading
 import time
 
-_STATE: dict = {"op": None, "sequence": None, "since": None}
+_NOW: list = [None]
+"""The collective this rank is in: (fingerprint, sequence number, monotonic time it entered), or None
+in user code; one slot, replaced whole, so the inspector never reads half of an update."""
 _THREAD: dict = {"thread": None, "stop": None}
 
 
-def entered(fingerprint) -> None:
-    """Record the collective this rank is in (described only if a report is ever printed)."""
-    _STATE.update(op=fingerprint, sequence=fingerprint.sequence, since=time.monotonic())
+def entered(fingerprint, sequence: int | None = None) -> None:
+    """Record the collective this rank is in (described only if a report is ever printed); its
+    ``sequence`` number when given, else the fingerprint's (a plan's fingerprint has none of its own:
+    allreduce_shared_direct.py)."""
+    _NOW[0] = (fingerprint, fingerprint.sequence if sequence is None else sequence, time.monotonic())
 
 
 def _describe(fingerprint) -> str:
@@ -42,7 +46,7 @@ def _describe(fingerprint) -> str:
 
 
 def left() -> None:
-    _STATE["op"] = _STATE["sequence"] = _STATE["since"] = None
+    _NOW[0] = None
 
 
 def tracked(fn):
@@ -91,9 +95,10 @@ def stop() -> None:
 def _watch(world, limit: float, event: threading.Event) -> None:
     reported = None
     while not event.wait(1.0):
-        op, sequence, since = _STATE["op"], _STATE["sequence"], _STATE["since"]
-        if op is None or since is None:
+        now = _NOW[0]
+        if now is None:
             continue
+        op, sequence, since = now
         waited = time.monotonic() - since
         if waited < limit or (reported == (sequence, int(waited // limit))):
             continue

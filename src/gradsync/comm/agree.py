@@ -45,6 +45,10 @@ _KIND_CODE, _DTYPE_CODE, _OP_CODE, _ALGORITHM_CODE = ({name: code for code, name
 """Each name's position in its tuple: a fingerprint's values, looked up rather than searched."""
 
 
+FINGERPRINT_BYTES = 8 * 8
+"""A fingerprint's size as it travels or lies in a shared slot: eight int64 values."""
+
+
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives (or the same one with different tensors)."""
 

@@ -36,18 +36,21 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync import stall
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published
 from gradsync.comm.reduce_ops import SUM, Reduction
 
 OP = "all_reduce/shared_memory"
+AGREE = "all_reduce/agree"
 
 
 class DirectAllReduce:
     """The direct all-reduce of one shape (element count, dtype, reduction), made ready once: both
-    staging halves' views and the meter's exchanges. collectives.py keeps one per small all-reduce
-    a program repeats (``transport.plans``), so a repeated call skips the checks, the algorithm
-    choice and the views that its first call made; the caller's fingerprint is still published and
-    compared on every call."""
+    staging halves' views, the meter's exchanges and the fingerprint's fixed values. collectives.py
+    keeps one per small all-reduce a program repeats (``transport.plans``) and runs a repeated call
+    with ``run``, which skips the checks, the algorithm choice and the views that its first call
+    made; the fingerprint, with the call's own sequence number, is still published and compared on
+    every call."""
 
     def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
                  spin: bool = False) -> None:
@@ -57,6 +60,11 @@ class DirectAllReduce:
         self.reduction, self.spin = reduction, spin
         self.stages = [transport.staged_views(half, self.nbytes, dtype) for half in (0, 1)]
         self.exchanges = [(other, self.nbytes) for other in range(transport.world_size) if other != transport.rank]
+        self.fingerprint = Fingerprint("all_reduce", 0, numel, dtype, reduction.name, "shared_memory")
+        kind, _, *rest = self.fingerprint.values()
+        self._kind, self._rest = kind, tuple(rest)
+        self._hold, self._lazy = getattr(transport, "hold", None), getattr(transport, "spin_allowed", False)
+        self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
 
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
@@ -67,14 +75,42 @@ class DirectAllReduce:
         transport.barrier(OP, self.spin)
         if fingerprint is not None:
             compare_published(transport, fingerprint)
-        if self.nbytes == 0:
-            return
-        reduction, rank = self.reduction, transport.rank
+        if self.nbytes:
+            self._fold(flat, stages, transport.rank)
+            transport.meter.record_exchanges(self.exchanges, op=OP)
+
+    def run(self, flat: torch.Tensor, transport) -> None:
+        """A repeated call, whole: held on the rank's core (as collectives.py's ``_on_own_core`` holds
+        a call below HOLD_BELOW_BYTES, which every plan is), the next sequence number, the stall
+        inspector told, the fingerprint published with the staged input and compared after the one
+        barrier (compare_published raises on a difference), the call counted for the meter (its
+        payload and fingerprint bytes: TrafficMeter.tally). The same steps as the first call's, in
+        fewer Python operations: between two waits each costs about twice what it costs in a loop
+        that repeats it (docs/benchmarks.md, "Fewer Python operations per repeated call")."""
+        holding = self._hold is not None and self._hold.enter(self._lazy)
+        try:
+            sequence = transport.sequence = getattr(transport, "sequence", 0) + 1
+            stall.entered(self.fingerprint, sequence)
+            stages = self.stages[transport.next_half()]
+            rank = transport.rank
+            stages[rank].copy_(flat)
+            transport.publish((self._kind, sequence) + self._rest)
+            transport.barrier(OP, self.spin)
+            if transport.first_differing(AGREE, metered=False) is not None:
+                compare_published(transport, self.fingerprint._replace(sequence=sequence))
+            if self.nbytes:
+                self._fold(flat, stages, rank)
+            self._calls[0] += 1
+        finally:
+            if holding:
+                self._hold.leave()
+
+    def _fold(self, flat: torch.Tensor, stages: list[torch.Tensor], rank: int) -> None:
+        reduction = self.reduction
         reduction.fold(flat, flat if rank == 0 else stages[0], flat if rank == 1 else stages[1])
         for other in range(2, len(stages)):
             reduction.combine(flat, stages[other])
         reduction.finish(flat, len(stages))
-        transport.meter.record_exchanges(self.exchanges, op=OP)
 
 
 def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,

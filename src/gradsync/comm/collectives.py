@@ -257,21 +257,24 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
     return all_reduce_in(here(), tensor, op, algorithm)
 
 
-@_on_own_core
 def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """all_reduce on ``place``."""
-    w, transport = place.world, place.transport
+    transport = place.transport
     plans = getattr(transport, "plans", None)
     if plans is not None and type(tensor) is torch.Tensor:   # a shape reduced directly before: straight to its plan
         plan = plans.get(("all_reduce", op, algorithm, tensor.dtype, tensor.numel()))
         if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
                 and not tensor.is_cuda
                 and (plan.nbytes < IN_PLACE_FROM_BYTES or transport.regions.views_of(tensor) is None)):
-            fingerprint = Fingerprint("all_reduce", _next_sequence(transport), tensor.numel(), tensor.dtype, op,
-                                      "shared_memory")
-            stall.entered(fingerprint)
-            plan(tensor, transport, fingerprint)
+            plan.run(tensor, transport)   # held on the rank's core as _on_own_core holds
             return tensor
+    return _all_reduce_in(place, tensor, op, algorithm)
+
+
+@_on_own_core
+def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) -> torch.Tensor:
+    """all_reduce_in without a plan (its first call for a shape, or one no plan is kept for)."""
+    w, transport = place.world, place.transport
     _check_tensor(tensor, "all_reduce", w)
     chosen = reduction(op, tensor.dtype, "all_reduce")
     if algorithm not in ALGORITHMS:

@@ -55,7 +55,7 @@ class CoreHold:
             if self._holder is not None:
                 return False
             self._holder = me
-        if not lazy or current_cpu() != self.core:
+        if not lazy or _sched_getcpu is None or _sched_getcpu() != self.core:   # current_cpu(), one call less
             self._pin()
         return True
 

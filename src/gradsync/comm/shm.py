@@ -622,11 +622,12 @@ class ShmTransport(Transport):
         own[offset:offset + _FINGERPRINT.size] = self._mine
         _ADDRESS.pack_into(own, offset + FRAME, address)
 
-    def first_differing(self, op: str) -> int | None:
+    def first_differing(self, op: str, metered: bool = True) -> int | None:
         """The lowest local rank whose fingerprint for the agreement this rank last published differs
         from this rank's, byte for byte; None when all are equal. Metered as ``published``, once for
-        every peer."""
-        self.meter.record_exchanges(((peer, _FINGERPRINT.size) for peer in self.pids), op=op, control=True)
+        every peer (unless ``metered`` is False: the caller counts those bytes itself)."""
+        if metered:
+            self.meter.record_exchanges(((peer, _FINGERPRINT.size) for peer in self.pids), op=op, control=True)
         start = self._published_offset()
         end, mine = start + _FINGERPRINT.size, self._mine
         for peer in self._ordered_peers:
