@@ -45,16 +45,14 @@ class CoreHold:
         self.core = core
         self._holder: int | None = None      # the thread in the held collective
         self._given_back: set[int] | None = None   # its affinity before it was pinned
-        self._lock = threading.Lock()
+        self._held = threading.Lock()        # taken for as long as a thread holds
 
     def enter(self, lazy: bool) -> bool:
         """Start holding the calling thread (see the module docstring); True when this call holds,
         and must ``leave``."""
-        me = threading.get_ident()
-        with self._lock:
-            if self._holder is not None:
-                return False
-            self._holder = me
+        if not self._held.acquire(blocking=False):
+            return False
+        self._holder = threading.get_ident()
         if not lazy or _sched_getcpu is None or _sched_getcpu() != self.core:   # current_cpu(), one call less
             self._pin()
         return True
@@ -72,6 +70,7 @@ class CoreHold:
         finally:
             self._given_back = None
             self._holder = None
+            self._held.release()
 
     def _pin(self) -> None:
         before = os.sched_getaffinity(0)
