@@ -275,14 +275,20 @@ def scatter_gather_closed_cases(cases: list) -> list:
     return answers
 
 
-def repeated_small_traffic(numel: int, calls: int):
-    """The same float32 shape all-reduced ``calls`` times (the first keeps a plan, the others run it):
+def repeated_small_traffic(numel: int, calls: int, counters_full: bool = False):
+    """The same float32 shape all-reduced ``calls`` times (the first keeps a plan, the others run it;
+    ``counters_full``: with the meter keeping no more call counters, so each call records itself):
     the meter read after each call, then read once more with no call in between; then one call
     not read before a reset, and a read after one more call. Returns (the reads after each call, the read with no call, the read
     after the reset and one call, whether every result was the closed form)."""
+    from gradsync import meter
+
     w = gs.world()
     expected = expected_sum(w.world_size, numel, torch.float32)
     reads, right = [], True
+    kept = meter.MAX_TALLIES
+    if counters_full:
+        meter.MAX_TALLIES = len(meter.METER._tallies)
     gs.traffic_reset()
     for _ in range(calls):
         t = contribution(w.rank, numel, torch.float32)
@@ -296,4 +302,5 @@ def repeated_small_traffic(numel: int, calls: int):
         t = contribution(w.rank, numel, torch.float32)
         gs.all_reduce(t)
         right = right and torch.equal(t, expected)
+    meter.MAX_TALLIES = kept
     return reads, again, gs.traffic(), right and torch.equal(t, expected)

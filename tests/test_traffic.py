@@ -134,16 +134,18 @@ def test_shared_memory_reduce_scatter_and_all_gather_traffic(world_of, world_siz
 
 
 @pytest.mark.timeout(300)
-def test_a_small_all_reduce_run_from_its_plan_is_metered_as_its_first_call(world_of):
+@pytest.mark.parametrize("counters_full", [False, True])
+def test_a_small_all_reduce_run_from_its_plan_is_metered_as_its_first_call(world_of, counters_full):
     # 3 ranks, 1,000 float32 reduced four times: the first call keeps a plan, the other three run it
     # and count their calls for the meter to multiply when read (TrafficMeter.tally). After each
     # call the counts grow by one call's closed form: the whole 4 KB from each other rank, one
     # 64-byte fingerprint each way with each; a second read adds nothing, and a reset drops every
-    # call made before it, read or not
-    world_size, numel = 3, 1000
+    # call made before it, read or not. With the meter's counters all taken (MAX_TALLIES), each call
+    # records itself, to the same counts
+    world_size, numel = 3, 1000 + counters_full
     m_bytes = numel * 4
     for rank, (reads, again, after_reset, right) in enumerate(
-            world_of(world_size).run(cases.repeated_small_traffic, numel, 4)):
+            world_of(world_size).run(cases.repeated_small_traffic, numel, 4, counters_full)):
         assert right, rank
         peers = [peer for peer in range(world_size) if peer != rank]
         for calls, t in enumerate(reads + [after_reset], start=1):

@@ -16,6 +16,10 @@ import threading
 from collections import defaultdict
 
 
+MAX_TALLIES = 256
+"""The most call counters (TrafficMeter.tally) one meter keeps."""
+
+
 class TrafficMeter:
     """Counts bytes sent and received, per peer rank and per operation label."""
 
@@ -66,18 +70,22 @@ class TrafficMeter:
             for peer, nbytes in exchanges:
                 self._count_exchange(peer, nbytes, nbytes, op, control)
 
-    def tally(self, exchanges, *, op: str, control_each: int = 0, control_op: str | None = None) -> list[int]:
+    def tally(self, exchanges, *, op: str, control_each: int = 0,
+              control_op: str | None = None) -> list[int] | None:
         """A call counter for a collective that repeats the same ``exchanges`` (as in
         record_exchanges) and ``control_each`` control bytes each way with each of those peers, for
         ``control_op``: its caller adds 1 to ``counter[0]`` after each call, and the meter counts
         the calls' bytes when it is read or reset, so the call itself takes no lock (a repeated
         small all-reduce: allreduce_shared_direct.py). Only the caller writes the counter; the meter
         keeps how many of its calls it has counted. One counter per distinct set of arguments, kept
-        while the meter lives (a program's repeated shapes are few)."""
+        while the meter lives; None once MAX_TALLIES are kept (the caller records each call with
+        record_exchanges instead), so a program of ever new shapes does not grow the meter."""
         key = (tuple(exchanges), op, control_each, control_op)
         with self._lock:
             entry = self._tallies.get(key)
             if entry is None:
+                if len(self._tallies) >= MAX_TALLIES:
+                    return None
                 entry = self._tallies[key] = [[0], 0]
             return entry[0]
 

@@ -65,6 +65,7 @@ class DirectAllReduce:
         self._kind, self._rest = kind, tuple(rest)
         self._hold, self._lazy = getattr(transport, "hold", None), getattr(transport, "spin_allowed", False)
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
+        self._agreements = [(other, FINGERPRINT_BYTES) for other, _ in self.exchanges]
 
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
@@ -100,7 +101,12 @@ class DirectAllReduce:
                 compare_published(transport, self.fingerprint._replace(sequence=sequence))
             if self.nbytes:
                 self._fold(flat, stages, rank)
-            self._calls[0] += 1
+            if self._calls is not None:
+                self._calls[0] += 1
+            else:   # the meter keeps no more counters (TrafficMeter.tally)
+                if self.nbytes:
+                    transport.meter.record_exchanges(self.exchanges, op=OP)
+                transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
         finally:
             if holding:
                 self._hold.leave()
