@@ -7,7 +7,9 @@ Two classes of traffic are kept apart:
               headers), counted separately so the payload counters stay exact.
 
 The meter is updated from the transport when a transfer completes, possibly from a background
-communication thread, so every update takes a lock.
+communication thread, so every update takes a lock. A repeated small all-reduce takes none: it
+adds one to its own call counter (``tally``), and the meter multiplies its calls by their bytes when
+it is read or reset.
 """
 
 from __future__ import annotations
