@@ -49,6 +49,12 @@ FINGERPRINT_BYTES = 8 * 8
 """A fingerprint's size as it travels or lies in a shared slot: eight int64 values."""
 
 
+def next_sequence_of(transport) -> int:
+    """The sequence number of ``transport``'s next collective (a fingerprint's second value)."""
+    transport.sequence = getattr(transport, "sequence", 0) + 1
+    return transport.sequence
+
+
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives (or the same one with different tensors)."""
 

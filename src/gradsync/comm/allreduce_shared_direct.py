@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from gradsync import stall
-from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.reduce_ops import SUM, Reduction
 
 OP = "all_reduce/shared_memory"
@@ -90,7 +90,7 @@ class DirectAllReduce:
         that repeats it (docs/benchmarks.md, "Fewer Python operations per repeated call")."""
         holding = self._hold is not None and self._hold.enter(self._lazy)
         try:
-            sequence = transport.sequence = getattr(transport, "sequence", 0) + 1
+            sequence = next_sequence_of(transport)
             stall.entered(self.fingerprint, sequence)
             stages = self.stages[transport.next_half()]
             rank = transport.rank

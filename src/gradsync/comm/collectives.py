@@ -36,7 +36,7 @@ import torch.distributed as dist
 from gradsync import runtime, stall
 from gradsync.comm import select, single_copy
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
-                                  gather_control, mismatch_error, uses_staged_check)
+                                  gather_control, mismatch_error, next_sequence_of, uses_staged_check)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
@@ -167,7 +167,7 @@ def agree_in(place: Place, fingerprint: Fingerprint) -> None:
 
 def next_sequence(place: Place) -> int:
     """The sequence number of the next collective on ``place``."""
-    return _next_sequence(place.transport)
+    return next_sequence_of(place.transport)
 
 
 SPIN_BELOW_BYTES = 4 << 20
@@ -201,11 +201,6 @@ def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
     core (shm.poll_seconds), below SPIN_BELOW_BYTES when ranks outnumber the cores."""
     return (getattr(transport, "spin_allowed", False)
             or fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES)
-
-
-def _next_sequence(transport: Transport) -> int:
-    transport.sequence = getattr(transport, "sequence", 0) + 1
-    return transport.sequence
 
 
 def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
@@ -287,27 +282,27 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
                 and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
         region, views = in_place
-        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
+        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory_in_place", region=region)
         stall.entered(fingerprint)
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=_spins(transport, fingerprint))
     elif (algorithm == "shared_memory" and transport.single_copy
           and flat.numel() * flat.element_size() >= single_copy_from(transport)):  # read where it lies, no staging
-        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op,
+        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory_single_copy")
         stall.entered(fingerprint)
         allreduce_shared_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=_spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
-        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
+        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op, algorithm)
         stall.entered(fingerprint)
         spin = _spins(transport, fingerprint)
         allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
         if flat is target:
             _remember_plan(transport, flat, op, requested, chosen, spin)
     else:
-        fingerprint = Fingerprint("all_reduce", _next_sequence(transport), flat.numel(), flat.dtype, op, algorithm)
+        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op, algorithm)
         _agree(w, transport, fingerprint)
         if flat.numel() > 0 and algorithm == "native":
             _native_all_reduce(flat, chosen, w)
@@ -358,24 +353,24 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
                     else None)
         if in_place is not None:  # the input lives in a shared region (ShardedOptimizer's gradients)
             region, views = in_place
-            fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+            fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
                                       "shared_memory_in_place", region=region)
             stall.entered(fingerprint)
             return reduce_scatter_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                            spin=_spins(transport, fingerprint))
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
-            fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+            fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
                                       "shared_memory_single_copy")  # each rank reads its chunk where it lies
             stall.entered(fingerprint)
             return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                               spin=_spins(transport, fingerprint))
-        fingerprint = Fingerprint("reduce_scatter", _next_sequence(transport), flat.numel(), flat.dtype, op,
+        fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
                                   "shared_memory")  # one barrier per staging half
         stall.entered(fingerprint)
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=_spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
-    _agree(w, transport, Fingerprint("reduce_scatter", _next_sequence(transport), work.numel(), work.dtype, op, "ring"))
+    _agree(w, transport, Fingerprint("reduce_scatter", next_sequence_of(transport), work.numel(), work.dtype, op, "ring"))
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
     shard = chunks.view(work, w.rank)
     chosen.finish(shard, w.world_size)
@@ -400,12 +395,12 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     if w.world_size == 1:
         return flat_shard.clone()
     if _shared(transport, shard):
-        mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none",
+        mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none",
                            "shared_memory")
         stall.entered(mine)
         gather = all_gather_single_copy if transport.single_copy else all_gather_shared
         return gather(flat_shard, transport, mine, spin=_spins(transport, mine))
-    mine = Fingerprint("all_gather", _next_sequence(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
+    mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")
     sizes = []
@@ -442,7 +437,7 @@ def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
         raise ValueError("all_gather_in_place needs a 1-D tensor in a shared region (collectives.shared_allocator), "
                          "with every rank on this host over shared memory; use all_gather otherwise")
     region, views = located
-    fingerprint = Fingerprint("all_gather", _next_sequence(transport), full.numel(), full.dtype, "none",
+    fingerprint = Fingerprint("all_gather", next_sequence_of(transport), full.numel(), full.dtype, "none",
                               "shared_memory_in_place", region=region)
     stall.entered(fingerprint)
     all_gather_region(full, transport, views, fingerprint=fingerprint, spin=_spins(transport, fingerprint))
@@ -465,7 +460,7 @@ def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tens
     if w.world_size == 1:
         return tensor
     target, flat = _flat(tensor)
-    _agree(w, transport, Fingerprint("broadcast", _next_sequence(transport), flat.numel(), flat.dtype,
+    _agree(w, transport, Fingerprint("broadcast", next_sequence_of(transport), flat.numel(), flat.dtype,
                                   "none", "binomial", root=src))
     if flat.numel() > 0:
         broadcast_binomial(flat, src, transport)

@@ -78,6 +78,7 @@ import torch
 
 from gradsync import runtime
 from gradsync.comm import single_copy
+from gradsync.comm.agree import FINGERPRINT_BYTES
 from gradsync.comm.doorbell import Doorbell
 from gradsync.comm.hold import CoreHold
 from gradsync.comm.shm_regions import SharedRegions
@@ -131,7 +132,7 @@ def poll_seconds(spin_allowed: bool) -> float:
     return SPIN_SECONDS if threading.current_thread() is threading.main_thread() else BACKGROUND_SPIN_SECONDS
 
 
-_FINGERPRINT = struct.Struct("8q")
+_FINGERPRINT = struct.Struct(f"{FINGERPRINT_BYTES // 8}q")
 """A fingerprint slot: up to 8 int64 values (agree.Fingerprint.values)."""
 _ADDRESS = struct.Struct("Q")
 """Beside it, one FRAME further: where the rank's tensor lies (single-copy reads)."""
