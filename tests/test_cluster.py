@@ -105,6 +105,13 @@ def test_ring_link_bytes_match_the_formula(can_build):
         for key in ("tx_bytes", "rx_bytes"):
             _check_link(_per_step(rank["reps"], key), 2 * (n - 1) / n * M, f"rank {rank['rank']} {key}")
         assert sum(rep["bytes_sent"] for rep in rank["reps"]) == 2 * (n - 1) * M // n * job.steps * job.reps
+    # the ring step's timing moved a chunk of M/N each way over the shaped links, outside the counted
+    # reps: no faster than the rate allows after the token bucket's burst; the row prices it
+    exchange = result["ranks"][0]["exchange"]
+    assert exchange["chunk_bytes"] == M // n
+    assert exchange["exchange_s"] >= (M // n - 256 * 1024) * 8 / netns.parse_rate(RATE), exchange
+    row = summarize(result, RATE)
+    assert row["exchange_s_per_byte"] == exchange["exchange_s"] / exchange["chunk_bytes"]
 
 
 @pytest.mark.timeout(60)
@@ -235,6 +242,29 @@ def test_ring_ranks_share_the_machines_cores_in_the_prediction():
         assert predict({**row, "cores": cores}, host_s_per_byte=1e-9).step_s == pytest.approx(expected)
 
 
+@pytest.mark.timeout(60)
+def test_a_ring_rows_measured_step_replaces_the_host_term_in_the_prediction():
+    """cluster/results.py: with x, a ring step's measured seconds per byte, a ring rank sends at
+    max(beta, x) per byte, whatever h and the cores; below the wire's beta the wire sets the pace;
+    the wire-only prediction leaves x out. By hand at 10 Gbit/s (beta = 0.8364 ns/B), M = 16e6 B,
+    N = 4, c = 0.02 s, alpha = 1e-4 s: 6 messages, 2*3/4*M = 24e6 B sent, 3/4*M = 12e6 B reduced."""
+    from gradsync.cluster.results import link_for, predict, with_predictions
+
+    row = {"strategy": "ring", "link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4, "servers": 0,
+           "ranks_per_host": 1, "compute_s": 0.02}
+    beta, gamma_term = link_for("10gbit", 1e-4).beta, 12e6 * cost.Link().gamma
+    for exchange, cores, h in ((3e-9, 2, 1e-9), (3e-9, 8, 5e-9), (0.5e-9, 2, 1e-9)):
+        expected = 0.02 + 6 * 1e-4 + 24e6 * max(beta, exchange) + gamma_term
+        got = predict({**row, "cores": cores, "exchange_s_per_byte": exchange}, host_s_per_byte=h).step_s
+        assert got == pytest.approx(expected), (exchange, cores, h)
+    measured = {**row, "cores": 2, "exchange_s_per_byte": 3e-9, "step_s": 0.2}
+    assert with_predictions(measured, 1e-9)["wire_only_s"] == pytest.approx(0.02 + 6e-4 + 24e6 * beta + gamma_term)
+    # a row saved before x was measured keeps the host term: 2h * N/C = 4 ns/B
+    assert predict({**row, "cores": 2, "exchange_s_per_byte": None}, 1e-9).step_s == pytest.approx(
+        0.02 + 6e-4 + 24e6 * 4e-9 + gamma_term)
+
+
+@pytest.mark.timeout(60)
 def test_servers_and_their_workers_share_the_machines_cores_in_the_prediction():
     """cluster/results.py: a PS row's host term is h * max(1, 2S/C) (the servers' 2*W*M*h and the
     workers' as much again on C cores); a hierarchical row's intra-host link slows by N/C with its

@@ -33,11 +33,18 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
                          Measured here: D = 1.00-1.02 at 1 Gbit/s, 1.33-1.75 at 10 Gbit/s, where the
                          CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
-    ring                 strategy "ring"
+    ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
+                         job (worker.py: every rank at once sends a chunk of M/N bytes to its right
+                         neighbour and receives one from its left, median of 9), a rank sends at
+                         max(beta, x) per byte in place of max(beta, 2h * max(1, N/C)): x holds the
+                         link, both directions' CPU at once and the shared cores, as the ring meets
+                         them. Why: at 10 Gbit/s with a core per rank (N = 2) a ring rank's bytes
+                         cost 1.1-1.4x the PS-fitted 2h, and with N = 3 on 2 cores 0.8x its
+                         2h * N/C (docs/benchmarks.md). Rows saved before x was measured keep 2h
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
-"wire only" leaves the host term, u and D out (host_s_per_byte = 0, the textbook model);
+"wire only" leaves the host term, u, D and x out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
 10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
 h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's shared-cores factor below,
@@ -52,7 +59,8 @@ comm share = (step - c) / step, measured; the model is held to 25% where it is >
 Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
 C cores of this machine (C recorded in the row). Host work that runs at once shares them:
     ring, hierarchical   every rank moves bytes while every other rank does too, so when the N ranks
-                         outnumber the cores each gets C/N of one: its host term is h * max(1, N/C),
+                         outnumber the cores each gets C/N of one: its host term is h * max(1, N/C)
+                         (a ring row with x measured has it in x, timed with every rank at once),
                          and so are the intra-host link's beta and gamma (its copies and sums run
                          on the same cores; Link()'s defaults were measured with a core per rank)
     ps-*                 the S servers together do 2*W*M*h of host work a step (W*M in, W*M out),
@@ -117,6 +125,10 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
     extra = {"ps_server": "serial"} if row["strategy"] == "ps-sync" else {}
     shared = 1.0 if wire_only else shared_cores_factor(row)
     host_s_per_byte *= shared
+    exchange = row.get("exchange_s_per_byte")
+    if row["strategy"] == "ring" and exchange and not wire_only:   # measured: no host term on top
+        link = cost.Link(alpha=link.alpha, beta=max(link.beta, exchange), gamma=link.gamma)
+        host_s_per_byte = 0.0
     intra = cost.Link()
     if row["strategy"] == "hierarchical":   # its intra-host copies share the cores too
         intra = cost.Link(alpha=intra.alpha, beta=intra.beta * shared, gamma=intra.gamma * shared)
@@ -186,6 +198,8 @@ def summarize(result: dict, rate: str) -> dict:
     timed = ranks[0].get("duplex") or {}
     duplex = min(2.0, max(1.0, timed["both_s"] / max(timed["in_s"], timed["out_s"]))) if timed else 1.0
     alpha_s = ranks[0]["alpha_s"]
+    step = ranks[0].get("exchange") or {}
+    exchange = step["exchange_s"] / step["chunk_bytes"] if step else None
     links = []
     for host in range(job.hosts):
         on_host = [r for r in ranks if r["rank"] // job.ranks_per_host == host]
@@ -203,6 +217,6 @@ def summarize(result: dict, rate: str) -> dict:
             "params": ranks[0]["params"], "model_bytes": model_bytes, "cores": machine_cores(),
             "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
-            "compute_s": compute_s, "update_s": update_s, "duplex": duplex,
+            "compute_s": compute_s, "update_s": update_s, "duplex": duplex, "exchange_s_per_byte": exchange,
             "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

@@ -27,8 +27,11 @@ Vocabulary
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
 Before the reps, PS jobs only: ``duplex``, the first server's link both ways at once against one
-way (the model's duplex factor: results.py). After the reps: ``alpha_s``, the median of 20
-one-element ring all-reduces divided by 2(N-1).
+way (the model's duplex factor: results.py); ring jobs only: ``exchange``, one step of the ring
+(every rank at once sends a chunk of M/N bytes to its right neighbour and receives one from its
+left, through the transport the ring all-reduce uses; median of 9), the model's seconds per byte
+a ring rank sends (results.py). After the reps: ``alpha_s``, the median of 20 one-element ring all-reduces
+divided by 2(N-1).
 Writes DIR/rank<r>.json (results.py reads them).
 """
 
@@ -48,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
+from gradsync.comm.transport import default_transport
 
 PS_MODES = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 DDP_ALGORITHMS = {"ring": "ring", "hierarchical": "hierarchical"}
@@ -194,6 +198,28 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
     return {kind: statistics.median(t) for kind, t in times.items()} if rank == 0 else {}
 
 
+def _measure_exchange(model_bytes: int, reps: int = 9) -> dict[str, float]:
+    """One ring step (module docstring): the median over ``reps``, after one untimed, of the slowest
+    rank's time, from a barrier, to send a chunk of M/N float32 bytes to the right neighbour and
+    receive one from the left, every rank at once, through the ring's own transport (so each
+    direction between two ranks of different hosts has its connection, as in the all-reduce).
+    Outside the counted reps."""
+    transport = default_transport()
+    rank, world = transport.rank, transport.world_size
+    chunk = max(1, model_bytes // 4 // world)
+    outbox, inbox = torch.zeros(chunk), torch.empty(chunk)
+    times = []
+    for _ in range(reps + 1):
+        _barrier()
+        started = time.perf_counter()
+        handles = [transport.isend(outbox, (rank + 1) % world, "cluster/exchange"),
+                   transport.irecv(inbox, (rank - 1) % world, "cluster/exchange")]
+        for handle in handles:
+            handle.wait()
+        times.append(_slowest(time.perf_counter() - started))
+    return {"exchange_s": statistics.median(times[1:]), "chunk_bytes": chunk * 4}
+
+
 def _fit_alpha(calls: int = 20) -> float:
     """Seconds per message: one-element ring all-reduces, 2(N-1) messages each (median of ``calls``)."""
     n = gs.world().world_size
@@ -225,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     compute_s = _measure_compute(model, x, y, ddp=args.strategy in DDP_ALGORITHMS)
     params = sum(p.numel() for p in model.parameters())
     duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
+    exchange = _measure_exchange(params * 4) if args.strategy == "ring" else {}
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
     else:
@@ -233,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank,
               "host": int(os.environ.get("GROUP_RANK", "0")), "hosts": [list(h) for h in w.hosts], "role": role,
               "strategy": args.strategy, "params": params, "model_bytes": params * 4, "compute_s": compute_s,
-              "alpha_s": alpha_s, "duplex": duplex, "reps": reps}
+              "alpha_s": alpha_s, "duplex": duplex, "exchange": exchange, "reps": reps}
     Path(args.out, f"rank{w.rank}.json").write_text(json.dumps(result))
     gs.shutdown()
     # About one job in twenty, a rank aborted after this point, in the interpreter's own teardown
