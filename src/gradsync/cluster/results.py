@@ -38,9 +38,10 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          neighbour and receives one from its left, median of 9), a rank sends at
                          max(beta, x) per byte in place of max(beta, 2h * max(1, N/C)): x holds the
                          link, both directions' CPU at once and the shared cores, as the ring meets
-                         them. Why: at 10 Gbit/s with a core per rank (N = 2) a ring rank's bytes
-                         cost 1.1-1.4x the PS-fitted 2h, and with N = 3 on 2 cores 0.8x its
-                         2h * N/C (docs/benchmarks.md). Rows saved before x was measured keep 2h
+                         them. Why: a ring all-reduce took 2(N-1) such steps and its sum, within
+                         9% (2 to 6 hosts at 10 Gbit/s), while 2h from the PS rows priced the
+                         ring 25-27% short at N = 2 and up to 47% long at N = 4-6 under load
+                         (docs/benchmarks.md). Rows saved before x was measured keep 2h
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta

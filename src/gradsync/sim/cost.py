@@ -58,8 +58,10 @@ ps-async's server absorbs pushes at S/(M*(beta + 2h)); with u and D its W pushes
 W*M/S*(beta*D + 2h) + u, and step = max(that, c + 2*(alpha + M*beta)). Ring-family and
 hierarchical transfers and reductions are pipelined, so a rank moves bytes at the slower of its
 link and its CPU: beta -> max(beta, 2h) per byte sent (each byte sent is matched by one
-received). Fitted on emulated links (docs/benchmarks.md, "Emulated cluster"): h = 2.8 ns/B on the loaded 2-core machine,
-the missing term there; 1 Gbit/s (beta = 8.4 ns/B) hides it for the ring, not for the server.
+received; an emulated cluster's ring job measures its step instead and passes max(beta, x) as the
+link's beta with h = 0: cluster/results.py). Fitted on emulated links (docs/benchmarks.md,
+"Emulated cluster"): h = 2.8 ns/B on the loaded 2-core machine, the missing term there; 1 Gbit/s
+(beta = 8.4 ns/B) hides it for the ring, not for the server.
 
 Textbook check (a 7B model, bf16 gradients: M = 14 GB; W = 64; 200 Gbit/s = 25 GB/s): one server
 receives W*M = 896 GB and sends 896 GB per step, 35.8 s each way against 250 ms of compute
