@@ -162,8 +162,8 @@ def _exchange(row: dict) -> str:
 
 
 COLUMNS = ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only ms", "predicted ms", "error",
-           "compute ms", "update ms", "duplex", "ring step ns/B", "comm share", "formula MB", "meter out/in", "kernel tx/rx",
-           "link Gbit/s")
+           "compute ms", "update ms", "duplex", "ring step ns/B", "comm share", "formula MB", "meter out/in",
+           "kernel tx/rx", "link Gbit/s")
 """The tables' columns (Markdown puts the reps beside the step, in one cell)."""
 
 

@@ -30,8 +30,8 @@ Before the reps, PS jobs only: ``duplex``, the first server's link both ways at 
 way (the model's duplex factor: results.py); ring jobs only: ``exchange``, one step of the ring
 (every rank at once sends a chunk of M/N bytes to its right neighbour and receives one from its
 left, through the transport the ring all-reduce uses; median of 9), the model's seconds per byte
-a ring rank sends (results.py). After the reps: ``alpha_s``, the median of 20 one-element ring all-reduces
-divided by 2(N-1).
+a ring rank sends (results.py). After the reps: ``alpha_s``, the median of 20 one-element ring
+all-reduces divided by 2(N-1).
 Writes DIR/rank<r>.json (results.py reads them).
 """
 
@@ -171,6 +171,18 @@ def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
     return reps[1:], "rank"
 
 
+def _timed_transfers(post) -> float:
+    """The slowest rank's seconds from a barrier until the transfers ``post()`` starts (a list of
+    handles; none on a rank that takes no part) are done. A send is done once its bytes are in the
+    kernel's buffers: a transfer ends when its receiver has them, hence the slowest rank's time."""
+    _barrier()
+    started = time.perf_counter()
+    handles = post()
+    for handle in handles:
+        handle.wait()
+    return _slowest(time.perf_counter() - started if handles else 0.0)
+
+
 def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float]:
     """The first server's link both ways at once against one way (module docstring):
     medians of ``reps`` of receiving ``nbytes`` from the first worker, sending ``nbytes`` to the
@@ -181,20 +193,18 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
     source, sink = servers, min(servers + 1, world - 1)
     inbox, outbox = torch.empty(nbytes // 4), torch.zeros(nbytes // 4)
     times: dict[str, list[float]] = {"in_s": [], "out_s": [], "both_s": []}
+
+    def post(kind: str) -> list:
+        handles = []
+        if kind != "out_s" and rank in (0, source):   # into the server, from source
+            handles.append(dist.irecv(inbox, source) if rank == 0 else dist.isend(outbox, 0))
+        if kind != "in_s" and rank in (0, sink):      # out of the server, to sink
+            handles.append(dist.isend(outbox, sink) if rank == 0 else dist.irecv(inbox, 0))
+        return handles
+
     for _ in range(reps):
         for kind in times:
-            _barrier()
-            started = time.perf_counter()
-            handles = []
-            if kind != "out_s" and rank in (0, source):   # into the server, from source
-                handles.append(dist.irecv(inbox, source) if rank == 0 else dist.isend(outbox, 0))
-            if kind != "in_s" and rank in (0, sink):      # out of the server, to sink
-                handles.append(dist.isend(outbox, sink) if rank == 0 else dist.irecv(inbox, 0))
-            for handle in handles:
-                handle.wait()
-            # a send is done once its bytes are in the kernel's buffers: the transfer ends when the
-            # receiver has them, so each time is the slowest rank's
-            times[kind].append(_slowest(time.perf_counter() - started if handles else 0.0))
+            times[kind].append(_timed_transfers(lambda: post(kind)))
     return {kind: statistics.median(t) for kind, t in times.items()} if rank == 0 else {}
 
 
@@ -208,15 +218,12 @@ def _measure_exchange(model_bytes: int, reps: int = 9) -> dict[str, float]:
     rank, world = transport.rank, transport.world_size
     chunk = max(1, model_bytes // 4 // world)
     outbox, inbox = torch.zeros(chunk), torch.empty(chunk)
-    times = []
-    for _ in range(reps + 1):
-        _barrier()
-        started = time.perf_counter()
-        handles = [transport.isend(outbox, (rank + 1) % world, "cluster/exchange"),
-                   transport.irecv(inbox, (rank - 1) % world, "cluster/exchange")]
-        for handle in handles:
-            handle.wait()
-        times.append(_slowest(time.perf_counter() - started))
+
+    def post() -> list:
+        return [transport.isend(outbox, (rank + 1) % world, "cluster/exchange"),
+                transport.irecv(inbox, (rank - 1) % world, "cluster/exchange")]
+
+    times = [_timed_transfers(post) for _ in range(reps + 1)]
     return {"exchange_s": statistics.median(times[1:]), "chunk_bytes": chunk * 4}
 
 
