@@ -40,8 +40,9 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          link, both directions' CPU at once and the shared cores, as the ring meets
                          them. Why: a ring all-reduce took 2(N-1) such steps and its sum, within
                          9% (2 to 6 hosts at 10 Gbit/s), while 2h from the PS rows priced the
-                         ring 25-27% short at N = 2 and up to 47% long at N = 4-6 under load
-                         (docs/benchmarks.md). Rows saved before x was measured keep 2h
+                         ring 25-27% short at N = 2 and, with h fitted under load, 22-35% long at
+                         N = 4-6 by the medians (docs/benchmarks.md). Rows saved before x was
+                         measured keep 2h
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
