@@ -41,6 +41,32 @@ def test_shard_example_from_the_docstring():
     assert plan_shards([1000, 30, 10, 3], 2).shard_numels == [530, 513]
 
 
+# -- the payload checksum (no processes) ------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [0, 3, 8, 44, 4096 + 5])
+def test_checksum_is_the_sum_of_64_bit_words_whatever_the_alignment(nbytes):
+    """protocol.checksum against a pure-Python oracle: the little-endian 64-bit words summed mod
+    2**64, plus the trailing bytes, low 62 bits; the same bytes at another offset in memory (a view
+    into a bigger buffer, as a flat bucket's shard is) give the same sum, and any one flipped bit
+    changes it."""
+    from gradsync.ps import protocol
+
+    data = bytes(torch.randint(0, 256, (nbytes,), generator=torch.Generator().manual_seed(nbytes),
+                               dtype=torch.uint8).tolist())
+    whole = nbytes // 8 * 8
+    words = sum(int.from_bytes(data[i:i + 8], "little") for i in range(0, whole, 8)) % 2**64
+    expected = (words - (2**64 if words >= 2**63 else 0) + sum(data[whole:])) % 2**62   # int64, then 62 bits
+    for offset in (0, 1, 4, 8):
+        buffer = torch.zeros(offset + nbytes, dtype=torch.uint8)
+        buffer[offset:] = torch.tensor(list(data), dtype=torch.uint8)
+        assert protocol.checksum(buffer[offset:]) == expected, offset
+    if nbytes:
+        flipped = torch.tensor(list(data), dtype=torch.uint8)
+        flipped[nbytes // 2] ^= 4
+        assert protocol.checksum(flipped) != expected
+    big = torch.full((64,), 2**62, dtype=torch.int64)   # the 64-bit sum wraps; the result fits 62 bits
+    assert protocol.checksum(big) == (64 * 2**62) % 2**64 % 2**62 and 0 <= protocol.checksum(-big) < 2**62
+
+
 # -- sync equivalence ------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])

@@ -12,7 +12,7 @@ Every message starts with a header of HEADER_WORDS int64 words, sent on the chan
     4     shard     shard id (= server rank) the message is about
     5     numel     elements of payload that follow (0 for PULL, CLOSE, BYE, ABORT)
     6     nbytes    payload length in bytes (numel * element size: the length check)
-    7     checksum  sum of the payload's 32-bit words (bytes when the length is not a multiple of 4)
+    7     checksum  sum of the payload's 64-bit words mod 2**64 (+ its last bytes), low 62 bits: checksum()
 
 A PUSH and a PARAMS header are followed by one payload message of exactly ``numel`` elements of the
 model's dtype on the channel's payload tag; the receiver validates the header before it posts the payload
@@ -54,6 +54,7 @@ import torch
 
 MAGIC = 0x67737073
 HEADER_WORDS = 8
+CHECKSUM_MASK = (1 << 62) - 1
 TAG_BASE = 7100
 
 PUSH, PULL, PARAMS, CLOSE, BYE, ABORT, ROWS = 1, 2, 3, 4, 5, 6, 7
@@ -120,10 +121,14 @@ def message(header: "Header", sections: list["Header"], tables: int) -> torch.Te
 
 
 def checksum(payload: torch.Tensor) -> int:
-    """Sum of the payload's 32-bit words (its bytes when the length is not a multiple of 4)."""
+    """Sum of the payload's 64-bit words modulo 2**64, plus its last bytes when the length is not a
+    multiple of 8, kept to the low 62 bits (so two of them add up within an int64 header word).
+    A 64-bit sum needs no widening: 0.02 ns/B here, against 0.3-0.9 for 32-bit words summed in 64
+    bits, which was most of a parameter server's CPU per step at 10 Gbit/s (docs/benchmarks.md)."""
     raw = payload.detach().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    return int(words.sum(dtype=torch.int64))
+    whole = raw.numel() // 8 * 8
+    words = raw[:whole] if raw.storage_offset() % 8 == 0 else raw[:whole].clone()   # int64 views need alignment
+    return (int(words.view(torch.int64).sum()) + int(raw[whole:].sum(dtype=torch.int64))) & CHECKSUM_MASK
 
 
 def decode(buffer: torch.Tensor, seen_from: int) -> Header:

@@ -143,6 +143,7 @@ class Server:
                 table.optimizer.group = next(g for g in self.optimizer.param_groups
                                              if any(p is table.block for p in g["params"]))
         self.published = self.shard.detach().clone()    # what PULLs return; replaced, never mutated
+        self.answer_checksum: tuple[torch.Tensor | None, int] = (None, 0)   # (payload, its checksum)
         self.incoming = [torch.empty_like(self.published) for _ in range(PUSHES_IN_FLIGHT[mode])]
         self.grad_sum = torch.zeros_like(self.published) if mode == "sync" else None
         self.version = 0
@@ -421,7 +422,7 @@ class Server:
                 self.counts["rows_out"] += local.numel()
                 self.counts["bytes_out"] += sections[-1].nbytes
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
-                            payload.numel() * payload.element_size(), wire.checksum(payload),
+                            payload.numel() * payload.element_size(), self._checksum(payload),
                             self._stop_flag(version))
             self._send_header(worker, header, sections)
             if payload.numel():
@@ -432,6 +433,13 @@ class Server:
             body = sparse_wire.pack([], answers)
             if body.numel():
                 self.sends[worker].append(self.transport.isend(body, worker, "ps/pull", tag=self.channel.payload_tag))
+
+    def _checksum(self, payload: torch.Tensor) -> int:
+        """An answer's checksum, computed once per published payload (never mutated): a version's W
+        answers share it."""
+        if self.answer_checksum[0] is not payload:
+            self.answer_checksum = (payload, wire.checksum(payload))
+        return self.answer_checksum[1]
 
     def _make_room_for_answer(self, worker: int) -> None:
         """Before an answer to ``worker``: count the answers still in flight (unsettled) and, in async
