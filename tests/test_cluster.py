@@ -89,6 +89,12 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     assert netns.BURST == "256kb"
     assert min(ranks[0]["duplex"].values()) >= wire_s and 1.0 <= row["duplex"] <= 2.0, ranks[0]["duplex"]
     assert row["update_s"] > 0
+    # the fan timing moved W shards of M (one server) into the server's link at once, and out: no
+    # faster than the rate allows after the burst; the row prices it per byte of W*M
+    fan = ranks[0]["fan"]
+    assert fan["shard_bytes"] == M and min(fan["in_s"], fan["out_s"], fan["both_s"]) >= (w * M - 256 * 1024) * 8 / \
+        netns.parse_rate(RATE), fan
+    assert row["fan_s_per_byte"] == {kind: fan[f"{kind}_s"] / (w * M) for kind in ("in", "out", "both")}
 
 
 @pytest.mark.timeout(240)
@@ -335,3 +341,30 @@ def test_the_async_servers_wire_time_grows_with_its_measured_duplex_factor():
         predict({**row, "update_s": 0.0}, 0.0).step_s)
     with pytest.raises(ValueError, match="duplex in"):
         cost.strategy_cost("ps-async", 16e6, 4, cost.Link(), 0.02, duplex=2.5)
+
+
+def test_a_ps_rows_measured_fan_replaces_the_host_term_in_the_prediction():
+    """cluster/results.py: a PS row with its servers' links timed in the job (every worker sending a
+    shard to every server at once, and back; p_in, p_out, p_both seconds per byte through a server's
+    link) moves W*M/S bytes each way at max(beta, p) in place of beta + host term: a sync step is
+    c + 2*W*alpha + W*M/S*(max(beta, p_in) + max(beta, p_out)) + u (the serial server's two
+    phases), an async server's W pushes take W*M/S*max(beta, p_both) + u, and neither the host term
+    given nor the duplex factor changes them; wire only ignores the fan. Worked by hand at 10 Gbit/s
+    (beta = 0.8364 ns/B): M = 16e6 B, W = 4, S = 2, c = 0.02 s, alpha = 1e-4 s, u = 0.01 s."""
+    from gradsync.cluster.results import predict
+
+    beta = 1 / (1.25e9 * 1448 / 1514)
+    row = {"link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4, "servers": 2,
+           "ranks_per_host": 1, "compute_s": 0.02, "cores": 2, "update_s": 0.01, "duplex": 1.7,
+           "fan_s_per_byte": {"in": 2.5e-9, "out": 3e-9, "both": 4e-9}}
+    sync = {**row, "strategy": "ps-sync"}
+    for h in (0.0, 1e-9, 5e-9):
+        assert predict(sync, h).step_s == pytest.approx(0.02 + 8e-4 + 32e6 * (2.5e-9 + 3e-9) + 0.01), h
+        assert predict({**row, "strategy": "ps-async"}, h).step_s == pytest.approx(32e6 * 4e-9 + 0.01), h
+    # a fan faster than the wire (the shaper's burst) is held to the wire
+    fast = {**sync, "fan_s_per_byte": {"in": 0.5e-9, "out": 3e-9, "both": 0.5e-9}}
+    assert predict(fast).step_s == pytest.approx(0.02 + 8e-4 + 32e6 * (beta + 3e-9) + 0.01)
+    # ... and an async step is then the worker's: c + 2*(alpha + M*beta) = 0.047 s > 32e6*beta + u
+    assert predict({**fast, "strategy": "ssp"}).step_s == pytest.approx(max(32e6 * beta + 0.01,
+                                                                             0.02 + 2 * (1e-4 + 16e6 * beta)))
+    assert predict(sync, wire_only=True).step_s == pytest.approx(0.02 + 2 * (4e-4 + 32e6 * beta))

@@ -33,6 +33,17 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
                          Measured here: D = 1.00-1.02 at 1 Gbit/s, 1.33-1.75 at 10 Gbit/s, where the
                          CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
+    ps-*                 with the fan, a server's link timed in the job (worker.py: every worker
+                         sends a shard of M/S bytes to every server at once, p_in seconds per byte
+                         of the W*M/S through a server's link; every server to every worker,
+                         p_out; both at once, p_both): sync moves a server's W*M/S bytes in at
+                         max(beta, p_in) and out at max(beta, p_out) per byte, async at
+                         max(beta, p_both), in place of beta + the host term (and D). The fan
+                         holds the link, the kernel and the shared cores as a step's transfers meet
+                         them, not the server's own work per byte: at 10 Gbit/s it ran at the link's
+                         rate (0.85-0.95 ns/B, one server) while sync steps took twice the fan's
+                         time until the checksums were made cheap (docs/benchmarks.md). Rows
+                         saved before the fan was measured keep the host term and D
     ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
                          job (worker.py: every rank at once sends a chunk of M/N bytes to its right
                          neighbour and receives one from its left, median of 9), a rank sends at
@@ -87,6 +98,7 @@ from gradsync.sim import cost
 TCP_GOODPUT = 1448 / 1514
 HOST_S_PER_BYTE = 2.8e-9
 """The cost model's host term on this machine (module docstring; docs/benchmarks.md, "Emulated cluster")."""
+PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
 PREDICTED_AS = {"ps-sync": "ps", "ps-async": "ps-async", "ssp": "ps-async", "ring": "ring",
                 "hierarchical": "hierarchical"}
 
@@ -131,6 +143,10 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
     if row["strategy"] == "ring" and exchange and not wire_only:   # measured: no host term on top
         link = cost.Link(alpha=link.alpha, beta=max(link.beta, exchange), gamma=link.gamma)
         host_s_per_byte = 0.0
+    fan = row.get("fan_s_per_byte")
+    duplex = 1.0 if wire_only else row.get("duplex", 1.0)
+    if row["strategy"] in PS_STRATEGIES and fan and not wire_only:   # measured: the host term is what
+        host_s_per_byte, duplex = _fan_excess(fan, link.beta, row["strategy"]), 1.0   # it adds to the wire
     intra = cost.Link()
     if row["strategy"] == "hierarchical":   # its intra-host copies share the cores too
         intra = cost.Link(alpha=intra.alpha, beta=intra.beta * shared, gamma=intra.gamma * shared)
@@ -138,7 +154,16 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
                               intra=intra, host_s_per_byte=host_s_per_byte,
                               server_update_s=0.0 if wire_only else row.get("update_s", 0.0),
-                              duplex=1.0 if wire_only else row.get("duplex", 1.0), **extra)
+                              duplex=duplex, **extra)
+
+
+def _fan_excess(fan: dict, beta: float, strategy: str) -> float:
+    """The host term h that makes cost.py's PS formulas move a server's W*M/S bytes at the measured
+    fan's pace (module docstring): sync pays max(beta, p_in) + max(beta, p_out) per byte = 2*beta +
+    2h, async max(beta, p_both) = beta + 2h."""
+    if strategy == "ps-sync":
+        return (max(beta, fan["in"]) + max(beta, fan["out"])) / 2 - beta
+    return (max(beta, fan["both"]) - beta) / 2
 
 
 def shared_cores_factor(row: dict) -> float:
@@ -199,6 +224,9 @@ def summarize(result: dict, rate: str) -> dict:
                    default=0.0)
     timed = ranks[0].get("duplex") or {}
     duplex = min(2.0, max(1.0, timed["both_s"] / max(timed["in_s"], timed["out_s"]))) if timed else 1.0
+    fan = ranks[0].get("fan") or {}
+    fan_bytes = job.workers * fan["shard_bytes"] if fan else 0   # through each server's link, each way
+    fan = {kind[:-2]: fan[kind] / fan_bytes for kind in ("in_s", "out_s", "both_s")} if fan else None
     alpha_s = ranks[0]["alpha_s"]
     step = ranks[0].get("exchange") or {}
     exchange = step["exchange_s"] / step["chunk_bytes"] if step else None
@@ -219,6 +247,7 @@ def summarize(result: dict, rate: str) -> dict:
             "params": ranks[0]["params"], "model_bytes": model_bytes, "cores": machine_cores(),
             "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
-            "compute_s": compute_s, "update_s": update_s, "duplex": duplex, "exchange_s_per_byte": exchange,
+            "compute_s": compute_s, "update_s": update_s, "duplex": duplex,
+            "fan_s_per_byte": fan, "exchange_s_per_byte": exchange,
             "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

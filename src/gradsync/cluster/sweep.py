@@ -156,13 +156,20 @@ def _duplex(row: dict) -> str:
     return f"{row['duplex']:.2f}" if "duplex" in row and row["servers"] else "-"
 
 
-def _exchange(row: dict) -> str:
-    """A ring step's measured seconds per byte sent (results.py, x), in ns; "-" where none was measured."""
-    return f"{row['exchange_s_per_byte'] * 1e9:.2f}" if row.get("exchange_s_per_byte") else "-"
+def _measured_ns_per_byte(row: dict) -> str:
+    """What the row's prediction measured per byte, in ns (results.py): a ring step's x, or a PS
+    server's fan in/out (sync) or both at once (async, ssp); "-" where none was measured."""
+    if row.get("exchange_s_per_byte"):
+        return f"{row['exchange_s_per_byte'] * 1e9:.2f}"
+    fan = row.get("fan_s_per_byte")
+    if not fan:
+        return "-"
+    kinds = ("in", "out") if row["strategy"] == "ps-sync" else ("both",)
+    return "/".join(f"{fan[kind] * 1e9:.2f}" for kind in kinds)
 
 
 COLUMNS = ("strategy", "S", "W", "hosts", "step ms", "reps ms", "wire only ms", "predicted ms", "error",
-           "compute ms", "update ms", "duplex", "ring step ns/B", "comm share", "formula MB", "meter out/in",
+           "compute ms", "update ms", "duplex", "step ns/B", "comm share", "formula MB", "meter out/in",
            "kernel tx/rx", "link Gbit/s")
 """The tables' columns (Markdown puts the reps beside the step, in one cell)."""
 
@@ -173,7 +180,7 @@ def _cells(r: dict) -> list[str]:
     return [r["strategy"], str(r["servers"] or "-"), str(r["workers"]), f"{r['hosts']}x{r['ranks_per_host']}",
             f"{r['step_s'] * 1e3:.0f}", "/".join(f"{t * 1e3:.0f}" for t in r["reps_step_s"]),
             f"{r['wire_only_s'] * 1e3:.0f}", f"{r['predicted_s'] * 1e3:.0f}", f"{r['error']:+.0%}",
-            f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r), _exchange(r), f"{r['comm_share']:.0%}",
+            f"{r['compute_s'] * 1e3:.1f}", _update_ms(r), _duplex(r), _measured_ns_per_byte(r), f"{r['comm_share']:.0%}",
             "-" if b["formula"] is None else f"{b['formula'] / 1e6:.2f}",
             f"{b['meter_sent'] / 1e6:.2f}/{b['meter_received'] / 1e6:.2f}",
             f"{b['kernel_tx'] / 1e6:.2f}/{b['kernel_rx'] / 1e6:.2f}", f"{achieved_gbit(r):.2f}"]

@@ -27,7 +27,10 @@ Vocabulary
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
 Before the reps, PS jobs only: ``duplex``, the first server's link both ways at once against one
-way (the model's duplex factor: results.py); ring jobs only: ``exchange``, one step of the ring
+way (the model's duplex factor: results.py), and ``fan``, every worker sending a shard of M/S bytes
+to every server at once, every server one to every worker, and both at once (the pushes and the
+answers of a step without the server's work between them, through the transport the parameter
+server uses; medians of 5), the model's seconds per byte through a server's link; ring jobs only: ``exchange``, one step of the ring
 (every rank at once sends a chunk of M/N bytes to its right neighbour and receives one from its
 left, through the transport the ring all-reduce uses; median of 9), the model's seconds per byte
 a ring rank sends (results.py). After the reps: ``alpha_s``, the median of 20 one-element ring
@@ -208,6 +211,38 @@ def _measure_duplex(nbytes: int, servers: int, reps: int = 5) -> dict[str, float
     return {kind: statistics.median(t) for kind, t in times.items()} if rank == 0 else {}
 
 
+def _measure_fan(model_bytes: int, servers: int, reps: int = 5) -> dict[str, float]:
+    """The servers' links as a step meets them (module docstring): medians of ``reps``, after one
+    untimed, of the slowest rank's time, from a barrier, for every worker to send a shard of M/S
+    float32 bytes to every server at once ("in_s": the pushes), for every server to send one to
+    every worker at once ("out_s": the pulls), and both at once ("both_s"), through the transport
+    the parameter server uses. The dict (and "shard_bytes") on every rank."""
+    transport = default_transport()
+    rank, world = transport.rank, transport.world_size
+    shard = max(1, model_bytes // 4 // servers)
+    workers, serving = range(servers, world), range(servers)
+    outbox = torch.zeros(shard)
+    inboxes = {peer: torch.empty(shard) for peer in (workers if rank < servers else serving)}
+
+    def post(kind: str) -> list:
+        handles = []
+        for peer, inbox in inboxes.items():
+            into_server = (rank < servers) == (kind != "out_s")   # this rank receives
+            if kind == "both_s" or into_server:
+                handles.append(transport.irecv(inbox, peer, "cluster/fan"))
+            if kind == "both_s" or not into_server:
+                handles.append(transport.isend(outbox, peer, "cluster/fan"))
+        return handles
+
+    times: dict[str, list[float]] = {"in_s": [], "out_s": [], "both_s": []}
+    for rep in range(reps + 1):
+        for kind in times:
+            seconds = _timed_transfers(lambda: post(kind))
+            if rep:
+                times[kind].append(seconds)
+    return {**{kind: statistics.median(t) for kind, t in times.items()}, "shard_bytes": shard * 4}
+
+
 def _measure_exchange(model_bytes: int, reps: int = 9) -> dict[str, float]:
     """One ring step (module docstring): the median over ``reps``, after one untimed, of the slowest
     rank's time, from a barrier, to send a chunk of M/N float32 bytes to the right neighbour and
@@ -258,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     compute_s = _measure_compute(model, x, y, ddp=args.strategy in DDP_ALGORITHMS)
     params = sum(p.numel() for p in model.parameters())
     duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
+    fan = _measure_fan(params * 4, args.servers) if args.strategy in PS_MODES else {}
     exchange = _measure_exchange(params * 4) if args.strategy == "ring" else {}
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
@@ -267,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank,
               "host": int(os.environ.get("GROUP_RANK", "0")), "hosts": [list(h) for h in w.hosts], "role": role,
               "strategy": args.strategy, "params": params, "model_bytes": params * 4, "compute_s": compute_s,
-              "alpha_s": alpha_s, "duplex": duplex, "exchange": exchange, "reps": reps}
+              "alpha_s": alpha_s, "duplex": duplex, "fan": fan, "exchange": exchange,
+              "reps": reps}
     Path(args.out, f"rank{w.rank}.json").write_text(json.dumps(result))
     gs.shutdown()
     # About one job in twenty, a rank aborted after this point, in the interpreter's own teardown
