@@ -209,9 +209,11 @@ def test_cost_model_host_term_by_hand():
     assert cost.strategy_cost("ring", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s == pytest.approx(plain)
     assert cost.strategy_cost("ring", 16e6, 4, link, 0.03, host_s_per_byte=5e-9).step_s == pytest.approx(
         0.03 + 6e-3 + 1.5 * 16e6 * 10e-9)
-    # async: the server takes a push every M*(beta + 2h) = 0.224 s; W workers offer one each per
-    # c + 2*(alpha + M*beta) = 0.288 s, so the server binds: W pushes take 4 * 0.224 s
-    assert cost.strategy_cost("ps-async", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s == pytest.approx(0.896)
+    # async: the server takes a push every s = M*(beta + 2h) = 0.224 s; each of the W workers is away
+    # z = c + 2*(alpha + M*beta) = 0.288 s between its pushes: the closed loop of W = 4 (test_sim.py
+    # holds closed_loop_step to its closed forms), above the server's bound of W*s = 0.896 s
+    step = cost.strategy_cost("ps-async", 16e6, 4, link, 0.03, host_s_per_byte=3e-9).step_s
+    assert step == pytest.approx(cost.closed_loop_step(4, 0.224, 0.288)) and 0.896 < step < 0.288 + 0.896
 
 
 def test_host_term_fit_recovers_the_term_of_a_row_made_with_it():
@@ -313,10 +315,10 @@ def test_a_servers_update_is_in_series_with_its_link_in_the_prediction():
     without = 0.02 + 2 * (4e-4 + 64e6 * beta) + 2 * 64e6 * 1e-9
     assert predict(sync, 1e-9).step_s == pytest.approx(without)
     assert predict({**sync, "update_s": 0.05}, 1e-9).step_s == pytest.approx(without + 0.05)
-    # async: the server takes W*M*(beta + 2h) + u = 64e6*(beta + 2e-9) + 0.05 per W pushes; a worker
-    # offers one push per c + 2*(alpha + M*beta), about 0.29 s, so the server binds
+    # async: the server takes W*M*(beta + 2h) + u = 64e6*(beta + 2e-9) + 0.05 per W pushes, a worker
+    # is away c + 2*(alpha + M*beta) between its pushes: the closed loop of W = 4 (sim/cost.py)
     assert predict({**row, "strategy": "ps-async", "update_s": 0.05}, 1e-9).step_s == pytest.approx(
-        64e6 * (beta + 2e-9) + 0.05)
+        cost.closed_loop_step(4, (64e6 * (beta + 2e-9) + 0.05) / 4, 0.02 + 2 * (1e-4 + 16e6 * beta)))
     measured = {**sync, "update_s": 0.05, "step_s": without + 0.05}
     assert fit_host_s_per_byte([measured]) == pytest.approx(1e-9, rel=0.01)   # the fit leaves the alphas in h
     assert with_predictions(measured, 1e-9)["wire_only_s"] == pytest.approx(0.02 + 2 * (4e-4 + 64e6 * beta))
@@ -332,8 +334,9 @@ def test_the_async_servers_wire_time_grows_with_its_measured_duplex_factor():
     beta = 1 / (1.25e9 * 1448 / 1514)
     row = {"strategy": "ps-async", "link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4,
            "servers": 1, "ranks_per_host": 1, "compute_s": 0.02, "cores": 2, "update_s": 0.02}
+    away = 0.02 + 2 * (1e-4 + 16e6 * beta)   # a worker's part of the closed loop (sim/cost.py)
     for duplex in (1.0, 1.6, 2.0):
-        expected = 64e6 * (beta * duplex + 2e-9) + 0.02
+        expected = cost.closed_loop_step(4, (64e6 * (beta * duplex + 2e-9) + 0.02) / 4, away)
         assert predict({**row, "duplex": duplex}, 1e-9).step_s == pytest.approx(expected), duplex
     sync = {**row, "strategy": "ps-sync"}
     assert predict({**sync, "duplex": 2.0}, 1e-9).step_s == pytest.approx(predict(sync, 1e-9).step_s)
@@ -348,7 +351,8 @@ def test_a_ps_rows_measured_fan_replaces_the_host_term_in_the_prediction():
     shard to every server at once, and back; p_in, p_out, p_both seconds per byte through a server's
     link) moves W*M/S bytes each way at max(beta, p) in place of beta + host term: a sync step is
     c + 2*W*alpha + W*M/S*(max(beta, p_in) + max(beta, p_out)) + u (the serial server's two
-    phases), an async server's W pushes take W*M/S*max(beta, p_both) + u, and neither the host term
+    phases), an async server's W pushes take W*M/S*max(beta, p_both) + u (its part of the closed
+    loop, sim/cost.py), and neither the host term
     given nor the duplex factor changes them; wire only ignores the fan. Worked by hand at 10 Gbit/s
     (beta = 0.8364 ns/B): M = 16e6 B, W = 4, S = 2, c = 0.02 s, alpha = 1e-4 s, u = 0.01 s."""
     from gradsync.cluster.results import predict
@@ -358,13 +362,14 @@ def test_a_ps_rows_measured_fan_replaces_the_host_term_in_the_prediction():
            "ranks_per_host": 1, "compute_s": 0.02, "cores": 2, "update_s": 0.01, "duplex": 1.7,
            "fan_s_per_byte": {"in": 2.5e-9, "out": 3e-9, "both": 4e-9}}
     sync = {**row, "strategy": "ps-sync"}
+    away = 0.02 + 2 * (1e-4 + 16e6 * beta)   # an async worker's part of the closed loop (sim/cost.py)
     for h in (0.0, 1e-9, 5e-9):
         assert predict(sync, h).step_s == pytest.approx(0.02 + 8e-4 + 32e6 * (2.5e-9 + 3e-9) + 0.01), h
-        assert predict({**row, "strategy": "ps-async"}, h).step_s == pytest.approx(32e6 * 4e-9 + 0.01), h
+        assert predict({**row, "strategy": "ps-async"}, h).step_s == pytest.approx(
+            cost.closed_loop_step(4, (32e6 * 4e-9 + 0.01) / 4, away)), h
     # a fan faster than the wire (the shaper's burst) is held to the wire
     fast = {**sync, "fan_s_per_byte": {"in": 0.5e-9, "out": 3e-9, "both": 0.5e-9}}
     assert predict(fast).step_s == pytest.approx(0.02 + 8e-4 + 32e6 * (beta + 3e-9) + 0.01)
-    # ... and an async step is then the worker's: c + 2*(alpha + M*beta) = 0.047 s > 32e6*beta + u
-    assert predict({**fast, "strategy": "ssp"}).step_s == pytest.approx(max(32e6 * beta + 0.01,
-                                                                             0.02 + 2 * (1e-4 + 16e6 * beta)))
+    assert predict({**fast, "strategy": "ssp"}).step_s == pytest.approx(cost.closed_loop_step(4, (32e6 * beta + 0.01) / 4,
+                                                                                                 away))
     assert predict(sync, wire_only=True).step_s == pytest.approx(0.02 + 2 * (4e-4 + 32e6 * beta))

@@ -5,6 +5,7 @@ import time
 import pytest
 
 from gradsync.cli import main
+from gradsync.sim import cost
 from gradsync.sim.cost import STRATEGIES, Link, allreduce_time, ddp_step_time, strategy_cost
 
 GBIT_200 = Link(alpha=5e-6, beta=8 / 200e9, gamma=0.0)
@@ -88,3 +89,19 @@ def test_figures_are_written_with_their_csv(tmp_path):
         assert len(csv.read_text().splitlines()) >= 3
     ranks_csv = (tmp_path / "figs" / "traffic_vs_ranks.csv").read_text().splitlines()
     assert ranks_csv[-1].startswith("1024,") and float(ranks_csv[-1].split(",")[1]) == pytest.approx(1024 * 14e9)
+
+
+@pytest.mark.parametrize("service,think", [(0.224, 0.288), (0.01, 1.0), (1.0, 0.01), (0.05, 0.05)])
+def test_the_async_closed_loop_against_its_closed_forms(service, think):
+    """sim/cost.py, closed_loop_step (ps-async): one worker pays its own part and one service,
+    z + s; two pay z + s(z + 2s)/(z + s) (mean value analysis by hand: Q_1 = s/(z + s),
+    R_2 = s(1 + Q_1)); any W lies between max(W*s, z + s) and z + W*s, and many workers tend to
+    the bound that binds: the servers' W*s, or z + s when the servers are fast."""
+    s, z = service, think
+    assert cost.closed_loop_step(1, s, z) == pytest.approx(z + s)
+    assert cost.closed_loop_step(2, s, z) == pytest.approx(z + s * (z + 2 * s) / (z + s))
+    for w in (2, 3, 4, 6, 16):
+        step = cost.closed_loop_step(w, s, z)
+        assert max(w * s, z + s) <= step * (1 + 1e-12) and step <= (z + w * s) * (1 + 1e-12), w
+    assert cost.closed_loop_step(2000, s, z) == pytest.approx(2000 * s, rel=0.01)   # server-bound at last
+    assert cost.closed_loop_step(3, s * 1e-6, z) == pytest.approx(z, rel=1e-3)        # no queue

@@ -57,7 +57,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
-"wire only" leaves the host term, u, D and x out (host_s_per_byte = 0, the textbook model);
+"wire only" leaves the host term, u, D, the fan and x out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
 10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
 h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's shared-cores factor below,
@@ -129,8 +129,8 @@ def link_for(rate: str, alpha_s: float) -> cost.Link:
 
 def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool = False) -> cost.StrategyCost:
     """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute,
-    server update); ``wire_only``: the textbook model, none of the host term, server update or
-    duplex factor."""
+    server update, measured fan or ring step); ``wire_only``: the textbook model, none of the host
+    term, server update, duplex factor, fan or ring step."""
     if wire_only:
         host_s_per_byte = 0.0
     link = link_for(row["link"], row["alpha_s"])

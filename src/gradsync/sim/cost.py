@@ -29,10 +29,16 @@ backward pass takes b = backward_share * c):
                   gradsync's server answers pulls only after the whole update (ps/server.py), so it
                   pays both phases in turn: ps_server="serial" gives step = c + 2*T_comm
                   (measured on emulated 1 Gbit/s links: docs/benchmarks.md, "Emulated cluster")
-    ps-async      no step barrier: a server link is full duplex, so it absorbs pushes at S/(M*beta)
-                  per second while workers offer W/(c + 2*(alpha + M*beta)) per second:
-                  step = W / min(S/(M*beta), W/(c + 2*(alpha + M*beta)))   (time per W pushes);
-                  a gradient is then about W-1 versions stale on arrival
+    ps-async      no step barrier: W workers go round a closed loop, their own part z = c +
+                  2*(alpha + M*beta) (compute, push, pull), then the servers, which take
+                  s = M/S*beta per push (a server link is full duplex); a push that finds others
+                  at the servers waits for them. Mean value analysis of that loop (one queue,
+                  W customers, think time z): Q_0 = 0;  for n = 1..W: R_n = s*(1 + Q_{n-1}),
+                  X_n = n/(z + R_n), Q_n = X_n*R_n;  step = W/X_W = z + R_W (time per W pushes).
+                  It lies between max(W*s, z + s) (the servers' throughput, or one worker's
+                  round with no wait: the bound this model gave before) and z + W*s; one worker
+                  pays z + s. Measured on emulated links, the bound alone was 17-49% short
+                  (docs/benchmarks.md). A gradient is about W-1 versions stale on arrival
     server update u = server_update_s (default 0): seconds a server spends per step applying updates
                   (its optimizer, and the copy of the shard it answers with), between reading
                   pushes and answering pulls, so in series with its link: ps T_comm += u (one
@@ -55,7 +61,7 @@ byte an endpoint sends or receives (gloo's copies, the kernel's TCP path, the se
 and sums). gradsync's server thread does that work between reads, so for ps and ps-async it adds
 to the wire: ps T_comm += 2*W*M/S*h (x1, the CPU is not doubled by the serial server);
 ps-async's server absorbs pushes at S/(M*(beta + 2h)); with u and D its W pushes take
-W*M/S*(beta*D + 2h) + u, and step = max(that, c + 2*(alpha + M*beta)). Ring-family and
+W*M/S*(beta*D + 2h) + u, which is W*s in the loop above. Ring-family and
 hierarchical transfers and reductions are pipelined, so a rank moves bytes at the slower of its
 link and its CPU: beta -> max(beta, 2h) per byte sent (each byte sent is matched by one
 received; an emulated cluster's ring job measures its step instead and passes max(beta, x) as the
@@ -174,6 +180,18 @@ class StrategyCost:
     note: str = ""
 
 
+def closed_loop_step(customers: int, service_s: float, think_s: float) -> float:
+    """Seconds for ``customers`` visits to one first-come-first-served server that takes
+    ``service_s`` a visit, each customer spending ``think_s`` away between its visits, in steady
+    state: mean value analysis (module docstring, ps-async)."""
+    queue, throughput = 0.0, 0.0
+    for n in range(1, customers + 1):
+        response = service_s * (1 + queue)
+        throughput = n / (think_s + response)
+        queue = throughput * response
+    return customers / throughput
+
+
 def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, compute_s: float, *, servers: int = 1,
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
                   backward_share: float = 2 / 3, ps_server: str = "pipelined",
@@ -204,7 +222,7 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
     if strategy == "ps-async":
         server_s = w * m / servers * (link.beta * duplex + 2 * host_s_per_byte) + server_update_s   # per W pushes
         worker_s = c + 2 * (link.alpha + m * link.beta)                                  # per push, each
-        step = max(server_s, worker_s)
+        step = closed_loop_step(w, server_s / w, worker_s)
         return StrategyCost(strategy, w * m / servers, max(0.0, step - c), step, c / step,
                             f"~{w - 1} versions stale; {'server' if server_s > worker_s else 'worker'}-bound")
     if strategy in ALGORITHMS:
