@@ -224,9 +224,9 @@ def summarize(result: dict, rate: str) -> dict:
                    default=0.0)
     timed = ranks[0].get("duplex") or {}
     duplex = min(2.0, max(1.0, timed["both_s"] / max(timed["in_s"], timed["out_s"]))) if timed else 1.0
-    fan = ranks[0].get("fan") or {}
-    fan_bytes = job.workers * fan["shard_bytes"] if fan else 0   # through each server's link, each way
-    fan = {kind[:-2]: fan[kind] / fan_bytes for kind in ("in_s", "out_s", "both_s")} if fan else None
+    timed_fan = ranks[0].get("fan") or {}
+    fan = {kind[:-2]: timed_fan[kind] / (job.workers * timed_fan["shard_bytes"])   # per byte through a
+           for kind in ("in_s", "out_s", "both_s")} if timed_fan else None        # server's link
     alpha_s = ranks[0]["alpha_s"]
     step = ranks[0].get("exchange") or {}
     exchange = step["exchange_s"] / step["chunk_bytes"] if step else None

@@ -30,11 +30,11 @@ Before the reps, PS jobs only: ``duplex``, the first server's link both ways at 
 way (the model's duplex factor: results.py), and ``fan``, every worker sending a shard of M/S bytes
 to every server at once, every server one to every worker, and both at once (the pushes and the
 answers of a step without the server's work between them, through the transport the parameter
-server uses; medians of 5), the model's seconds per byte through a server's link; ring jobs only: ``exchange``, one step of the ring
-(every rank at once sends a chunk of M/N bytes to its right neighbour and receives one from its
-left, through the transport the ring all-reduce uses; median of 9), the model's seconds per byte
-a ring rank sends (results.py). After the reps: ``alpha_s``, the median of 20 one-element ring
-all-reduces divided by 2(N-1).
+server uses; medians of 5), the model's seconds per byte through a server's link; ring jobs only:
+``exchange``, one step of the ring (every rank at once sends a chunk of M/N bytes to its right
+neighbour and receives one from its left, through the transport the ring all-reduce uses; median
+of 9), the model's seconds per byte a ring rank sends (results.py). After the reps: ``alpha_s``,
+the median of 20 one-element ring all-reduces divided by 2(N-1).
 Writes DIR/rank<r>.json (results.py reads them).
 """
 
