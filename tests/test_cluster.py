@@ -95,6 +95,7 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     assert fan["shard_bytes"] == M and min(fan["in_s"], fan["out_s"], fan["both_s"]) >= (w * M - 256 * 1024) * 8 / \
         netns.parse_rate(RATE), fan
     assert row["fan_s_per_byte"] == {kind: fan[f"{kind}_s"] / (w * M) for kind in ("in", "out", "both")}
+    assert row["pair_s_per_byte"] == ranks[0]["duplex"]["both_s"] / M   # one stream in, one out, M each
 
 
 @pytest.mark.timeout(240)
@@ -344,6 +345,34 @@ def test_the_async_servers_wire_time_grows_with_its_measured_duplex_factor():
         predict({**row, "update_s": 0.0}, 0.0).step_s)
     with pytest.raises(ValueError, match="duplex in"):
         cost.strategy_cost("ps-async", 16e6, 4, cost.Link(), 0.02, duplex=2.5)
+
+
+def test_an_async_rows_measured_pair_replaces_its_fan_in_the_prediction():
+    """cluster/results.py: an async or SSP row with its pair (M bytes in from one worker while M go out
+    to another, p_pair seconds per byte) moves the server's W*M/S bytes at max(beta, p_pair) per
+    byte in its part of the closed loop, whatever the fan or host term say; a sync row keeps its fan;
+    wire only ignores both. Worked by hand at 10 Gbit/s (beta = 0.8364 ns/B): M = 16e6 B, W = 4,
+    S = 1, c = 0.02 s, alpha = 1e-4 s, u = 0.01 s."""
+    from gradsync.cluster.results import predict
+
+    beta = 1 / (1.25e9 * 1448 / 1514)
+    row = {"link": "10gbit", "alpha_s": 1e-4, "model_bytes": 16e6, "workers": 4, "servers": 1,
+           "ranks_per_host": 1, "compute_s": 0.02, "cores": 2, "update_s": 0.01, "duplex": 1.7,
+           "fan_s_per_byte": {"in": 2.5e-9, "out": 3e-9, "both": 1.2e-9}, "pair_s_per_byte": 1.7e-9}
+    away = 0.02 + 2 * (1e-4 + 16e6 * beta)   # a worker's part of the closed loop (sim/cost.py)
+    for strategy in ("ps-async", "ssp"):
+        for h in (0.0, 5e-9):
+            assert predict({**row, "strategy": strategy}, h).step_s == pytest.approx(
+                cost.closed_loop_step(4, (64e6 * 1.7e-9 + 0.01) / 4, away)), (strategy, h)
+        slower_than_wire = {**row, "strategy": strategy, "pair_s_per_byte": 0.5e-9}   # the shaper's burst
+        assert predict(slower_than_wire).step_s == pytest.approx(cost.closed_loop_step(4, (64e6 * beta + 0.01) / 4,
+                                                                                       away))
+        without = {**row, "strategy": strategy, "pair_s_per_byte": None}   # saved before the pair: the fan
+        assert predict(without).step_s == pytest.approx(cost.closed_loop_step(4, (64e6 * 1.2e-9 + 0.01) / 4, away))
+        assert predict({**row, "strategy": strategy}, wire_only=True).step_s == pytest.approx(
+            cost.closed_loop_step(4, 64e6 * beta / 4, away))
+    sync = {**row, "strategy": "ps-sync"}
+    assert predict(sync).step_s == pytest.approx(0.02 + 8e-4 + 64e6 * (2.5e-9 + 3e-9) + 0.01)
 
 
 def test_a_ps_rows_measured_fan_replaces_the_host_term_in_the_prediction():

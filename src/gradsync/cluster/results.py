@@ -44,6 +44,16 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          rate (0.85-0.95 ns/B, one server) while sync steps took twice the fan's
                          time until the checksums were made cheap (docs/benchmarks.md). Rows
                          saved before the fan was measured keep the host term and D
+    ps-async, ssp        with the pair, the duplex timing's both-at-once (worker.py: M bytes in from
+                         one worker while M go out to another), p_pair = both / M seconds per byte:
+                         the server moves its W*M/S bytes in and out at max(beta, p_pair) per byte,
+                         in place of the fan's p_both. Why: an async server reads one push at a
+                         time while it answers another worker (ps/server.py), one stream in and one
+                         out, as the pair has it, never W at once as the fan; at 10 Gbit/s W streams
+                         at once moved their bytes about 1.5x faster per byte than one pair on the
+                         2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB), and
+                         the fan priced the async steps 24-41% short, the pair 1-17%
+                         (docs/benchmarks.md). Rows saved without it keep the fan
     ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
                          job (worker.py: every rank at once sends a chunk of M/N bytes to its right
                          neighbour and receives one from its left, median of 9), a rank sends at
@@ -57,7 +67,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
                          one link, so the inter-host beta is L*beta
-"wire only" leaves the host term, u, D, the fan and x out (host_s_per_byte = 0, the textbook model);
+"wire only" leaves the host term, u, D, the fan, the pair and x out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
 10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
 h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's shared-cores factor below,
@@ -129,8 +139,8 @@ def link_for(rate: str, alpha_s: float) -> cost.Link:
 
 def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool = False) -> cost.StrategyCost:
     """The cost model's step for a row of summarize() (its link, M, W, S, L, fitted alpha, compute,
-    server update, measured fan or ring step); ``wire_only``: the textbook model, none of the host
-    term, server update, duplex factor, fan or ring step."""
+    server update, measured fan, pair or ring step); ``wire_only``: the textbook model, none of the
+    host term, server update, duplex factor, fan, pair or ring step."""
     if wire_only:
         host_s_per_byte = 0.0
     link = link_for(row["link"], row["alpha_s"])
@@ -145,8 +155,11 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
         host_s_per_byte = 0.0
     fan = row.get("fan_s_per_byte")
     duplex = 1.0 if wire_only else row.get("duplex", 1.0)
-    if row["strategy"] in PS_STRATEGIES and fan and not wire_only:   # measured: the host term is what
-        host_s_per_byte, duplex = _fan_excess(fan, link.beta, row["strategy"]), 1.0   # it adds to the wire
+    pair = row.get("pair_s_per_byte") if row["strategy"] != "ps-sync" else None
+    if pair and not wire_only:   # measured: the host term is what it adds to the wire
+        host_s_per_byte, duplex = (max(link.beta, pair) - link.beta) / 2, 1.0
+    elif row["strategy"] in PS_STRATEGIES and fan and not wire_only:
+        host_s_per_byte, duplex = _fan_excess(fan, link.beta, row["strategy"]), 1.0
     intra = cost.Link()
     if row["strategy"] == "hierarchical":   # its intra-host copies share the cores too
         intra = cost.Link(alpha=intra.alpha, beta=intra.beta * shared, gamma=intra.gamma * shared)
@@ -224,6 +237,7 @@ def summarize(result: dict, rate: str) -> dict:
                    default=0.0)
     timed = ranks[0].get("duplex") or {}
     duplex = min(2.0, max(1.0, timed["both_s"] / max(timed["in_s"], timed["out_s"]))) if timed else 1.0
+    pair = timed["both_s"] / model_bytes if timed else None   # worker.py times M each way
     timed_fan = ranks[0].get("fan") or {}
     fan = {kind[:-2]: timed_fan[kind] / (job.workers * timed_fan["shard_bytes"])   # per byte through a
            for kind in ("in_s", "out_s", "both_s")} if timed_fan else None        # server's link
@@ -248,6 +262,6 @@ def summarize(result: dict, rate: str) -> dict:
             "steps": job.steps, "reps": job.reps,
             "step_s": step_s, "reps_step_s": [rep["wall_s"] / rep["steps"] for rep in ranks[0]["reps"]],
             "compute_s": compute_s, "update_s": update_s, "duplex": duplex,
-            "fan_s_per_byte": fan, "exchange_s_per_byte": exchange,
+            "fan_s_per_byte": fan, "pair_s_per_byte": pair, "exchange_s_per_byte": exchange,
             "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

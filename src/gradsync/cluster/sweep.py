@@ -157,10 +157,13 @@ def _duplex(row: dict) -> str:
 
 
 def _measured_ns_per_byte(row: dict) -> str:
-    """What the row's prediction measured per byte, in ns (results.py): a ring step's x, or a PS
-    server's fan in/out (sync) or both at once (async, ssp); "-" where none was measured."""
+    """What the row's prediction measured per byte, in ns (results.py): a ring step's x, a PS
+    server's fan in/out (sync), or its pair (async, ssp; the fan's both at once in rows saved
+    without the pair); "-" where none was measured."""
     if row.get("exchange_s_per_byte"):
         return f"{row['exchange_s_per_byte'] * 1e9:.2f}"
+    if row.get("pair_s_per_byte") and row["strategy"] != "ps-sync":
+        return f"{row['pair_s_per_byte'] * 1e9:.2f}"
     fan = row.get("fan_s_per_byte")
     if not fan:
         return "-"

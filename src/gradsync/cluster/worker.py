@@ -27,10 +27,11 @@ Vocabulary
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
 others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
 Before the reps, PS jobs only: ``duplex``, the first server's link both ways at once against one
-way (the model's duplex factor: results.py), and ``fan``, every worker sending a shard of M/S bytes
-to every server at once, every server one to every worker, and both at once (the pushes and the
-answers of a step without the server's work between them, through the transport the parameter
-server uses; medians of 5), the model's seconds per byte through a server's link; ring jobs only:
+way (the model's duplex factor; both at once, one stream in and one out, is the async model's
+pair: results.py), and ``fan``, every worker sending a shard of M/S bytes to every server at once,
+every server one to every worker, and both at once (the pushes and the answers of a step without
+the server's work between them, through the transport the parameter server uses; medians of 5),
+the sync model's seconds per byte through a server's link; ring jobs only:
 ``exchange``, one step of the ring (every rank at once sends a chunk of M/N bytes to its right
 neighbour and receives one from its left, through the transport the ring all-reduce uses; median
 of 9), the model's seconds per byte a ring rank sends (results.py). After the reps: ``alpha_s``,
