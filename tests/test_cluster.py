@@ -272,6 +272,19 @@ def test_a_ring_rows_measured_step_replaces_the_host_term_in_the_prediction():
     assert predict({**row, "cores": 2, "exchange_s_per_byte": None}, 1e-9).step_s == pytest.approx(
         0.02 + 6e-4 + 24e6 * 4e-9 + gamma_term)
 
+    # Hierarchical, 2 hosts x 2 ranks: its rail step x replaces the host term between hosts, held to
+    # the link the 2 rails share (2*beta = 1.67 ns/B): inter-host ring on M/2 (2 messages, M/2 sent,
+    # M/4 reduced); the intra-host phases stay Link()'s, slowed by N/C = 2 on 2 cores
+    intra = cost.Link()
+    hier = {**row, "strategy": "hierarchical", "ranks_per_host": 2, "cores": 2}
+    within = 2 * intra.alpha + 16e6 * intra.beta * 2
+    for exchange, h in ((3e-9, 1e-9), (3e-9, 5e-9), (0.5e-9, 1e-9)):
+        expected = 0.02 + 2e-4 + 8e6 * max(2 * beta, exchange) + 4e6 * intra.gamma + within
+        got = predict({**hier, "exchange_s_per_byte": exchange}, host_s_per_byte=h).step_s
+        assert got == pytest.approx(expected), (exchange, h)
+    assert predict({**hier, "exchange_s_per_byte": None}, 5e-9).step_s == pytest.approx(   # 2h * N/C = 20 ns/B
+        0.02 + 2e-4 + 8e6 * 20e-9 + 4e6 * intra.gamma + within)
+
 
 @pytest.mark.timeout(60)
 def test_servers_and_their_workers_share_the_machines_cores_in_the_prediction():

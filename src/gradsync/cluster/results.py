@@ -66,7 +66,13 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          measured keep 2h
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
-                         one link, so the inter-host beta is L*beta
+                         one link, so the inter-host beta is L*beta; with x, a rail step measured
+                         in the job (worker.py: every rank at once sends a chunk of M/N bytes to the
+                         rank L after it, the L rails of a host through its one link at once), a
+                         rank sends at max(L*beta, x) per byte between hosts, in place of the host
+                         term, as the ring does. Why: HOST_S_PER_BYTE, fitted under load, priced
+                         the idle 2x2 and 3x2 rows 30% and 77% long (docs/benchmarks.md). Rows
+                         saved before x was measured keep the host term
 "wire only" leaves the host term, u, D, the fan, the pair and x out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
 10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
@@ -150,7 +156,7 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
     shared = 1.0 if wire_only else shared_cores_factor(row)
     host_s_per_byte *= shared
     exchange = row.get("exchange_s_per_byte")
-    if row["strategy"] == "ring" and exchange and not wire_only:   # measured: no host term on top
+    if row["strategy"] in ("ring", "hierarchical") and exchange and not wire_only:   # measured: no host term
         link = cost.Link(alpha=link.alpha, beta=max(link.beta, exchange), gamma=link.gamma)
         host_s_per_byte = 0.0
     fan = row.get("fan_s_per_byte")

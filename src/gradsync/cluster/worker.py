@@ -31,10 +31,11 @@ way (the model's duplex factor; both at once, one stream in and one out, is the 
 pair: results.py), and ``fan``, every worker sending a shard of M/S bytes to every server at once,
 every server one to every worker, and both at once (the pushes and the answers of a step without
 the server's work between them, through the transport the parameter server uses; medians of 5),
-the sync model's seconds per byte through a server's link; ring jobs only:
-``exchange``, one step of the ring (every rank at once sends a chunk of M/N bytes to its right
-neighbour and receives one from its left, through the transport the ring all-reduce uses; median
-of 9), the model's seconds per byte a ring rank sends (results.py). After the reps: ``alpha_s``,
+the sync model's seconds per byte through a server's link; ring jobs, and hierarchical jobs on
+more than one host: ``exchange``, one step of the ring (every rank at once sends a chunk of M/N
+bytes to its right neighbour and receives one from its left, through the transport the ring
+all-reduce uses; for hierarchical the neighbours on its rail, L ranks away; median of 9), the
+model's seconds per byte a ring rank sends (results.py). After the reps: ``alpha_s``,
 the median of 20 one-element ring all-reduces divided by 2(N-1).
 Writes DIR/rank<r>.json (results.py reads them).
 """
@@ -244,20 +245,21 @@ def _measure_fan(model_bytes: int, servers: int, reps: int = 5) -> dict[str, flo
     return {**{kind: statistics.median(t) for kind, t in times.items()}, "shard_bytes": shard * 4}
 
 
-def _measure_exchange(model_bytes: int, reps: int = 9) -> dict[str, float]:
+def _measure_exchange(model_bytes: int, hop: int = 1, reps: int = 9) -> dict[str, float]:
     """One ring step (module docstring): the median over ``reps``, after one untimed, of the slowest
-    rank's time, from a barrier, to send a chunk of M/N float32 bytes to the right neighbour and
-    receive one from the left, every rank at once, through the ring's own transport (so each
-    direction between two ranks of different hosts has its connection, as in the all-reduce).
-    Outside the counted reps."""
+    rank's time, from a barrier, to send a chunk of M/N float32 bytes to the right neighbour (rank +
+    ``hop``) and receive one from the left (rank - ``hop``), every rank at once, through the ring's own
+    transport (so each direction between two ranks of different hosts has its connection, as in the
+    all-reduce). hop = L: the hierarchical all-reduce's rails, L rings of M/L over the hosts, whose
+    chunks are M/L/H = M/N too, L of them through a host's link at once. Outside the counted reps."""
     transport = default_transport()
     rank, world = transport.rank, transport.world_size
     chunk = max(1, model_bytes // 4 // world)
     outbox, inbox = torch.zeros(chunk), torch.empty(chunk)
 
     def post() -> list:
-        return [transport.isend(outbox, (rank + 1) % world, "cluster/exchange"),
-                transport.irecv(inbox, (rank - 1) % world, "cluster/exchange")]
+        return [transport.isend(outbox, (rank + hop) % world, "cluster/exchange"),
+                transport.irecv(inbox, (rank - hop) % world, "cluster/exchange")]
 
     times = [_timed_transfers(post) for _ in range(reps + 1)]
     return {"exchange_s": statistics.median(times[1:]), "chunk_bytes": chunk * 4}
@@ -295,7 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
     fan = _measure_fan(params * 4, args.servers) if args.strategy in PS_MODES else {}
-    exchange = _measure_exchange(params * 4) if args.strategy == "ring" else {}
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    exchange = {}
+    if args.strategy == "ring" or (args.strategy == "hierarchical" and w.world_size > per_host):
+        exchange = _measure_exchange(params * 4, hop=1 if args.strategy == "ring" else per_host)
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
     else:
