@@ -51,9 +51,9 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          time while it answers another worker (ps/server.py), one stream in and one
                          out, as the pair has it, never W at once as the fan; at 10 Gbit/s W streams
                          at once moved their bytes about 1.5x faster per byte than one pair on the
-                         2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB), and
-                         the fan priced the async steps 24-41% short, the pair 1-17%
-                         (docs/benchmarks.md). Rows saved without it keep the fan
+                         2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB); over
+                         three sweeps 14 of 30 async and SSP rows came within 25% with the fan,
+                         26 with the pair (docs/benchmarks.md). Rows saved without it keep the fan
     ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
                          job (worker.py: every rank at once sends a chunk of M/N bytes to its right
                          neighbour and receives one from its left, median of 9), a rank sends at
