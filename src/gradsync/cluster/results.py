@@ -115,6 +115,8 @@ TCP_GOODPUT = 1448 / 1514
 HOST_S_PER_BYTE = 2.8e-9
 """The cost model's host term on this machine (module docstring; docs/benchmarks.md, "Emulated cluster")."""
 PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
+PAIR_PRICED = ("ps-async", "ssp")
+"""Strategies whose servers' links the model prices by the measured pair (module docstring)."""
 PREDICTED_AS = {"ps-sync": "ps", "ps-async": "ps-async", "ssp": "ps-async", "ring": "ring",
                 "hierarchical": "hierarchical"}
 
@@ -161,7 +163,7 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
         host_s_per_byte = 0.0
     fan = row.get("fan_s_per_byte")
     duplex = 1.0 if wire_only else row.get("duplex", 1.0)
-    pair = row.get("pair_s_per_byte") if row["strategy"] != "ps-sync" else None
+    pair = row.get("pair_s_per_byte") if row["strategy"] in PAIR_PRICED else None
     if pair and not wire_only:   # measured: the host term is what it adds to the wire
         host_s_per_byte, duplex = (max(link.beta, pair) - link.beta) / 2, 1.0
     elif row["strategy"] in PS_STRATEGIES and fan and not wire_only:

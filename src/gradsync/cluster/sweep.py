@@ -25,7 +25,7 @@ import sys
 
 from gradsync.cluster import netns
 from gradsync.cluster.jobs import Job, run_job
-from gradsync.cluster.results import summarize
+from gradsync.cluster.results import PAIR_PRICED, summarize
 from gradsync.cluster.worker import PS_MODES, STRATEGIES
 
 
@@ -162,7 +162,7 @@ def _measured_ns_per_byte(row: dict) -> str:
     without the pair); "-" where none was measured."""
     if row.get("exchange_s_per_byte"):
         return f"{row['exchange_s_per_byte'] * 1e9:.2f}"
-    if row.get("pair_s_per_byte") and row["strategy"] != "ps-sync":
+    if row.get("pair_s_per_byte") and row["strategy"] in PAIR_PRICED:
         return f"{row['pair_s_per_byte'] * 1e9:.2f}"
     fan = row.get("fan_s_per_byte")
     if not fan:
