@@ -33,8 +33,9 @@ push of it is applied.
 
 Answers in flight: sync sends a version's W answers together (every worker waits for that version
 anyway). async and ssp answer a pull as soon as they may, with at most ANSWERS_IN_FLIGHT answers
-moving at once: before a further answer goes out the server waits for the oldest one to be
-received. Answers that share the upload all finish late; taken two at a time, each worker gets its
+moving at once: a further answer is held until the oldest one is received. The server's outbox
+(outbox.py) posts the answers and waits for them on a thread of its own, so the server reads the
+next message and posts the next push's receives meanwhile. Answers that share the upload all finish late; taken two at a time, each worker gets its
 parameters sooner and pushes again sooner, which keeps the server's download busy (1 Gbit/s,
 one server: W=4 859 -> 725 ms a step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and
 worse at W=6, docs/benchmarks.md).
@@ -80,6 +81,7 @@ from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
 from gradsync.ps import resharding, sparse_wire
+from gradsync.ps.outbox import Outbox, Part
 from gradsync.ps.row_history import RowHistory
 from gradsync.ps.sharding import Piece, gather_shard
 from gradsync.ps.sparse_optim import sparse_rule
@@ -159,11 +161,8 @@ class Server:
         self.pending_rows: dict[int, list[torch.Tensor]] = {}   # worker -> local rows wanted, per table
         self.boundary = {0: (0, self.published, self.published_tables)}   # ssp, bound 0: clock -> (version, ...)
         self._keep_snapshots()
-        self.sends: dict[int, list[Handle]] = {w: [] for w in self.workers}   # posted, not yet waited for
-        self.most_sends_in_flight = 0
+        self.outbox: Outbox | None = None   # made by serve(): the answers and BYEs to workers
         self.most_pushes_in_flight = 0
-        self.answered: list[int] = []   # async, ssp: workers with an answer in flight, oldest first
-        self.most_answers_in_flight = 0
         self.in_flight: list[_Push] = []   # pushes being read, oldest first
         self.counts = Counter()
         self.staleness = Counter()
@@ -180,6 +179,8 @@ class Server:
 
     # -- the loop ---------------------------------------------------------------------------------
     def serve(self, stop=None) -> None:
+        self.outbox = Outbox(self.transport, None if self.mode == "sync" else ANSWERS_IN_FLIGHT, self.timeout,
+                             name=f"gradsync-ps-outbox-{self.rank}")
         try:
             while self.open:
                 if stop is not None and not self.stop_asked and stop():
@@ -192,12 +193,13 @@ class Server:
                     self._finish_push()   # a worker's own next message sees its push applied
                 self._handle(header, message)
                 self._answer_pulls()
-                self.most_sends_in_flight = max(self.most_sends_in_flight, sum(map(len, self.sends.values())))
                 self._check_liveness()
             while self.in_flight:
                 self._finish_push()
-            for worker in list(self.sends):
-                self._settle_sends(worker)
+            try:
+                self.outbox.close()
+            except PeerError as exc:
+                raise self._lost(exc.peer, "it stopped receiving") from exc
         except ProtocolError as exc:
             self._abort(wire.REASON_PROTOCOL, exc.sender, str(exc))
             raise
@@ -213,6 +215,10 @@ class Server:
         try:
             sender = handle.wait()
         except PeerError as exc:
+            try:
+                self.outbox.check()   # an answer that failed names its worker better than silence does
+            except PeerError as sent:
+                raise self._lost(sent.peer, "it stopped receiving") from sent
             raise self._lost(self._quietest(), "no message from any worker arrived") from exc
         finally:
             self.idle_seconds += time.monotonic() - started
@@ -241,7 +247,8 @@ class Server:
             self.open.discard(sender)
             self.pending_pulls.discard(sender)
             self.pending_rows.pop(sender, None)
-            self._send_header(sender, wire.Header(wire.BYE, self.rank, self.version, self.rank))
+            self.outbox.send(sender, [self._header_part(wire.Header(wire.BYE, self.rank, self.version, self.rank))],
+                             answer=False)
             self._maybe_step_sync()
             self._advance_boundary()
         else:
@@ -407,7 +414,6 @@ class Server:
             if not self._may_answer(worker):
                 continue
             self.pending_pulls.discard(worker)
-            self._make_room_for_answer(worker)
             self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
             version, payload, blocks = self.version, self.published, self.published_tables
             if self.mode == "ssp" and self.staleness_bound == 0:
@@ -424,15 +430,12 @@ class Server:
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
                             payload.numel() * payload.element_size(), self._checksum(payload),
                             self._stop_flag(version))
-            self._send_header(worker, header, sections)
-            if payload.numel():
-                self.sends[worker].append(self.transport.isend(payload, worker, "ps/pull",
-                                                               tag=self.channel.payload_tag))
+            body = sparse_wire.pack([], answers)
+            self.outbox.send(worker, [self._header_part(header, sections)] +
+                             [Part(tensor, "ps/pull", self.channel.payload_tag) for tensor in (payload, body)
+                              if tensor.numel()])
             self.counts["pulls"] += 1
             self.counts["bytes_out"] += header.nbytes
-            body = sparse_wire.pack([], answers)
-            if body.numel():
-                self.sends[worker].append(self.transport.isend(body, worker, "ps/pull", tag=self.channel.payload_tag))
 
     def _checksum(self, payload: torch.Tensor) -> int:
         """An answer's checksum, computed once per published payload (never mutated): a version's W
@@ -441,31 +444,19 @@ class Server:
             self.answer_checksum = (payload, wire.checksum(payload))
         return self.answer_checksum[1]
 
-    def _make_room_for_answer(self, worker: int) -> None:
-        """Before an answer to ``worker``: count the answers still in flight (unsettled) and, in async
-        and ssp, wait for the oldest while ANSWERS_IN_FLIGHT are (module docstring)."""
-        self.answered = [w for w in self.answered if self.sends[w] and w != worker]
-        while self.mode != "sync" and len(self.answered) >= ANSWERS_IN_FLIGHT:
-            self._settle_sends(self.answered.pop(0))
-        self.answered.append(worker)
-        self.most_answers_in_flight = max(self.most_answers_in_flight, len(self.answered))
-
-    def _send_header(self, worker: int, header: Header, sections: list[Header] = ()) -> None:
-        self.sends[worker].append(self.transport.isend(wire.message(header, list(sections), len(self.tables)),
-                                                       worker, "ps/header", control=True,
-                                                       tag=self.channel.header_tag))
+    def _header_part(self, header: Header, sections: list[Header] = ()) -> Part:
+        return Part(wire.message(header, list(sections), len(self.tables)), "ps/header", self.channel.header_tag,
+                    control=True)
 
     def _settle_sends(self, worker: int) -> None:
-        """Wait for every send posted to ``worker``. Called when a message from it arrives: a worker
-        sends its next message only after reading every answer (pull() returns when all of them
-        arrived), so these waits return at once. torch's gloo marks a send finished only once it is
-        waited for, so sends that are never waited for pile up, each keeping its tensor alive."""
-        handles, self.sends[worker] = self.sends[worker], []
-        for handle in handles:
-            try:
-                handle.wait()
-            except PeerError as exc:
-                raise self._lost(worker, "it stopped receiving") from exc
+        """Wait for every letter posted to ``worker`` (outbox.py). Called when a message from it arrives: a
+        worker sends its next message only after reading every answer (pull() returns when all of them
+        arrived), so this returns at once. torch's gloo marks a send finished only once it is waited for,
+        so sends that are never waited for pile up, each keeping its tensor alive."""
+        try:
+            self.outbox.settle(worker)
+        except PeerError as exc:
+            raise self._lost(worker if exc.peer is None else exc.peer, "it stopped receiving") from exc
 
     # -- failures ----------------------------------------------------------------------------------
     def _quietest(self) -> int | None:
@@ -488,6 +479,8 @@ class Server:
 
     def _abort(self, reason: int, culprit: int | None, message: str) -> None:
         """Tell every other open worker that this server stopped: the notice, then an ABORT header each."""
+        if self.outbox is not None:
+            self.outbox.abandon()
         self.channel.post_abort(culprit, message)
         header = Header(wire.ABORT, self.rank, -1 if culprit is None else culprit, self.rank, reason)
         dead = {culprit} if reason == wire.REASON_DEAD_WORKER else set()
@@ -566,9 +559,10 @@ class Server:
             "max_clock_gap": max(self.gaps) if self.gaps else 0,
             "idle_seconds": self.idle_seconds,
             "update_seconds": self.update_seconds,
-            "most_sends_in_flight": self.most_sends_in_flight,
+            "most_sends_in_flight": self.outbox.most_sends if self.outbox else 0,
             "most_pushes_in_flight": self.most_pushes_in_flight,
-            "most_answers_in_flight": self.most_answers_in_flight,
+            "most_answers_in_flight": self.outbox.most_answers if self.outbox else 0,
+            "answers_held": self.outbox.answers_held if self.outbox else 0,
             "optimizer_state_bytes": self._state_bytes(),
         }
 
