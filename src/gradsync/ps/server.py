@@ -33,12 +33,13 @@ push of it is applied.
 
 Answers in flight: sync sends a version's W answers together (every worker waits for that version
 anyway). async and ssp answer a pull as soon as they may, with at most ANSWERS_IN_FLIGHT answers
-moving at once: a further answer is held until the oldest one is received. The server's outbox
-(outbox.py) posts the answers and waits for them on a thread of its own, so the server reads the
-next message and posts the next push's receives meanwhile. Answers that share the upload all finish late; taken two at a time, each worker gets its
-parameters sooner and pushes again sooner, which keeps the server's download busy (1 Gbit/s,
-one server: W=4 859 -> 725 ms a step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and
-worse at W=6, docs/benchmarks.md).
+moving at once: a further answer is held until the oldest one is received. Answers that share the
+upload all finish late; taken two at a time, each worker gets its parameters sooner and pushes
+again sooner, which keeps the server's download busy (1 Gbit/s, one server: W=4 859 -> 725 ms a
+step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and worse at W=6). The server's
+outbox (outbox.py) posts the answers and waits for them on a thread of its own, so the server
+reads the next message and posts the next push's receives while an answer is held (W=6: 1148 ->
+1002 ms a step; docs/benchmarks.md).
 
 Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W*M_s; with one
 server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
