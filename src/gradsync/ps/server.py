@@ -207,6 +207,8 @@ class Server:
         except WorkerLostError as exc:
             self._abort(wire.REASON_DEAD_WORKER, exc.worker, str(exc))
             raise
+        finally:
+            self.outbox.abandon()   # after close(): nothing left; after an error: the thread ends
 
     def _next_message(self) -> tuple[Header, torch.Tensor]:
         """The next header message from any worker: its header, and the message (section headers follow)."""
