@@ -83,7 +83,9 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
     # waits: 90 s for any one answer from a live world (the first comes after the DDP part), then 180 s
     # for the world to end; together under the test's 300 s, so a stuck world is killed here
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=90))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRADSYNC_TEST_CASES_PORT": str(store.port)}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (an abort at exit, say) prints every thread's stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+           "GRADSYNC_TEST_CASES_PORT": str(store.port)}
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "w") as out, open(err_path, "w") as err:  # files: a full pipe would stall the world
         world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
