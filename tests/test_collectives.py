@@ -91,7 +91,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 # it is staged piece by piece from DIRECT_BELOW_BYTES up (allreduce_shared.py); with two ranks both
 # start at TWO_RANKS_DIRECT_BELOW_BYTES, and the direct all-reduce takes everything below. Every dtype
 # and op at DIRECT_BELOW_BYTES, sizes not divisible by N, one float32 case just over FROM_BYTES, one
-# whose slices span several PIECE_BYTES pieces (over 2 MiB at every N), and one just over a staging
+# whose slices span several PIECE_BYTES pieces (at least 2.5 of them), and one just over a staging
 # half, against the fold, gloo and across ranks bit for bit.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), pytest.param(4, "1", marks=pytest.mark.slow),

@@ -57,22 +57,22 @@ against this one: N=2 128 KiB 34 against 48 us, 256 KiB 55 against 61, 512 KiB 1
 N=4 512 KiB 857 against 721 us. (Without single-copy reads the staged split all-reduce takes over
 at allreduce_shared.DIRECT_BELOW_BYTES, 1 MiB: it has a copy in and out more.)"""
 
-PIECE_BYTES = 512 << 10
+PIECE_BYTES = 2 << 20
 """The reduce phase reads, combines and scatters at most this many bytes at a time (the scratch
-buffer's size), so a piece read in is combined and written out while it is still in this core's
-2 MiB L2. Alternating runs of `gradsync bench collectives --sizes 1M,2M,4M,16M,64M --algorithms
-shared_memory` (2026-12-01, medians of 3 x 10 calls, ms). 512 KiB pieces against 8 MiB ones, the
-scatter after the whole slice (06:58 UTC): N=2 16 MiB 3.31 against 3.81, 64 MiB 21.1 against 21.8;
-N=4 4 MiB 4.28 against 4.50, 16 MiB 15.6 against 18.6, 64 MiB 54.6 against 61.1; 2 MiB level;
-128 KiB and 256 KiB level with 512 KiB. Then each piece scattered as soon as it is finished,
-against after the whole slice (07:01 UTC): N=2 4 MiB 0.75 against 0.82, 16 MiB 2.75 against 3.08,
-64 MiB 16.9 against 20.7; N=4 4 MiB 3.88 against 4.66, 16 MiB 13.9 against 15.9, 64 MiB 48.2
-against 52.2; 1 MiB level. (With the earlier three-barrier gather by reads, 8 MiB pieces had
-measured faster than 256 KiB ones: 3.1-3.3 against 4.4-4.8 ms a call.) Where R ranks share a
-core they share its L2 too, so pieces are PIECE_BYTES / R (piece_bytes): 4 ranks on 2 cores with
-256 KiB against 512 KiB pieces (08:35 UTC, medians of 4 runs alternating): 4 MiB 3.83 against 4.17
-ms, 16 MiB 11.1 against 13.5 ms, 64 MiB 40.1 against 45.0 ms; 1 MiB level. At N=2 256 KiB was no
-better (4 MiB 0.60 against 0.57 ms, 16 MiB level)."""
+buffer's size). Each piece costs two kernel copies per peer, and each kernel copy a fixed cost
+(the system call, the peer's pages looked up and pinned) besides its bytes: 2 ranks, 4 MiB, one
+world, medians of 32 calls, three rounds (2026-12-03, us): 128 KiB pieces 1,056-1,087, 256 KiB
+870-894, 512 KiB 778-800, 1 MiB 723-757, 2 MiB 694-722. Then `gradsync bench collectives
+--algorithms auto --reps 30`, 512 KiB (the tree before) and 2 MiB alternating, three runs each,
+medians: N=2 4 MiB 840 -> 762 us, 16 MiB 3.67 -> 3.67 ms, 64 MiB 12.6 -> 12.6 ms; N=4 (1 MiB
+pieces, below) 4 MiB 3.32 -> 3.00 ms, 16 MiB 10.4 -> 9.7 ms, 1 MiB level. (8 MiB pieces had
+been slower: N=2 16 MiB 3.81 against 3.31 ms with 512 KiB, 2026-12-01.) Each piece is scattered
+as soon as it is finished, not after the whole slice (2026-12-01 07:01 UTC, 512 KiB pieces: N=2
+4 MiB 0.75 against 0.82 ms, 16 MiB 2.75 against 3.08, 64 MiB 16.9 against 20.7; N=4 4 MiB 3.88
+against 4.66, 16 MiB 13.9 against 15.9). Where R ranks share a core they share its cache too, so
+pieces are PIECE_BYTES / R (piece_bytes): with 4 ranks on 2 cores 1 MiB pieces against 2 MiB ones
+(2026-12-03, one world, medians of 32 calls, three rounds): 4 MiB 2.59-2.77 against 2.62-2.75 ms,
+16 MiB 8.9-9.2 against 9.1-9.2 ms."""
 
 
 def from_bytes(transport) -> int:
@@ -84,9 +84,9 @@ def from_bytes(transport) -> int:
     return FROM_BYTES
 
 
-def piece_bytes(transport) -> int:
-    """PIECE_BYTES, divided among the local ranks that share a core and so its cache."""
-    return PIECE_BYTES // getattr(transport, "ranks_per_core", 1)
+def piece_bytes(transport, whole: int = PIECE_BYTES) -> int:
+    """``whole`` (PIECE_BYTES), divided among the local ranks that share a core and so its cache."""
+    return whole // getattr(transport, "ranks_per_core", 1)
 
 
 def allreduce_shared_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
