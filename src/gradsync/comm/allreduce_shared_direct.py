@@ -63,7 +63,7 @@ class DirectAllReduce:
         self.fingerprint = Fingerprint("all_reduce", 0, numel, dtype, reduction.name, "shared_memory")
         kind, _, *rest = self.fingerprint.values()
         self._kind, self._rest = kind, tuple(rest)
-        self._hold, self._lazy = getattr(transport, "hold", None), getattr(transport, "spin_allowed", False)
+        self._hold = getattr(transport, "hold", None)
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
         self._agreements = [(other, FINGERPRINT_BYTES) for other, _ in self.exchanges]
 
@@ -88,7 +88,7 @@ class DirectAllReduce:
         payload and fingerprint bytes: TrafficMeter.tally). The same steps as the first call's, in
         fewer Python operations: between two waits each costs about twice what it costs in a loop
         that repeats it (docs/benchmarks.md, "Fewer Python operations per repeated call")."""
-        holding = self._hold is not None and self._hold.enter(self._lazy)
+        holding = self._hold is not None and self._hold.enter()
         try:
             sequence = next_sequence_of(transport)
             stall.entered(self.fingerprint, sequence)

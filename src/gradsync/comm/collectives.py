@@ -96,8 +96,7 @@ HOLD_BELOW_BYTES = 4 << 20
 
 def _on_own_core(collective):
     """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
-    the transport has one (shared memory with several local ranks: hold.py, lazily while every rank
-    has a core of its own). Measured with 4 ranks on 2 cores (docs/benchmarks.md, medians of 3
+    the transport has one (shared memory with several local ranks: hold.py, lazily). Measured with 4 ranks on 2 cores (docs/benchmarks.md, medians of 3
     runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same
     call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
     4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
@@ -109,12 +108,12 @@ def _on_own_core(collective):
     def held(place: Place, *args, **kwargs):
         transport = place.transport
         hold = getattr(transport, "hold", None)
-        lazy = getattr(transport, "spin_allowed", False)
+        core_each = getattr(transport, "spin_allowed", False)
         tensor = args[0] if args else None
-        if hold is None or (lazy and isinstance(tensor, torch.Tensor)
+        if hold is None or (core_each and isinstance(tensor, torch.Tensor)
                             and tensor.numel() * tensor.element_size() >= HOLD_BELOW_BYTES):
             return collective(place, *args, **kwargs)
-        holding = hold.enter(lazy)   # False inside a held collective already
+        holding = hold.enter()   # False inside a held collective already
         try:
             return collective(place, *args, **kwargs)
         finally:

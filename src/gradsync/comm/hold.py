@@ -7,16 +7,21 @@ instead of following each other across cores. Only the collective is held: the p
 threads, and threads and processes it starts later, keep their affinity, and the caller's own
 affinity is given back when the collective returns.
 
-Two ways of holding
-    eager   pin before the collective, give the affinity back after it: three system calls, about
-            4 us a call. Always, when ranks outnumber cores.
-    lazy    with a core per rank (ranks may poll): when the thread is already on its core at entry
-            (one sched_getcpu, a fraction of a microsecond, without a system call) nothing is
-            pinned until the thread is about to sleep (``before_sleep``, called by the transport
-            before it waits in the kernel): a sleeping thread is woken wherever the scheduler
-            likes, often on the waker's core, so it is pinned first. A collective whose waits are
-            all short polls runs where it is, on its own core, and makes no system call for the
-            hold. A thread found on another core at entry is pinned at once, as eagerly.
+How: lazily. A thread that is already on its core when it enters a collective (one sched_getcpu, a
+fraction of a microsecond, without a system call) is not pinned until it is about to sleep
+(``before_sleep``, called by the transport before it waits in the kernel): a sleeping thread is
+woken wherever the scheduler likes, often on the waker's core, so it is pinned first. A
+collective whose waits are all polls runs where it is, on its own core, and makes no system call
+for the hold; a thread found on another core at entry is pinned at once. Pinning costs three
+system calls (the affinity read, set, and given back), and with two ranks to a core they cost
+more than a core each: 17-18 us of a 64 KiB all-reduce's 100-115 us of CPU with 4 ranks on 2
+cores, against 4.5 us with 2 ranks (a /tmp probe timing the thread's CPU, 2026-12-03). Pinning at
+every entry where ranks outnumber cores, as before, against lazily (`gradsync bench collectives
+--workers N --algorithms auto --reps 30`, trees alternating, three runs each, us): N=4 4 KiB
+182, 192, 195 -> 165, 156, 154; 64 KiB 221, 224, 227 -> 199, 200, 199; 256 KiB 352, 361, 361 ->
+337, 345, 338; 1 MiB 962, 979, 954 -> 946, 949, 922; 4 MiB 2,627, 3,157, 3,112 -> 3,224, 2,969,
+3,121 and 16 MiB 10,375, 10,131, 9,818 -> 9,500, 9,651, 9,937 (the noise); N=3 64 KiB 199, 212,
+193 -> 183, 169, 184; 1 MiB 771, 777, 766 -> 728, 729, 725.
 
 One holder at a time: a collective started inside a held one (on the same thread), or on a second
 thread while another holds, runs without taking the hold again.
@@ -47,13 +52,13 @@ class CoreHold:
         self._given_back: set[int] | None = None   # its affinity before it was pinned
         self._held = threading.Lock()        # taken for as long as a thread holds
 
-    def enter(self, lazy: bool) -> bool:
+    def enter(self) -> bool:
         """Start holding the calling thread (see the module docstring); True when this call holds,
         and must ``leave``."""
         if not self._held.acquire(blocking=False):
             return False
         self._holder = threading.get_ident()
-        if not lazy or _sched_getcpu is None or _sched_getcpu() != self.core:   # current_cpu(), one call less
+        if _sched_getcpu is None or _sched_getcpu() != self.core:   # current_cpu(), one call less
             self._pin()
         return True
 

@@ -59,7 +59,8 @@ and yields its core after every poll. The caller's thread is held on one core wh
 its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
 polling holds the core its peer needs to arrive; collectives below 4 MiB only, where that costs
 more than the hold); with more ranks than cores the ranks that share a core yield to each other
-instead of following each other across cores.
+instead of following each other across cores. Held lazily: pinned only when found elsewhere or
+about to sleep (hold.py).
 """
 
 from __future__ import annotations
