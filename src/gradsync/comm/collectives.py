@@ -97,8 +97,9 @@ HOLD_BELOW_BYTES = 4 << 20
 def _on_own_core(collective):
     """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
     the transport has one (shared memory with several local ranks: hold.py, lazily). Measured with
-    4 ranks on 2 cores (docs/benchmarks.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB 2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same
-    call took one of two times from run to run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
+    4 ranks on 2 cores (docs/benchmarks.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
+    2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
+    run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
     4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
     up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7 of 45 run medians up to 256 KiB took
     over 200 us (both ranks on one core), held none; at 4 MiB (887 -> 968 us) and 16 MiB (2.75 ->
