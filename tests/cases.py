@@ -142,13 +142,6 @@ def transport_kind() -> str:
     return type(default_transport()).__name__
 
 
-def single_copy_state() -> tuple:
-    """(whether this rank's shared-memory transport reads peers' tensors in one copy, why not)."""
-    from gradsync.comm.transport import default_transport
-    transport = default_transport()
-    return transport.single_copy, transport.single_copy_problem
-
-
 # --- every op x dtype x algorithm (test_collectives.py) -------------------------------------------
 
 WIDE_BASE = {torch.float64: 2 ** 40, torch.float32: 2 ** 14, torch.float16: 2 ** 5, torch.bfloat16: 2 ** 3,
@@ -228,6 +221,24 @@ def op_dtype_algorithm_cases(cases: list) -> list:
         if not torch.equal(results[0], results[1]):
             problem = problem or "two calls on the same input differ"
         answers.append((problem, hashlib.sha1(results[0].view(torch.uint8).numpy().tobytes()).hexdigest()))
+    return answers
+
+
+def back_to_back_sums(sizes: list[int]) -> list:
+    """All-reduce (sum, float32) one tensor of each size in ``sizes`` straight after the other, with
+    nothing between the calls that waits for the other ranks, then compare each with folded(); per
+    size, (problem or None, digest of our result)."""
+    import hashlib
+
+    w = gs.world()
+    tensors = [wide_contribution(w.rank, numel, torch.float32) for numel in sizes]
+    for t in tensors:
+        gs.all_reduce(t)
+    answers = []
+    for numel, t in zip(sizes, tensors):
+        good = _agrees(t, folded(w.world_size, numel, torch.float32, "sum"), True, w.world_size)
+        answers.append((None if good else f"{numel} float32: differs from the single-process fold",
+                        hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()))
     return answers
 
 

@@ -86,37 +86,47 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
     check()
 
 
-# From its FROM_BYTES up, a tensor outside a shared region is read where it lies and the result written
-# into it, one kernel copy per slice (allreduce_shared_single_copy.py); with GRADSYNC_SHM_SINGLE_COPY=0
-# it is staged piece by piece from DIRECT_BELOW_BYTES up (allreduce_shared.py); with two ranks both
-# start at TWO_RANKS_DIRECT_BELOW_BYTES, and the direct all-reduce takes everything below. Every dtype
-# and op at DIRECT_BELOW_BYTES, sizes not divisible by N, one float32 case just over FROM_BYTES, one
-# whose slices span several PIECE_BYTES pieces (at least 2.5 of them), and one just over a staging
-# half, against the fold, gloo and across ranks bit for bit.
+# From direct_below up (DIRECT_BELOW_BYTES; with two ranks TWO_RANKS_DIRECT_BELOW_BYTES; at most one
+# staging half) a tensor outside a shared region is staged slice by slice (allreduce_shared.py); the
+# direct all-reduce takes everything below. With staging halves of 256 KiB (N=3): every dtype and op
+# just over the bound, sizes not divisible by N, and one that spans 2.5 halves (its last piece short).
+# With the default halves: float32 just over the bound and over 2.5 halves. Against the fold, gloo and
+# across ranks bit for bit. Then sizes on both sides of the bound back to back, with nothing between
+# the calls that waits for the other ranks: each call must leave the staging as the next one expects
+# (the settling barrier, or the other half).
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (3, "1"), pytest.param(4, "1", marks=pytest.mark.slow),
-                                                    (3, "0")])
-def test_large_shared_memory_all_reduce_single_copy_and_staged(world_of, world_size, single_copy):
-    from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
-    from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES, PIECE_BYTES
+@pytest.mark.parametrize("world_size,stage_mb", [(2, None), (3, None), pytest.param(4, None, marks=pytest.mark.slow),
+                                                 (3, "0.25")])
+def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
+    from types import SimpleNamespace
+
+    from gradsync.comm.allreduce_shared import direct_below
     from gradsync.comm.shm import stage_bytes
 
-    pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
-    states = pool.run(cases.single_copy_state)
-    if single_copy == "1" and "Operation not permitted" in str(states[0][1]):
-        pytest.skip(f"the kernel refuses cross-process reads here: {states[0][1]}")
-    assert [state[0] for state in states] == [single_copy == "1"] * world_size, states
-    batch = [("shared_memory", dtype, op, DIRECT_BELOW_BYTES // dtype.itemsize + 2 * world_size + 1)
-             for dtype in DTYPES for op in applicable_ops(dtype)]
-    batch.append(("shared_memory", torch.float32, "sum", FROM_BYTES // 4 + 2 * world_size + 1))
-    batch.append(("shared_memory", torch.float32, "sum", 5 * PIECE_BYTES // 4 * world_size // 2 + 3))
-    batch.append(("shared_memory", torch.float32, "sum", stage_bytes() // 4 + 2 * world_size + 1))
+    env = {} if stage_mb is None else {"GRADSYNC_SHM_STAGE_MB": stage_mb}
+    pool = world_of(world_size, **env)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        half = stage_bytes()
+    bound = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=half))
+    dtypes = DTYPES if stage_mb is not None else (torch.float32,)
+    batch = [("shared_memory", dtype, op, -(-bound // dtype.itemsize) + 2 * world_size + 1)
+             for dtype in dtypes for op in (applicable_ops(dtype) if stage_mb is not None else ["sum"])]
+    batch.append(("shared_memory", torch.float32, "sum", 5 * half // 8 + 3))
     answers = pool.run(cases.op_dtype_algorithm_cases, batch, case_timeout=300)
     for index, (algorithm, dtype, op, numel) in enumerate(batch):
-        label = f"{dtype} op={op} n={numel} N={world_size} single_copy={single_copy}"
+        label = f"{dtype} op={op} n={numel} N={world_size} stage={half}"
         problems = [answers[rank][index][0] for rank in range(world_size) if answers[rank][index][0]]
         assert not problems, f"{label}: {problems[0]}"
         assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"{label}: ranks disagree"
+    small, over = bound // 4 - 1, bound // 4 + 1
+    sizes = [over, over, small, over, 100, 5 * half // 8 + 3, small, 5 * half // 8 + 3, 7, over, over]
+    answers = pool.run(cases.back_to_back_sums, sizes, case_timeout=300)
+    for index, numel in enumerate(sizes):
+        problems = [answers[rank][index][0] for rank in range(world_size) if answers[rank][index][0]]
+        assert not problems, f"call {index} of the sequence, N={world_size}: {problems[0]}"
+        assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"call {index}: ranks disagree"
 
 
 # The same for reduce-scatter and all-gather: a reduce-scatter input of FROM_BYTES or more is
@@ -251,7 +261,9 @@ def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
 
 def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
     """collectives._spins: with a core per local rank (shm.py's spin_allowed) every collective polls
-    briefly before it sleeps; with more ranks than cores only those below SPIN_BELOW_BYTES do."""
+    briefly before it sleeps; with more ranks than cores those on the main thread do, and on another
+    thread (a communication thread beside backward) only those below SPIN_BELOW_BYTES."""
+    import threading
     from types import SimpleNamespace
 
     from gradsync.comm.agree import Fingerprint
@@ -261,5 +273,12 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
     large = Fingerprint("all_reduce", 1, SPIN_BELOW_BYTES // 4, torch.float32, "sum", "shared_memory")
     own_cores, shared_cores = SimpleNamespace(spin_allowed=True), SimpleNamespace(spin_allowed=False)
     assert _spins(own_cores, small) and _spins(own_cores, large)
-    assert _spins(shared_cores, small) and not _spins(shared_cores, large)
-    assert not _spins(SimpleNamespace(), large)   # a transport without the notion (TCP): size alone
+    assert _spins(shared_cores, small) and _spins(shared_cores, large)   # on the main thread
+    answers = []
+    thread = threading.Thread(target=lambda: answers.extend(
+        [_spins(own_cores, large), _spins(shared_cores, small), _spins(shared_cores, large),
+         _spins(SimpleNamespace(), large)]))
+    thread.start()
+    thread.join(30)
+    # off the main thread: a transport without the notion (TCP) goes by size alone
+    assert answers == [True, True, False, False]

@@ -14,7 +14,7 @@ from world_pool import RankFailure
     ("size", "ring", "shm", 12), ("dtype", "tree", "shm", 12), ("dtype", "native", "shm", 12),
     ("size", "shared_memory", "shm", 12),      # direct all-reduce: the fingerprint staged with the data
     ("dtype", "shared_memory", "shm", 12),
-    ("size", "shared_memory", "shm", 300_000),  # single-copy all-reduce (1.2 MB): the fingerprint with the address
+    ("size", "shared_memory", "shm", 600_000),  # split all-reduce (2.4 MB): the fingerprint with the first piece
     ("size", "ring", "tcp", 12), ("dtype", "native", "tcp", 12)])
 def test_mismatched_tensors_raise_naming_ranks(world_of, kind, algorithm, transport, numel):
     pool = world_of(3, **({"GRADSYNC_TRANSPORT": "tcp"} if transport == "tcp" else {}))
@@ -31,7 +31,7 @@ def test_mismatched_tensors_raise_naming_ranks(world_of, kind, algorithm, transp
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("numel", [12, 300_000])
+@pytest.mark.parametrize("numel", [12, 600_000])
 def test_a_broadcast_against_a_shared_memory_all_reduce_is_an_error_on_every_rank(world_of, numel):
     pool = world_of(3)
     with pytest.raises(RankFailure) as info:

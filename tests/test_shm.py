@@ -56,15 +56,16 @@ def test_sigkill_mid_collective_names_the_rank_and_leaves_nothing_in_dev_shm():
 
 @pytest.mark.timeout(120)
 def test_shared_memory_all_reduce_over_several_pieces_is_exact_and_metered(monkeypatch):
-    monkeypatch.setenv("GRADSYNC_SHM_STAGE_MB", str(4096 / (1 << 20)))  # 4 KiB halves: 512 float64 per piece
+    monkeypatch.setenv("GRADSYNC_SHM_STAGE_MB", str(4096 / (1 << 20)))  # 4 KiB halves
     n_ranks, numel = 3, 3 * 512 + 5
+    region = 4096 // n_ranks // 64 * 64 // 8     # 168 float64 per rank's region: 504 per piece
     results = gs.spawn(shm_fns.shared_memory_pieces, nprocs=n_ranks, args=(512,))
     expected = torch.arange(numel, dtype=torch.float64) * (1 + 2 + 3) / 3
     for rank, calls in enumerate(results):
         for x, received, sent in calls:
             assert torch.equal(x, expected) and torch.equal(x, results[0][0][0])
             # each piece: slice r from the N-1 others, then every other owner's slice (allreduce_shared.py)
-            pieces = [512, 512, 512, 5]
+            pieces = [n_ranks * region] * 3 + [numel - 3 * n_ranks * region]
             sizes = [[len(range(c, p, n_ranks)) for c in range(n_ranks)] for p in pieces]  # ring_chunks sizes
             mine = sum((n_ranks - 1) * s[rank] + (p - s[rank]) for p, s in zip(pieces, sizes)) * 8
             assert received == mine and sent == mine

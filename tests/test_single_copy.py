@@ -1,5 +1,5 @@
-"""comm/single_copy.py against a real second process: what read() takes out of its memory and what
-write() puts there are checked by that process itself, and probe() says why when it cannot work."""
+"""comm/single_copy.py against a real second process: what read() takes out of its memory, and
+probe() saying why when it cannot work."""
 
 import multiprocessing as mp
 import os
@@ -11,12 +11,9 @@ from gradsync.comm import single_copy
 
 
 def _holder(conn) -> None:
-    """Hold a float64 tensor of 0..n-1, send its pid and address, and after the parent's writes
-    send back what the tensor holds."""
+    """Hold a float64 tensor of 0..n-1, send its pid and address, and wait to be told to exit."""
     tensor = torch.arange(1000, dtype=torch.float64)
     conn.send((os.getpid(), tensor.data_ptr()))
-    conn.recv()
-    conn.send(tensor.clone())
     conn.recv()
 
 
@@ -35,7 +32,7 @@ def holder():
 
 
 @pytest.mark.timeout(120)
-def test_read_and_write_another_process_tensor_and_probe(holder):
+def test_read_another_process_tensor_and_probe(holder):
     conn, process, pid, address = holder
     problem = single_copy.probe(pid, address, torch.arange(2, dtype=torch.float64).numpy().tobytes())
     if problem is not None and "Operation not permitted" in problem:
@@ -46,20 +43,10 @@ def test_read_and_write_another_process_tensor_and_probe(holder):
     single_copy.read(pid, address + 100 * 8, into)            # elements 100..399, as the holder has them
     assert torch.equal(into, torch.arange(100, 400, dtype=torch.float64))
 
-    single_copy.write(pid, address + 500 * 8, torch.full((250,), -1.0, dtype=torch.float64))
-    conn.send("report")
-    assert conn.poll(60)
-    held = conn.recv()
-    expected = torch.arange(1000, dtype=torch.float64)
-    expected[500:750] = -1.0                                  # exactly the written run, nothing around it
-    assert torch.equal(held, expected)
-
-    # probe reads back what it was told to expect, and writes those same bytes back
+    # probe reads back what it was told to expect
     assert "other bytes than expected" in single_copy.probe(pid, address, b"\x01" * 16)
     conn.send("done")
     process.join(30)
     with pytest.raises(single_copy.SingleCopyError, match="process_vm_readv with pid"):
         single_copy.read(pid, address, into)
-    with pytest.raises(single_copy.SingleCopyError, match="process_vm_writev with pid"):
-        single_copy.write(pid, address, into)
     assert "process_vm_readv with pid" in single_copy.probe(pid, address, b"\x00" * 8)

@@ -92,12 +92,12 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
     from types import SimpleNamespace
 
     from gradsync.comm import shm
-    from gradsync.comm.allreduce_shared_single_copy import from_bytes
+    from gradsync.comm.allreduce_shared import direct_below
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    # just over where the single-copy one takes over and moves slices (with two ranks: one staging half)
-    large = from_bytes(SimpleNamespace(world_size=world_size, stage_bytes=shm.stage_bytes())) // 4 + 3
+    # just over where the split one takes over and moves slices
+    large = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=shm.stage_bytes())) // 4 + 3
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes
@@ -110,10 +110,8 @@ def test_shared_memory_direct_and_split_traffic(world_of, world_size):
                 per_peer = {peer: (sizes[rank] + sizes[peer]) * 4 for peer in range(world_size) if peer != rank}
             assert t["bytes_received"] == t["bytes_sent"] == expected, (numel, rank)
             assert {peer: c["received"] for peer, c in t["per_peer"].items()} == per_peer
-            # the staged agreement: one 64-byte fingerprint slot read from each other rank; the large
-            # one reads each tensor where it lies (allreduce_shared_single_copy.py), so its address too
-            control = 64 + (0 if direct else 8)
-            assert t["control_bytes_received"] == t["control_bytes_sent"] == control * (world_size - 1)
+            # the staged agreement: one 64-byte fingerprint slot read from each other rank
+            assert t["control_bytes_received"] == t["control_bytes_sent"] == 64 * (world_size - 1)
 
 
 @pytest.mark.timeout(300)

@@ -57,6 +57,7 @@ import contextlib
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,7 @@ import torch.distributed as dist
 import gradsync as gs
 from gradsync.comm import shm
 from gradsync.comm.allreduce_ring import ring_bytes_sent
-from gradsync.comm.allreduce_shared import DIRECT_BELOW_BYTES
-from gradsync.comm.allreduce_shared_single_copy import FROM_BYTES as SINGLE_COPY_FROM_BYTES
+from gradsync.comm.allreduce_shared import direct_below
 from gradsync.comm.collectives import here, resolve_algorithm
 from gradsync.comm.shm import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
@@ -264,8 +264,7 @@ def run(workers: int, sizes: list[int], algorithms: list[str] | None = None, rep
         results = gs.spawn(_bench_job, nprocs=workers, args=(sizes, algorithms, reps, warmup, fit))
     rows, fitted = results[0]
     for r in rows:
-        r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"],
-                                            r.get("single_copy", False))
+        r["formula_bytes"] = _formula_bytes(r.get("picked") or r["algorithm"], r["size"], r["workers"])
     _add_native_ratios(rows)
     return {"rows": rows, "fit": fitted}
 
@@ -327,14 +326,12 @@ def add_mpi_rows(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
     return merged
 
 
-def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int, single_copy: bool) -> float | None:
-    """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32).
-    ``single_copy``: the shared-memory transport could read and write other ranks' memory."""
+def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
+    """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
-    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py);
-        # with two ranks both formulas give M, so the direct all-reduce's wider range there does not matter
-        direct = nbytes < (SINGLE_COPY_FROM_BYTES if single_copy else min(DIRECT_BELOW_BYTES, shm.stage_bytes() + 1))
+    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
+        direct = nbytes < direct_below(SimpleNamespace(world_size=n_ranks, stage_bytes=shm.stage_bytes()))
         return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
@@ -348,10 +345,8 @@ def _bench_job(sizes, algorithms, reps, warmup, fit):
     torch.set_num_threads(1)
     rows = _bench_rank(sizes, algorithms, reps, warmup)
     ours = carrier()
-    single_copy = getattr(default_transport(), "single_copy", False)
     for r in rows:
         r["transport"] = "gloo" if r["algorithm"] == "native" else ours
-        r["single_copy"] = single_copy
     fitted = _fit_rank() if fit and gs.world().world_size >= 2 else None
     if fitted is not None:
         fitted["transport"] = ours

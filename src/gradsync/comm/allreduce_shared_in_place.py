@@ -11,8 +11,8 @@ Phases
     reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
               then the others in rank order; avg divides by N
     scatter   rank r copies its finished slice r into slice r of every other rank's tensor
-              (reduce and scatter go piece by piece, allreduce_shared_single_copy.piece_bytes,
-              so each piece is copied out while it is still in cache)
+              (reduce and scatter go piece by piece, piece_bytes, so each piece is copied out
+              while it is still in cache)
     barrier   every rank has scattered its slice: every tensor holds the whole result, and no rank
               touches another's tensor any more, so each may write its own again (the next backward
               accumulates into it)
@@ -39,18 +39,20 @@ import torch
 
 from gradsync.comm.agree import Fingerprint, barrier_staged
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.allreduce_shared_single_copy import piece_bytes
 from gradsync.comm.reduce_ops import SUM, Reduction
 
 PIECE_BYTES = 512 << 10
 """The reduce and scatter go at most this many bytes at a time (divided among the ranks that share
-a core: allreduce_shared_single_copy.piece_bytes), so a finished piece is copied out while it is
-still in cache. No system call per piece here, unlike the single-copy all-reduce, whose larger
-pieces pay for their kernel copies' fixed cost."""
+a core: piece_bytes), so a finished piece is copied out while it is still in cache."""
 
 IN_PLACE_FROM_BYTES = 256 << 10
 """Tensors in a shared region of at least this many bytes are all-reduced in place; smaller ones
 take the direct all-reduce (allreduce_shared_direct.py)."""
+
+
+def piece_bytes(transport, whole: int = PIECE_BYTES) -> int:
+    """``whole`` (PIECE_BYTES), divided among the local ranks that share a core and so its cache."""
+    return whole // getattr(transport, "ranks_per_core", 1)
 
 
 def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,

@@ -28,6 +28,7 @@ group.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,6 @@ from gradsync.comm.allreduce_naive import allreduce_naive
 from gradsync.comm.allreduce_shared import allreduce_shared, direct_below
 from gradsync.comm.allreduce_shared_direct import DirectAllReduce
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.allreduce_shared_single_copy import allreduce_shared_single_copy
-from gradsync.comm.allreduce_shared_single_copy import from_bytes as single_copy_from
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
 from gradsync.comm.all_gather_in_place import all_gather_in_place as all_gather_region
@@ -174,9 +173,12 @@ SPIN_BELOW_BYTES = 4 << 20
 """With more local ranks than cores, collectives of fewer bytes than this poll in their barriers,
 yielding the core, for up to 1 ms before they sleep (shm.py's ``spin``): their phases are balanced
 and short, so a sleep and wake-up would dominate them (4 ranks on 2 cores, 1 MiB: 1.3-1.4 ms a call
-against 1.6-2.1 ms sleeping at once). Larger ones sleep at once there: polling made them faster
-alone (4 MiB 3.90 -> 3.54 ms) but not torch's DDP, whose communication thread shares a core with
-backward. With a core per rank every collective polls (shm.poll_seconds: 200 us on the main thread,
+against 1.6-2.1 ms sleeping at once). Larger ones poll too on the main thread, but sleep at once on
+any other: polling made them faster alone (4 MiB 3.90 -> 3.54 ms; with the split all-reduce,
+2026-12-03, blocks of 40 calls alternating, us: N=4 4 MiB 2,876-2,968 -> 2,555-2,698, 16 MiB
+11,224-11,954 -> 10,357-11,373, 64 MiB 42,053-44,450 -> 39,488-40,140; N=3 4 MiB 2,676-2,731 ->
+2,396-2,435, 16 MiB 8,594-8,765 -> 8,004-8,282) but not torch's DDP, whose communication thread
+shares a core with backward. With a core per rank every collective polls (shm.poll_seconds: 200 us on the main thread,
 30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617 us, 16 MiB 2.33 ->
 2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
 
@@ -198,8 +200,9 @@ def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
 
 def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
     """Whether the collective's barriers poll before they sleep: always while every local rank has a
-    core (shm.poll_seconds), below SPIN_BELOW_BYTES when ranks outnumber the cores."""
-    return (getattr(transport, "spin_allowed", False)
+    core (shm.poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
+    below SPIN_BELOW_BYTES."""
+    return (getattr(transport, "spin_allowed", False) or threading.current_thread() is threading.main_thread()
             or fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES)
 
 
@@ -287,13 +290,6 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
         stall.entered(fingerprint)
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=_spins(transport, fingerprint))
-    elif (algorithm == "shared_memory" and transport.single_copy
-          and flat.numel() * flat.element_size() >= single_copy_from(transport)):  # read where it lies, no staging
-        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op,
-                                  "shared_memory_single_copy")
-        stall.entered(fingerprint)
-        allreduce_shared_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                     spin=_spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
         fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op, algorithm)
         stall.entered(fingerprint)

@@ -40,11 +40,11 @@ Cleanup: each rank creates its segment, every local peer maps it, and then the n
 once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
 nothing in /dev/shm. The launcher removes the job's names if ranks die during set-up.
 
-Single-copy reads and writes (single_copy.py): at set-up every rank tries to read a token out of
-each local peer's segment through process_vm_readv and to write it back through process_vm_writev,
-and the ranks agree: ``single_copy`` is True only when every rank can do both with every other.
-Then large all-reduces read the peers' tensors where they lie and write the result into them
-(allreduce_shared_single_copy.py) instead of staging them.
+Single-copy reads (single_copy.py): at set-up every rank tries to read a token out of each local
+peer's segment through process_vm_readv, and the ranks agree: ``single_copy`` is True only when
+every rank can read from every other. Then large reduce-scatters and all-gathers read the peers'
+tensors where they lie (reduce_scatter_single_copy.py, all_gather_single_copy.py) instead of
+staging them.
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
@@ -270,6 +270,7 @@ class ShmTransport(Transport):
         self._fingerprint_slots = (self._fingerprint_offset(), self._fingerprint_offset() + 2 * FRAME)
         self._barriers = 0
         self._half = 0
+        self._split_in_half = False   # the last piece in _half was allreduce_shared's split
         self._published = 0
         self._mine = b""   # this rank's last published fingerprint, packed
         self._views: dict[tuple, list[torch.Tensor]] = {}
@@ -365,9 +366,8 @@ class ShmTransport(Transport):
                                                offset=self._stage_offset()) for rank in self.local_ranks}
 
     def _probe(self, peer: int, base: int) -> str | None:
-        """Why single-copy reads from and writes to ``peer`` do not work here (None when they do): read
-        the token at the start of its fingerprint slots, compare it with what its mapping shows, and
-        write it back (single_copy.probe)."""
+        """Why single-copy reads from ``peer`` do not work here (None when they do): read the token at
+        the start of its fingerprint slots and compare it with what its mapping shows (single_copy.probe)."""
         offset = self._fingerprint_offset()
         expected = bytes(self._mappings[peer][offset:offset + 16])
         return single_copy.probe(self.pids[peer], base + offset, expected)
@@ -655,18 +655,11 @@ class ShmTransport(Transport):
 
     def read_from(self, rank: int, address: int, into: torch.Tensor, op: str) -> None:
         """Single-copy read of ``into``'s size from ``address`` in local rank ``rank``'s memory."""
-        self._single_copy(single_copy.read, rank, address, into, op, "reading")
-
-    def write_to(self, rank: int, address: int, source: torch.Tensor, op: str) -> None:
-        """Single-copy write of ``source`` to ``address`` in local rank ``rank``'s memory."""
-        self._single_copy(single_copy.write, rank, address, source, op, "writing into")
-
-    def _single_copy(self, move, rank: int, address: int, tensor: torch.Tensor, op: str, doing: str) -> None:
         try:
-            move(self.pids[rank], address, tensor)
+            single_copy.read(self.pids[rank], address, into)
         except single_copy.SingleCopyError as exc:
             gone = "" if _alive(self.pids[rank]) else f" (rank {rank} has exited)"
-            raise PeerError(f"rank {self.rank}: {op}: {doing} rank {rank}'s tensor failed{gone}: {exc}",
+            raise PeerError(f"rank {self.rank}: {op}: reading rank {rank}'s tensor failed{gone}: {exc}",
                             rank=self.rank, peer=rank, op=op) from exc
 
     def scratch(self, nbytes: int) -> torch.Tensor:
@@ -682,6 +675,16 @@ class ShmTransport(Transport):
         """The staging half the next piece uses: they alternate, across calls too, so a rank may
         fill one half while slower ranks still read the other (allreduce_shared.py)."""
         self._half ^= 1
+        self._split_in_half = False
+        return self._half
+
+    def split_half(self) -> int:
+        """The staging half for the split all-reduce's pieces: the last one when the split used it last
+        (its regions lie at fixed places, so a split may follow a split in the same half:
+        allreduce_shared.py), else the next."""
+        if not self._split_in_half:
+            self._half ^= 1
+            self._split_in_half = True
         return self._half
 
     def stage(self, rank: int, half: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Single-copy reads and writes: copy bytes straight out of, or into, another local process's memory.
+"""Single-copy reads: copy bytes straight out of another local process's memory.
 
 Shared segments (shm.py) need every byte copied in by its owner before others can read it. Linux
 also lets a process read another's private memory in one kernel copy, given the right to trace it
@@ -9,12 +9,11 @@ is (a torch tensor anywhere in the peer's heap); only its address and the peer's
     read(pid, address, into)      copies into.numel() * into.element_size() bytes from ``address``
                                   in process ``pid`` into the contiguous tensor ``into``
                                   (process_vm_readv); raises SingleCopyError naming what failed
-    write(pid, address, source)   the other way (process_vm_writev): the same right, the same cost
 
 The calls drop the GIL (ctypes), so a communication thread reading does not stall the training
-thread. ``probe(pid, address, expected)`` tells at set-up whether reads from and writes to a peer
+thread. ``probe(pid, address, expected)`` tells at set-up whether reads from a peer
 work here (shm.py agrees on the answer across ranks, so every rank takes the same algorithm).
-GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads and writes off.
+GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads off.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ import torch
 ENV = "GRADSYNC_SHM_SINGLE_COPY"
 FROM_BYTES = 256 << 10
 """Reduce-scatter inputs and all-gather shards of at least this many bytes are read where they lie;
-smaller ones go through the staging halves (one barrier fewer). (All-reduce:
-allreduce_shared_single_copy.FROM_BYTES.)"""
+smaller ones go through the staging halves (one barrier fewer). (The all-reduce always stages:
+allreduce_shared.py says why.)"""
 
 
 class SingleCopyError(OSError):
@@ -53,7 +52,6 @@ def _bind(name: str):
 
 
 _READV = _bind("process_vm_readv")
-_WRITEV = _bind("process_vm_writev")
 
 
 def enabled() -> bool:
@@ -65,8 +63,8 @@ def enabled() -> bool:
 
 
 def _move(call, pid: int, local_address: int, remote_address: int, nbytes: int) -> None:
-    """``nbytes`` between ``local_address`` here and ``remote_address`` in ``pid`` (``call``: one of
-    the two system calls), resuming after a partial transfer."""
+    """``nbytes`` from ``remote_address`` in ``pid`` to ``local_address`` here (``call``:
+    process_vm_readv), resuming after a partial transfer."""
     done = 0
     local, remote = _Iovec(), _Iovec()
     while done < nbytes:
@@ -90,24 +88,15 @@ def read(pid: int, address: int, into: torch.Tensor) -> None:
     _move(_READV, pid, into.data_ptr(), address, into.numel() * into.element_size())
 
 
-def write(pid: int, address: int, source: torch.Tensor) -> None:
-    """Copy the contiguous CPU tensor ``source`` to ``address`` in process ``pid`` (process_vm_writev)."""
-    _move(_WRITEV, pid, source.data_ptr(), address, source.numel() * source.element_size())
-
-
 def probe(pid: int, address: int, expected: bytes) -> str | None:
-    """None when ``len(expected)`` bytes at ``address`` in ``pid`` read back as ``expected`` and can be
-    written back there (the same bytes: the peer sees no change), else why not."""
+    """None when ``len(expected)`` bytes at ``address`` in ``pid`` read back as ``expected``, else why not."""
     if not enabled():
         return f"{ENV}=0" if _READV is not None else "process_vm_readv is not available"
-    if _WRITEV is None:
-        return "process_vm_writev is not available"
     buffer = ctypes.create_string_buffer(len(expected))
     try:
         read_bytes(pid, address, ctypes.addressof(buffer), len(expected))
         if buffer.raw != expected:
             return f"process_vm_readv from pid {pid} read other bytes than expected"
-        _move(_WRITEV, pid, ctypes.addressof(buffer), address, len(expected))
     except SingleCopyError as exc:
         return str(exc)
     return None
