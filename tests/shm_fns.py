@@ -326,15 +326,15 @@ def repeated_small_all_reduces(rounds: int):
     return mismatches, sorted((k[1], str(k[3]), k[4]) for k in default_transport().plans if k[0] == "all_reduce")
 
 
-def plan_then_mismatch(kind: str):
-    """Every rank all-reduces the same 1,000 float32 three times (the last two from the kept plan);
+def plan_then_mismatch(kind: str, numel: int):
+    """Every rank all-reduces the same ``numel`` float32 three times (the last two from the kept plan);
     then rank 1 alone changes the call (``kind``: "dtype" or "op")."""
     for _ in range(3):
-        gs.all_reduce(torch.ones(1000))
+        gs.all_reduce(torch.ones(numel))
     if gs.world().rank == 1:
-        gs.all_reduce(torch.ones(1000, dtype=torch.float64) if kind == "dtype" else torch.ones(1000), op="max")
+        gs.all_reduce(torch.ones(numel, dtype=torch.float64) if kind == "dtype" else torch.ones(numel), op="max")
     else:
-        gs.all_reduce(torch.ones(1000))
+        gs.all_reduce(torch.ones(numel))
 
 
 def nan_payloads_all_reduced(sizes: list[int], ops: list[str]):

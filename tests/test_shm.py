@@ -242,12 +242,13 @@ def test_small_all_reduces_of_nan_payloads_end_bit_identical_on_every_rank(world
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["dtype", "op"])
-def test_a_call_that_differs_from_a_kept_plan_is_a_mismatch_on_every_rank(world_of, kind):
-    # ranks 0 and 2 run the kept plan of 1,000 float32 sums, rank 1 changes the dtype or the op:
-    # every rank raises, naming a rank that differs, before anything is folded
+@pytest.mark.parametrize("kind,numel", [("dtype", 1000), ("op", 1000), ("op", 600_000)])
+def test_a_call_that_differs_from_a_kept_plan_is_a_mismatch_on_every_rank(world_of, kind, numel):
+    # ranks 0 and 2 run the kept plan of float32 sums (1,000: the direct all-reduce's; 600,000, 2.4 MB:
+    # the split one's), rank 1 changes the dtype or the op: every rank raises, naming a rank that
+    # differs, before anything is folded
     with pytest.raises(RankFailure) as info:
-        world_of(3).run(shm_fns.plan_then_mismatch, kind, case_timeout=30)
+        world_of(3).run(shm_fns.plan_then_mismatch, kind, numel, case_timeout=30)
     assert set(info.value.errors) == {0, 1, 2}
     for rank, (name, message) in info.value.errors.items():
         assert name == "CollectiveMismatchError", message

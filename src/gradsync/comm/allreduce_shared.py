@@ -54,13 +54,20 @@ Time: T = ceil(M/(N R)) * (2 barriers + copies of about 2M/ceil(M/(N R)) bytes).
 
 from __future__ import annotations
 
+import threading
+from typing import NamedTuple
+
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync import stall
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.allreduce_shared_direct import allreduce_shared_direct
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
+
+OP = "all_reduce/shared_memory"
+AGREE = "all_reduce/agree"
 
 DIRECT_BELOW_BYTES = 2 << 20
 """Messages smaller than this (and fitting one staging half) take the direct all-reduce: one barrier
@@ -106,52 +113,118 @@ def _region_elems(transport, dtype: torch.dtype) -> int:
     return region_bytes // dtype.itemsize
 
 
+class _Piece(NamedTuple):
+    """The staging views one piece length uses on one half, this rank's side."""
+    stage: list[torch.Tensor]     # region j of this rank's half, for each other rank j in rank order
+    theirs: list[torch.Tensor]    # region r (this rank's) of each other rank's half, in rank order
+    post: torch.Tensor            # region r of this rank's half: its reduced slice, for the others
+    results: list[torch.Tensor]   # region j of each other rank j's half: j's reduced slice
+
+
+class SplitAllReduce:
+    """The split all-reduce of one shape (element count, dtype, reduction), made ready once: every
+    piece's chunk sizes (one ``flat.split`` per call cuts every slice of every piece) and, for each
+    staging half, the region views of a whole piece and of a short last one, the meter's exchanges
+    and the fingerprint's fixed values. allreduce_shared() makes one for a call; collectives.py keeps
+    one per large all-reduce a program repeats (``transport.plans``) and runs a repeated call with
+    ``run``, as allreduce_shared_direct.DirectAllReduce does: a 4 MiB call at N=2 spent about 100 of
+    its 600 us making views and choosing (docs/benchmarks.md, "Staged again")."""
+
+    def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
+                 spin: bool = False, hold=None) -> None:
+        n_ranks, rank = transport.world_size, transport.rank
+        region = _region_elems(transport, dtype)
+        self.nbytes = numel * dtype.itemsize
+        self.reduction, self.spin, self._hold = reduction, spin, hold
+        self.n_ranks, self.rank = n_ranks, rank
+        self.others = [other for other in range(n_ranks) if other != rank]
+        pieces = [ring_chunks(min(n_ranks * region, numel - start), n_ranks).sizes
+                  for start in range(0, numel, n_ranks * region)]
+        self.split_sizes = [size for sizes in pieces for size in sizes]
+        halves = [transport.staged_views(half, n_ranks * region * dtype.itemsize, dtype) for half in (0, 1)]
+        self.layouts = [[self._views(staged, sizes, region) for sizes in pieces[-2:]] for staged in halves]
+        self.last = len(pieces) - 1   # the piece that takes layouts[half][-1]; every other takes [0]
+        # bytes this rank reads out of each other rank's staging; by symmetry, also what that rank reads out
+        # of ours (region r of theirs and region j of ours, against region j of ours and region r of theirs)
+        self.exchanges = [(other, sum(sizes[rank] + sizes[other] for sizes in pieces) * dtype.itemsize)
+                          for other in self.others]
+        self.fingerprint = Fingerprint("all_reduce", 0, numel, dtype, reduction.name, "shared_memory")
+        kind, _, *rest = self.fingerprint.values()
+        self._kind, self._rest = kind, tuple(rest)
+        self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
+        self._agreements = [(other, FINGERPRINT_BYTES) for other in self.others]
+
+    def _views(self, staged: list[torch.Tensor], sizes: list[int], region: int) -> _Piece:
+        rank = self.rank
+        return _Piece(stage=[staged[rank].narrow(0, j * region, sizes[j]) for j in self.others],
+                      theirs=[staged[j].narrow(0, rank * region, sizes[rank]) for j in self.others],
+                      post=staged[rank].narrow(0, rank * region, sizes[rank]),
+                      results=[staged[j].narrow(0, j * region, sizes[j]) for j in self.others])
+
+    def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
+        """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place; ``fingerprint``:
+        agree on it with the first piece, every difference metered and raised (agree.compare_published)."""
+        self._pieces(flat, transport, None if fingerprint is None else fingerprint.values(), fingerprint)
+        transport.meter.record_exchanges(self.exchanges, op=OP)
+
+    def run(self, flat: torch.Tensor, transport) -> None:
+        """A repeated call, whole, as DirectAllReduce.run: held where the plan was given a hold, the next
+        sequence number, the stall inspector told, the fingerprint published with the first piece and
+        compared after its first barrier, the call counted for the meter."""
+        holding = self._hold is not None and self._hold.enter()
+        try:
+            sequence = next_sequence_of(transport)
+            fingerprint = self.fingerprint._replace(sequence=sequence)
+            stall.entered(self.fingerprint, sequence)
+            self._pieces(flat, transport, (self._kind, sequence) + self._rest, fingerprint, quick=True)
+            if self._calls is not None:
+                self._calls[0] += 1
+            else:   # the meter keeps no more counters (TrafficMeter.tally)
+                transport.meter.record_exchanges(self.exchanges, op=OP)
+                transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+        finally:
+            if holding:
+                self._hold.leave()
+
+    def _pieces(self, flat: torch.Tensor, transport, published, fingerprint, quick: bool = False) -> None:
+        n_ranks, rank, reduction = self.n_ranks, self.rank, self.reduction
+        # every rank polls on the main thread; elsewhere as the plan was told (collectives._spins)
+        spin = self.spin or threading.current_thread() is threading.main_thread()
+        layouts, last = self.layouts[transport.split_half()], self.last
+        slices = flat.split(self.split_sizes)
+        for index in range(last + 1):
+            views = layouts[-1] if index == last else layouts[0]
+            chunks = slices[index * n_ranks:(index + 1) * n_ranks]
+            mine = [chunks[other] for other in self.others]
+            # stage
+            for region, chunk in zip(views.stage, mine):
+                region.copy_(chunk)
+            if index == 0 and published is not None:
+                transport.publish(published)
+            transport.barrier(OP, spin)
+            if index == 0 and published is not None:
+                if not quick or transport.first_differing(AGREE, metered=False) is not None:
+                    compare_published(transport, fingerprint)
+            # reduce, then post
+            own = chunks[rank]
+            for region in views.theirs:
+                reduction.combine(own, region)
+            reduction.finish(own, n_ranks)
+            views.post.copy_(own)
+            transport.barrier(OP, spin)
+            # gather
+            for chunk, region in zip(mine, views.results):
+                chunk.copy_(region)
+
+
 def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
                      fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
-    """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves;
-    ``fingerprint``: agree on it with the first piece; ``spin``: barriers may spin (shm.py)."""
-    op = "all_reduce/shared_memory"
-    n_ranks, rank = transport.world_size, transport.rank
-    if n_ranks == 1:
+    """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves (direct
+    below direct_below, else split); ``fingerprint``: agree on it with the first piece; ``spin``:
+    barriers may spin (shm.py)."""
+    if transport.world_size == 1:
         return
-    esize = flat.element_size()
-    if flat.numel() * esize < direct_below(transport):
+    if flat.numel() * flat.element_size() < direct_below(transport):
         allreduce_shared_direct(flat, transport, reduction=reduction, fingerprint=fingerprint, spin=spin)
         return
-    region = _region_elems(transport, flat.dtype)
-    half = transport.split_half()
-    halves = transport.staged_views(half, n_ranks * region * esize, flat.dtype)
-    regions = [[halves[j].narrow(0, i * region, region) for i in range(n_ranks)] for j in range(n_ranks)]
-    # bytes this rank reads out of each other rank's staging; by symmetry, also what that rank reads
-    # out of ours (region r of theirs and region j of ours, against region j of ours and region r of theirs)
-    exchanged = [0] * n_ranks
-    for start in range(0, flat.numel(), n_ranks * region):
-        piece = flat.narrow(0, start, min(n_ranks * region, flat.numel() - start))
-        chunks = ring_chunks(piece.numel(), n_ranks)
-        sizes = chunks.sizes
-        # stage
-        for other in range(n_ranks):
-            if other != rank:
-                regions[rank][other][:sizes[other]].copy_(chunks.view(piece, other))
-        if fingerprint is not None and start == 0:
-            transport.publish(fingerprint.values())
-        transport.barrier(op, spin)
-        if fingerprint is not None and start == 0:
-            compare_published(transport, fingerprint)
-        # reduce, then post
-        own = chunks.view(piece, rank)
-        for other in range(n_ranks):
-            if other != rank:
-                reduction.combine(own, regions[other][rank][:sizes[rank]])
-        reduction.finish(own, n_ranks)
-        regions[rank][rank][:sizes[rank]].copy_(own)
-        transport.barrier(op, spin)
-        # gather
-        for owner in range(n_ranks):
-            if owner != rank:
-                chunks.view(piece, owner).copy_(regions[owner][owner][:sizes[owner]])
-        for other in range(n_ranks):
-            exchanged[other] += (sizes[rank] + sizes[other]) * esize
-    for other in range(n_ranks):
-        if other != rank:
-            transport.meter.record_exchange(peer=other, received=exchanged[other], sent=exchanged[other], op=op)
+    SplitAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)

@@ -41,7 +41,7 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import allreduce_shared, direct_below
+from gradsync.comm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
 from gradsync.comm.allreduce_shared_direct import DirectAllReduce
 from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
 from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
@@ -108,10 +108,9 @@ def _on_own_core(collective):
     def held(place: Place, *args, **kwargs):
         transport = place.transport
         hold = getattr(transport, "hold", None)
-        core_each = getattr(transport, "spin_allowed", False)
         tensor = args[0] if args else None
-        if hold is None or (core_each and isinstance(tensor, torch.Tensor)
-                            and tensor.numel() * tensor.element_size() >= HOLD_BELOW_BYTES):
+        if hold is None or (isinstance(tensor, torch.Tensor)
+                            and not _holds(transport, tensor.numel() * tensor.element_size())):
             return collective(place, *args, **kwargs)
         holding = hold.enter()   # False inside a held collective already
         try:
@@ -120,6 +119,12 @@ def _on_own_core(collective):
             if holding:
                 hold.leave()
     return held
+
+
+def _holds(transport: Transport, nbytes: int) -> bool:
+    """Whether a collective of ``nbytes`` is held on its rank's core (_on_own_core): every one where
+    ranks outnumber cores, below HOLD_BELOW_BYTES with a core per rank."""
+    return not getattr(transport, "spin_allowed", False) or nbytes < HOLD_BELOW_BYTES
 
 
 def shared_allocator(w: runtime.World):
@@ -202,8 +207,13 @@ def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
     """Whether the collective's barriers poll before they sleep: always while every local rank has a
     core (shm.poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
     below SPIN_BELOW_BYTES."""
-    return (getattr(transport, "spin_allowed", False) or threading.current_thread() is threading.main_thread()
-            or fingerprint.numel * fingerprint.dtype.itemsize < SPIN_BELOW_BYTES)
+    return (threading.current_thread() is threading.main_thread()
+            or _spins_anywhere(transport, fingerprint.numel * fingerprint.dtype.itemsize))
+
+
+def _spins_anywhere(transport: Transport, nbytes: int) -> bool:
+    """Whether a collective of ``nbytes`` polls on any thread (_spins)."""
+    return getattr(transport, "spin_allowed", False) or nbytes < SPIN_BELOW_BYTES
 
 
 def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
@@ -311,18 +321,22 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
 
 def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
                    spin: bool) -> None:
-    """Keep a DirectAllReduce for ``flat``'s shape when later calls of it take the direct all-reduce
-    (below allreduce_shared.direct_below); all_reduce_in runs it straight from its key, for a tensor
-    of IN_PLACE_FROM_BYTES or more only when it does not lie in a shared region (those are reduced
-    in place)."""
+    """Keep a plan for ``flat``'s shape: a DirectAllReduce below allreduce_shared.direct_below, else a
+    SplitAllReduce (told to hold the call and to poll as _on_own_core and _spins would off the main
+    thread); all_reduce_in runs it straight from its key, for a tensor of IN_PLACE_FROM_BYTES or more
+    only when it does not lie in a shared region (those are reduced in place)."""
     nbytes = flat.numel() * flat.element_size()
     plans = getattr(transport, "plans", None)
-    if plans is None or nbytes >= direct_below(transport):
+    if plans is None:
         return
     if len(plans) >= 256:
         plans.clear()
-    plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = DirectAllReduce(
-        transport, flat.numel(), flat.dtype, chosen, spin)
+    if nbytes < direct_below(transport):
+        plan = DirectAllReduce(transport, flat.numel(), flat.dtype, chosen, spin)
+    else:
+        plan = SplitAllReduce(transport, flat.numel(), flat.dtype, chosen, _spins_anywhere(transport, nbytes),
+                              getattr(transport, "hold", None) if _holds(transport, nbytes) else None)
+    plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = plan
 
 
 @stall.tracked
