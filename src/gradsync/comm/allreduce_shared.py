@@ -47,8 +47,8 @@ Memory traffic per rank: read + write (N-1)/N * M (stage), read M + write M/N (r
 M/N (post), read + write (N-1)/N * M (gather): one copy of the tensor in and out, against two for a
 split that stages and gathers whole pieces. Reading the others' tensors where they lie instead,
 through the kernel (single_copy.py, as the reduce-scatter does), saves the stage but each kernel copy
-costs 2.7x a copy here; that all-reduce (two kernel copies per byte) was slower at every size from
-2 MiB to 64 MiB with 2, 3 and 4 ranks (docs/benchmarks.md, "Staged again").
+costs 2.7x a copy here; that all-reduce (two kernel copies per byte) was slower at every size
+measured, 2-64 MiB with 2 ranks and 1-64 MiB with 3 and 4 (docs/benchmarks.md, "Staged again").
 Time: T = ceil(M/(N R)) * (2 barriers + copies of about 2M/ceil(M/(N R)) bytes).
 """
 
@@ -127,8 +127,8 @@ class SplitAllReduce:
     staging half, the region views of a whole piece and of a short last one, the meter's exchanges
     and the fingerprint's fixed values. allreduce_shared() makes one for a call; collectives.py keeps
     one per large all-reduce a program repeats (``transport.plans``) and runs a repeated call with
-    ``run``, as allreduce_shared_direct.DirectAllReduce does: a 4 MiB call at N=2 spent about 100 of
-    its 600 us making views and choosing (docs/benchmarks.md, "Staged again")."""
+    ``run``, as allreduce_shared_direct.DirectAllReduce does: a 4 MiB call at N=2 spent 60-80 of its
+    600 us making views and choosing (docs/benchmarks.md, "Staged again")."""
 
     def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
                  spin: bool = False, hold=None) -> None:

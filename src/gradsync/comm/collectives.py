@@ -183,9 +183,9 @@ any other: polling made them faster alone (4 MiB 3.90 -> 3.54 ms; with the split
 2026-12-03, blocks of 40 calls alternating, us: N=4 4 MiB 2,876-2,968 -> 2,555-2,698, 16 MiB
 11,224-11,954 -> 10,357-11,373, 64 MiB 42,053-44,450 -> 39,488-40,140; N=3 4 MiB 2,676-2,731 ->
 2,396-2,435, 16 MiB 8,594-8,765 -> 8,004-8,282) but not torch's DDP, whose communication thread
-shares a core with backward. With a core per rank every collective polls (shm.poll_seconds: 200 us on the main thread,
-30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617 us, 16 MiB 2.33 ->
-2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
+shares a core with backward. With a core per rank every collective polls (shm.poll_seconds: 200 us
+on the main thread, 30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617
+us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
 
 
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
