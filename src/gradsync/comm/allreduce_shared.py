@@ -71,19 +71,22 @@ AGREE = "all_reduce/agree"
 
 DIRECT_BELOW_BYTES = 2 << 20
 """Messages smaller than this (and fitting one staging half) take the direct all-reduce: one barrier
-against three, worth more than the (N-1) x M it reads up to here. Timed on this 2-core host
-(2026-12-03, blocks of 40 calls alternating, each call's result checked after it as the bench does,
-medians of the three blocks' medians, slowest rank, us), direct against this split: N=3 1 MiB 454
-against 614, 1.5 MiB 625 against 757, 2 MiB 825 against 964; N=4 1 MiB 546 against 679, 1.5 MiB 808
-against 872, 2 MiB 1,194 against 1,253, 3 MiB 1,947 against 1,681; N=8 1 MiB 1,924 against 2,662,
-2 MiB 4,113 against 3,930."""
+against two per piece, worth more than the (N-1) x M it reads up to about here. Timed on this
+2-core host (2026-12-03 06:10 UTC, blocks of 40 calls alternating, each call's result checked after
+it as the bench does, medians of the blocks' medians, slowest rank, us), direct (a plan) against
+this split (no plan): N=3 1 MiB 415-449 against 552-568, 1.5 MiB 570-602 against 657-666; N=4 512
+KiB 346-393 against 481-509, 1 MiB 465-570 against 578-599, 1.5 MiB 839-855 against 776-838; split
+(a plan) against direct: N=4 2 MiB 794-815 against 997-1,210, 3 MiB 1,430-1,439 against
+1,661-1,916. With 8 ranks (05:20 UTC, the split of then) 1 MiB 1,924 against 2,662, 2 MiB 4,113
+against 3,930."""
 
 TWO_RANKS_DIRECT_BELOW_BYTES = 3 << 20
 """With two ranks the direct all-reduce takes messages below this (and fitting one staging half):
-it folds all M bytes on each rank where the split folds M/2, but it has one barrier against three.
-Timed as DIRECT_BELOW_BYTES, direct against this split, us: 256 KiB 70 against 126 (interleaved
-calls), 1 MiB 95 against 158 (interleaved), 2 MiB 206 against 296, 2.5 MiB 277 against 306, 3 MiB
-364 against 364, 4 MiB 594 against 544."""
+it folds all M bytes on each rank where the split folds M/2, but it has one barrier against two.
+Timed as DIRECT_BELOW_BYTES, direct (a plan) against the split (no plan), us: 1 MiB 120-159 against
+195-228, 1.5 MiB 144-153 against 216-229, 2 MiB 214-224 against 265-268, 2.5 MiB 279-329 against
+316-327; the split (a plan) against direct: 3 MiB 339-352 against 416-453, 4 MiB 514-521 against
+649-707."""
 
 
 def direct_below(transport) -> int:
