@@ -104,6 +104,26 @@ def mismatched_all_reduce(kind: str, algorithm: str, numel: int = 12):
     gs.all_reduce(torch.ones(numel, dtype=dtype), algorithm=algorithm)
 
 
+def mismatch_across_the_split_bound(split_numel: int, direct_numel: int) -> list[bool]:
+    """Every rank all-reduces ``split_numel`` float32 (the split all-reduce), then rank 1 alone
+    ``direct_numel`` (the direct one) while the others repeat the split one: a mismatch every rank
+    catches. Then a direct and a split all-reduce on every rank; returns whether each was right."""
+    from gradsync.comm.agree import CollectiveMismatchError
+
+    w = gs.world()
+    gs.all_reduce(torch.ones(split_numel))
+    try:
+        gs.all_reduce(torch.ones(direct_numel if w.rank == 1 else split_numel))
+    except CollectiveMismatchError:
+        pass
+    right = []
+    for numel in (direct_numel, split_numel):
+        t = torch.full((numel,), float(w.rank + 1))
+        gs.all_reduce(t)
+        right.append(bool(torch.all(t == sum(range(1, w.world_size + 1)))))
+    return right
+
+
 def mismatched_scatter_gather(kind: str):
     """Rank 1 passes int32 where the others pass float32 (all_gather: shard sizes may differ, dtypes not)."""
     dtype = torch.int32 if gs.world().rank == 1 else torch.float32

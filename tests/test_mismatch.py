@@ -53,3 +53,12 @@ def test_shared_memory_reduce_scatter_and_all_gather_mismatches(world_of, kind):
     for rank, (name, message) in info.value.errors.items():
         assert name == "CollectiveMismatchError", (rank, name, message)
         assert "rank 1" in message and "int32" in message and kind in message
+
+
+@pytest.mark.timeout(120)
+def test_collectives_after_a_mismatch_across_the_split_bound_are_right(world_of):
+    # rank 1 takes the direct all-reduce where the others take the split one, which leaves their
+    # staging halves elsewhere than rank 1's; after the mismatch every rank must stage and read in the
+    # same half again, or the next all-reduces read what another call staged
+    answers = world_of(3).run(cases.mismatch_across_the_split_bound, 600_000, 1000)
+    assert answers == [[True, True]] * 3, answers

@@ -187,9 +187,21 @@ def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: st
 def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) -> list[int]:
     """After the barrier that follows ``transport.publish(mine.values())``: raise when any rank's
     fingerprint differs from ``mine``, naming this rank and the first such rank. Any difference makes
-    every rank raise (if all others equalled this rank's, they would equal each other).
+    every rank raise (if all others equalled this rank's, they would equal each other), and each
+    first puts its staging halves back where every other rank puts them (ShmTransport.restart_halves):
+    ranks that disagreed may have taken algorithms that move them differently.
     ``sizes_differ``: element counts may differ (all_gather's shards); returns every rank's element
     count in rank order."""
+    try:
+        return _compare_published(transport, mine, sizes_differ)
+    except CollectiveMismatchError:
+        restart = getattr(transport, "restart_halves", None)
+        if restart is not None:
+            restart()
+        raise
+
+
+def _compare_published(transport, mine: Fingerprint, sizes_differ: bool) -> list[int]:
     op = f"{mine.kind}/agree"
     if not sizes_differ:   # the published bytes compared as they lie; read out only on a difference
         other = transport.first_differing(op)

@@ -678,6 +678,14 @@ class ShmTransport(Transport):
         self._split_in_half = False
         return self._half
 
+    def restart_halves(self) -> None:
+        """After a collective mismatch, which every rank raises after the same barrier: ranks that took
+        different algorithms may have moved to different halves, so every one starts again from half 0
+        (nothing staged is read after a mismatch, and everything staged before it was read before
+        that barrier)."""
+        self._half = 0
+        self._split_in_half = False
+
     def split_half(self) -> int:
         """The staging half for the split all-reduce's pieces: the last one when the split used it last
         (its regions lie at fixed places, so a split may follow a split in the same half:
