@@ -177,9 +177,8 @@ class SplitAllReduce:
         holding = self._hold is not None and self._hold.enter()
         try:
             sequence = next_sequence_of(transport)
-            fingerprint = self.fingerprint._replace(sequence=sequence)
             stall.entered(self.fingerprint, sequence)
-            self._pieces(flat, transport, (self._kind, sequence) + self._rest, fingerprint, quick=True)
+            self._pieces(flat, transport, (self._kind, sequence) + self._rest, None)
             if self._calls is not None:
                 self._calls[0] += 1
             else:   # the meter keeps no more counters (TrafficMeter.tally)
@@ -189,7 +188,10 @@ class SplitAllReduce:
             if holding:
                 self._hold.leave()
 
-    def _pieces(self, flat: torch.Tensor, transport, published, fingerprint, quick: bool = False) -> None:
+    def _pieces(self, flat: torch.Tensor, transport, published, fingerprint) -> None:
+        """The pieces, the first with ``published`` (a fingerprint's values, or None: no agreement);
+        ``fingerprint``: compare it, metered, or with None look at the published bytes first and
+        compare (rebuilt from ``published``) only where they differ."""
         n_ranks, rank, reduction = self.n_ranks, self.rank, self.reduction
         # every rank polls on the main thread; elsewhere as the plan was told (collectives._spins)
         spin = self.spin or threading.current_thread() is threading.main_thread()
@@ -206,8 +208,10 @@ class SplitAllReduce:
                 transport.publish(published)
             transport.barrier(OP, spin)
             if index == 0 and published is not None:
-                if not quick or transport.first_differing(AGREE, metered=False) is not None:
+                if fingerprint is not None:
                     compare_published(transport, fingerprint)
+                elif transport.first_differing(AGREE, metered=False) is not None:
+                    compare_published(transport, self.fingerprint._replace(sequence=published[1]))
             # reduce, then post
             own = chunks[rank]
             for region in views.theirs:

@@ -50,9 +50,9 @@ IN_PLACE_FROM_BYTES = 256 << 10
 take the direct all-reduce (allreduce_shared_direct.py)."""
 
 
-def piece_bytes(transport, whole: int = PIECE_BYTES) -> int:
-    """``whole`` (PIECE_BYTES), divided among the local ranks that share a core and so its cache."""
-    return whole // getattr(transport, "ranks_per_core", 1)
+def piece_bytes(transport) -> int:
+    """PIECE_BYTES, divided among the local ranks that share a core and so its cache."""
+    return PIECE_BYTES // getattr(transport, "ranks_per_core", 1)
 
 
 def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
@@ -67,7 +67,7 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
     chunks = ring_chunks(flat.numel(), n_ranks)
     own = chunks.view(flat, rank)
     theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
-    piece_elems = max(1, piece_bytes(transport, PIECE_BYTES) // flat.element_size())   # in cache
+    piece_elems = max(1, piece_bytes(transport) // flat.element_size())   # in cache
     for start in range(0, own.numel(), piece_elems):
         length = min(piece_elems, own.numel() - start)
         piece = own.narrow(0, start, length)

@@ -62,30 +62,25 @@ def enabled() -> bool:
     return _READV is not None and value not in ("0", "false", "off")
 
 
-def _move(call, pid: int, local_address: int, remote_address: int, nbytes: int) -> None:
-    """``nbytes`` from ``remote_address`` in ``pid`` to ``local_address`` here (``call``:
-    process_vm_readv), resuming after a partial transfer."""
+def read_bytes(pid: int, address: int, destination: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``address`` in ``pid`` to ``destination`` in this process
+    (process_vm_readv), resuming after a partial transfer."""
     done = 0
     local, remote = _Iovec(), _Iovec()
     while done < nbytes:
-        local.base, local.length = local_address + done, nbytes - done
-        remote.base, remote.length = remote_address + done, nbytes - done
-        got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        local.base, local.length = destination + done, nbytes - done
+        remote.base, remote.length = address + done, nbytes - done
+        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
             code = ctypes.get_errno() if got < 0 else errno.EIO
-            raise SingleCopyError(code, f"{call.__name__} with pid {pid} at {remote_address + done:#x} "
+            raise SingleCopyError(code, f"process_vm_readv with pid {pid} at {address + done:#x} "
                                         f"({nbytes - done} bytes left): {os.strerror(code)}")
         done += got
 
 
-def read_bytes(pid: int, address: int, destination: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from ``address`` in ``pid`` to ``destination`` in this process."""
-    _move(_READV, pid, destination, address, nbytes)
-
-
 def read(pid: int, address: int, into: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``into`` with the bytes at ``address`` in process ``pid``."""
-    _move(_READV, pid, into.data_ptr(), address, into.numel() * into.element_size())
+    read_bytes(pid, address, into.data_ptr(), into.numel() * into.element_size())
 
 
 def probe(pid: int, address: int, expected: bytes) -> str | None:
