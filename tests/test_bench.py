@@ -36,7 +36,7 @@ def test_bench_collectives_rows(tmp_path, capsys, monkeypatch):
         elif r["algorithm"] in ("ring", "naive"):  # exact for sizes divisible by N
             assert r["bytes_per_rank"] == r["formula_bytes"]
         elif "shared_memory" in (r["algorithm"], r["picked"]):
-            # 4K and 96K are below DIRECT_BELOW_BYTES: the direct all-reduce reads all of both others'
+            # 4K and 96K are below direct_below: the direct all-reduce reads all of both others'
             assert r["bytes_per_rank"] == r["formula_bytes"] == 2 * r["size"]
     printed = capsys.readouterr().out
     assert "native" in printed and "ring" in printed and "memory copy on this host" in printed

@@ -86,8 +86,8 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
     check()
 
 
-# From direct_below up (DIRECT_BELOW_BYTES; with two ranks TWO_RANKS_DIRECT_BELOW_BYTES; at most one
-# staging half) a tensor outside a shared region is staged slice by slice (allreduce_shared.py); the
+# From direct_below up (allreduce_shared.py: a bound per world size, at most one staging half)
+# a tensor outside a shared region is staged slice by slice (allreduce_shared.py); the
 # direct all-reduce takes everything below. With staging halves of 256 KiB (N=3): every dtype and op
 # just over the bound, sizes not divisible by N, and one that spans 2.5 halves (its last piece short).
 # With the default halves: float32 just over the bound and over 2.5 halves. Against the fold, gloo and

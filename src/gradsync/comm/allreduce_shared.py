@@ -69,30 +69,30 @@ from gradsync.comm.transport import Transport
 OP = "all_reduce/shared_memory"
 AGREE = "all_reduce/agree"
 
-DIRECT_BELOW_BYTES = 2 << 20
-"""Messages smaller than this (and fitting one staging half) take the direct all-reduce: one barrier
-against two per piece, worth more than the (N-1) x M it reads up to about here. Timed on this
-2-core host (2026-12-03 06:10 UTC, blocks of 40 calls alternating, each call's result checked after
-it as the bench does, medians of the blocks' medians, slowest rank, us), direct (a plan) against
-this split (no plan): N=3 1 MiB 415-449 against 552-568, 1.5 MiB 570-602 against 657-666; N=4 512
-KiB 346-393 against 481-509, 1 MiB 465-570 against 578-599, 1.5 MiB 839-855 against 776-838; split
-(a plan) against direct: N=4 2 MiB 794-815 against 997-1,210, 3 MiB 1,430-1,439 against
-1,661-1,916. With 8 ranks (05:20 UTC, the split of then) 1 MiB 1,924 against 2,662, 2 MiB 4,113
-against 3,930."""
+DIRECT_BELOW_BYTES = 512 << 10
+"""With four ranks or more, messages smaller than this (and fitting one staging half) take the direct
+all-reduce: one barrier against two per piece, worth more than the (N-1) x M it reads up to about
+here. Timed on this 2-core host (2026-12-03 07:45 UTC, after barriers began to poll their counters
+alone; blocks of 60 calls alternating, each from a barrier, the slowest rank's time, medians of six
+blocks, us), direct against the split, both from their plans, N=4: 64 KiB 154 against 200, 256 KiB
+231 against 240, 384 KiB 283 against 310; from here the split: 512 KiB 285 against 324, 768 KiB 316
+against 398, 1 MiB 356 against 482, 1.5 MiB 440 against 728. (At 06:10 UTC, when a polling barrier
+also moved traffic under the transport's lock, the direct all-reduce still won up to 1 MiB: N=4 512
+KiB 346-393 against 481-509, 1 MiB 465-570 against 578-599. With 8 ranks, 05:20 UTC: 1 MiB 1,924
+against 2,662, 2 MiB 4,113 against 3,930.)"""
 
-TWO_RANKS_DIRECT_BELOW_BYTES = 3 << 20
-"""With two ranks the direct all-reduce takes messages below this (and fitting one staging half):
-it folds all M bytes on each rank where the split folds M/2, but it has one barrier against two.
-Timed as DIRECT_BELOW_BYTES, direct (a plan) against the split (no plan), us: 1 MiB 120-159 against
-195-228, 1.5 MiB 144-153 against 216-229, 2 MiB 214-224 against 265-268, 2.5 MiB 279-329 against
-316-327; the split (a plan) against direct: 3 MiB 339-352 against 416-453, 4 MiB 514-521 against
-649-707."""
+DIRECT_BELOW_BYTES_BY_RANKS = {2: 3 << 20, 3: 1 << 20}
+"""With two or three ranks the direct all-reduce takes messages below these: it folds all M bytes on
+each rank where the split folds M/N, and it saves a barrier. Timed as DIRECT_BELOW_BYTES (07:45
+UTC, us): N=3 256 KiB 199 against 224, 512 KiB 247 against 269, 1 MiB 360 against 336, 1.5 MiB 504
+against 416; N=2 1 MiB 88 against 110, 2 MiB 143 against 174, 3 MiB 254 against 244, 4 MiB 535
+against 337 (as at 06:10 UTC: 2.5 MiB 279-329 against 316-327, 3 MiB 416-453 against 339-352)."""
 
 
 def direct_below(transport) -> int:
-    """Messages of fewer bytes than this take the direct all-reduce: DIRECT_BELOW_BYTES, or with two
-    ranks TWO_RANKS_DIRECT_BELOW_BYTES, and at most one staging half."""
-    below = TWO_RANKS_DIRECT_BELOW_BYTES if transport.world_size == 2 else DIRECT_BELOW_BYTES
+    """Messages of fewer bytes than this take the direct all-reduce: DIRECT_BELOW_BYTES_BY_RANKS for
+    two or three ranks, else DIRECT_BELOW_BYTES, and at most one staging half."""
+    below = DIRECT_BELOW_BYTES_BY_RANKS.get(transport.world_size, DIRECT_BELOW_BYTES)
     return min(below, transport.stage_bytes + 1)
 
 

@@ -1,7 +1,7 @@
 """Direct shared-memory all-reduce for small messages: one barrier, every rank folds every input itself.
 
 For ranks of one host only, and for messages that fit one staging half (allreduce_shared.py picks
-it below DIRECT_BELOW_BYTES). The split all-reduce there needs two barriers per piece (staged,
+it below direct_below: a bound per world size). The split all-reduce there needs two barriers per piece (staged,
 reduced) so that each slice is reduced once, by its owner; for a small message the barriers are
 the whole cost. Here there is one:
 
@@ -26,7 +26,7 @@ memory): rank r reads all M bytes from each of the N-1 others, and by symmetry e
     bytes_received = bytes_sent = (N-1) * M          (the split all-reduce: 2(N-1)/N * M)
 
 Work per rank: N-1 reductions of M bytes against the split all-reduce's (N-1)/N; below
-DIRECT_BELOW_BYTES the barrier saved is worth more (docs/benchmarks.md). The first two inputs are
+direct_below the barrier saved is worth more (docs/benchmarks.md). The first two inputs are
 folded out of place (reduce_ops.fold), one pass instead of a copy and a reduction. Taking the own
 input from the tensor, not the staging half, made the call 5-22% shorter at 64 and 256 KiB at N=2
 (docs/benchmarks.md, "The own input read where it lies, and two ranks direct up to 2 MiB").
