@@ -282,3 +282,27 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
     thread.join(30)
     # off the main thread: a transport without the notion (TCP) goes by size alone
     assert answers == [True, True, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_avg_finish_equals_dividing_by_n_bit_for_bit(dtype):
+    """reduce_ops.Reduction.finish for avg (a power-of-two N multiplies by 1/N) against torch's division
+    by N, N = 1..8: every float16 and bfloat16 value; for float32 and float64 random bit patterns with
+    the subnormals, the largest finite values and the infinities beside them."""
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+            torch.float64: torch.int64}[dtype]
+    if bits is torch.int16:
+        values = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    else:
+        info = torch.iinfo(bits)
+        drawn = torch.randint(info.min, info.max, (200_000,), dtype=bits, generator=torch.Generator().manual_seed(5))
+        tiny, big = torch.finfo(dtype).smallest_normal, torch.finfo(dtype).max
+        edges = torch.tensor([tiny, tiny / 2, tiny / 3, -tiny / 7, big, -big, float("inf"), float("-inf")],
+                             dtype=dtype)
+        values = torch.cat([drawn.view(dtype), edges, torch.nextafter(edges, torch.zeros_like(edges))])
+    for n in range(1, 9):
+        finished = values.clone()
+        REDUCTIONS["avg"].finish(finished, n)
+        divided = values / n
+        same = (finished.view(bits) == divided.view(bits)) | (finished.isnan() & divided.isnan())
+        assert bool(same.all()), f"{dtype}, N={n}: {int((~same).sum())} values differ from x / N"
