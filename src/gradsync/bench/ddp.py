@@ -3,8 +3,9 @@
 Each rank builds the same model twice (same seed), one wrapped by torch's DistributedDataParallel
 and one by ours per bucket size, and times full steps (forward, backward with the bucket
 reductions, optimizer step), each step preceded by a barrier; a step's time is the slowest rank's.
-The implementations are interleaved step by step so machine noise hits them alike; the table
-shows medians. One intra-op thread per rank.
+The implementations are interleaved step by step so machine noise hits them alike, in an order
+that rotates every step (each follows each other equally often, where a fixed order gave each the
+same predecessor, whatever that one leaves behind in caches and threads); the table shows medians. One intra-op thread per rank.
 
     ratio       = ours / torch DDP step time (below 1.0: ours is faster)
     no communication = the bare model's step on every rank at once (gradients never averaged):
@@ -90,8 +91,10 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
     times = {label: [] for label in runners}
     overlaps = {label: [] for label in runners}
     bytes_per_step = {}
-    for _ in range(steps):
-        for label in runners:
+    labels = list(runners)
+    for index in range(steps):
+        turn = index % len(labels)
+        for label in labels[turn:] + labels[:turn]:
             gs.traffic_reset()
             times[label].append(step(label))
             if label not in ("torch DDP", NO_COMM):
