@@ -9,14 +9,16 @@ their areas; no byte is forwarded.
 Vocabulary
     N        ranks, all on this host; rank r
     S        bytes in one staging half (GRADSYNC_SHM_STAGE_MB); each rank has two
-    region   region j of a half is its j-th N-th (R = S/N bytes, rounded down to 64): whatever is
-             staged for rank j, or on rank j itself its result, lies at the same place in every piece
+    region   region j of a half: R bytes from j x R, R = S/N or PIECE_BYTES if less (the in-place
+             all-reduce's cache-sized piece; allreduce_shared_in_place.py), rounded down to 64:
+             whatever is staged for rank j, or on rank j itself its result, lies at the same place in
+             every piece
     piece    a run of at most N x R bytes of the tensor, processed start to end
     slice    slice j of a piece is ring_chunks(piece, N) chunk j; rank j reduces it
 
 Messages below direct_below(transport) take the direct all-reduce instead (allreduce_shared_direct.py:
-one barrier, every rank folds every input itself): DIRECT_BELOW_BYTES, with two ranks
-TWO_RANKS_DIRECT_BELOW_BYTES, within one staging half. The rest go piece by piece:
+one barrier, every rank folds every input itself): a bound per world size (DIRECT_BELOW_BYTES,
+DIRECT_BELOW_BYTES_BY_RANKS), within one staging half. The rest go piece by piece:
 
 Phases, per piece
     stage     rank r copies slice j of its piece into region j of its half, for every j != r (the first
@@ -63,6 +65,7 @@ from gradsync import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.allreduce_shared_direct import allreduce_shared_direct
+from gradsync.comm.allreduce_shared_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 
@@ -106,9 +109,15 @@ def layout_error(transport: Transport) -> str | None:
 
 
 def _region_elems(transport, dtype: torch.dtype) -> int:
-    """Elements in one region of a staging half: S/N bytes, rounded down to 64 (a multiple of every
-    dtype's size, so regions lie at the same bytes whatever the dtype)."""
-    region_bytes = transport.stage_bytes // transport.world_size // 64 * 64
+    """Elements in one region of a staging half: S/N bytes or PIECE_BYTES if less, rounded down to 64
+    (a multiple of every dtype's size, so regions lie at the same bytes whatever the dtype). Capped so
+    each piece's phases find what the phase before wrote still in cache (the in-place all-reduce's
+    pieces, allreduce_shared_in_place.py, have the same size). Against S/N with 4 MiB halves, each
+    call from a fresh input as the bench makes them (slowest rank, medians of six blocks, us): N=2 4
+    MiB 664 -> 507, 16 MiB 3,519 -> 2,919, 64 MiB 14,167 -> 12,278; N=3 1 MiB 407 -> 402, 4 MiB
+    2,378 -> 1,864, 16 MiB 8,486 -> 7,112; N=4 4 MiB 2,918 -> 2,576, 16 MiB 10,813 -> 8,634, 64 MiB
+    38,654 -> 30,788 (docs/benchmarks.md, "Regions the size of a cache")."""
+    region_bytes = min(transport.stage_bytes // transport.world_size, PIECE_BYTES) // 64 * 64
     if region_bytes == 0:
         raise RuntimeError(f"all_reduce: staging halves of {transport.stage_bytes} bytes are too small for "
                            f"{transport.world_size} ranks (at least 64 bytes each); set GRADSYNC_SHM_STAGE_MB "
