@@ -72,24 +72,24 @@ from gradsync.comm.transport import Transport
 OP = "all_reduce/shared_memory"
 AGREE = "all_reduce/agree"
 
-DIRECT_BELOW_BYTES = 512 << 10
+DIRECT_BELOW_BYTES = 256 << 10
 """With four ranks or more, messages smaller than this (and fitting one staging half) take the direct
 all-reduce: one barrier against two per piece, worth more than the (N-1) x M it reads up to about
-here. Timed on this 2-core host (2026-12-03 07:45 UTC, after barriers began to poll their counters
-alone; blocks of 60 calls alternating, each from a barrier, the slowest rank's time, medians of six
-blocks, us), direct against the split, both from their plans, N=4: 64 KiB 154 against 200, 256 KiB
-231 against 240, 384 KiB 283 against 310; from here the split: 512 KiB 285 against 324, 768 KiB 316
-against 398, 1 MiB 356 against 482, 1.5 MiB 440 against 728. (At 06:10 UTC, when a polling barrier
-also moved traffic under the transport's lock, the direct all-reduce still won up to 1 MiB: N=4 512
-KiB 346-393 against 481-509, 1 MiB 465-570 against 578-599. With 8 ranks, 05:20 UTC: 1 MiB 1,924
+here. Timed on this 2-core host (2026-12-03 08:25 UTC, with 512 KiB regions and barriers that poll
+their counters alone; blocks of 30 calls alternating, each from a fresh input with its result
+checked after it, as the bench makes them; the slowest rank's time, medians of six blocks, us),
+direct against the split, both from their plans, N=4: 128 KiB 198 against 229, 256 KiB 262 against
+263, 512 KiB 341 against 297. (At 06:10 UTC, with regions of S/N and a polling barrier that also
+moved traffic under the transport's lock, the direct all-reduce still won up to 1 MiB: N=4 512 KiB
+346-393 against 481-509, 1 MiB 465-570 against 578-599. With 8 ranks, 05:20 UTC: 1 MiB 1,924
 against 2,662, 2 MiB 4,113 against 3,930.)"""
 
-DIRECT_BELOW_BYTES_BY_RANKS = {2: 3 << 20, 3: 1 << 20}
+DIRECT_BELOW_BYTES_BY_RANKS = {2: 2 << 20, 3: 512 << 10}
 """With two or three ranks the direct all-reduce takes messages below these: it folds all M bytes on
-each rank where the split folds M/N, and it saves a barrier. Timed as DIRECT_BELOW_BYTES (07:45
-UTC, us): N=3 256 KiB 199 against 224, 512 KiB 247 against 269, 1 MiB 360 against 336, 1.5 MiB 504
-against 416; N=2 1 MiB 88 against 110, 2 MiB 143 against 174, 3 MiB 254 against 244, 4 MiB 535
-against 337 (as at 06:10 UTC: 2.5 MiB 279-329 against 316-327, 3 MiB 416-453 against 339-352)."""
+each rank where the split folds M/N, and it saves a barrier. Timed as DIRECT_BELOW_BYTES (08:25
+UTC, us): N=3 256 KiB 208 against 240, 512 KiB 283 against 285, 1 MiB 416 against 379; N=2 1 MiB
+105 against 128, 1.5 MiB 167 against 181, 2 MiB 221-225 against 217-218, 2.5 MiB 316 against 276,
+3 MiB 398 against 324."""
 
 
 def direct_below(transport) -> int:
