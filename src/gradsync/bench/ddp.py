@@ -5,7 +5,8 @@ and one by ours per bucket size, and times full steps (forward, backward with th
 reductions, optimizer step), each step preceded by a barrier; a step's time is the slowest rank's.
 The implementations are interleaved step by step so machine noise hits them alike, in an order
 that rotates every step (each follows each other equally often, where a fixed order gave each the
-same predecessor, whatever that one leaves behind in caches and threads); the table shows medians. One intra-op thread per rank.
+same predecessor, whatever that one leaves behind in caches and threads); the table shows medians.
+One intra-op thread per rank.
 
     ratio       = ours / torch DDP step time (below 1.0: ours is faster)
     no communication = the bare model's step on every rank at once (gradients never averaged):

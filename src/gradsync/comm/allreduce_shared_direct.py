@@ -1,9 +1,9 @@
 """Direct shared-memory all-reduce for small messages: one barrier, every rank folds every input itself.
 
 For ranks of one host only, and for messages that fit one staging half (allreduce_shared.py picks
-it below direct_below: a bound per world size). The split all-reduce there needs two barriers per piece (staged,
-reduced) so that each slice is reduced once, by its owner; for a small message the barriers are
-the whole cost. Here there is one:
+it below direct_below, a bound per world size). The split all-reduce there needs two barriers per
+piece (staged, reduced) so that each slice is reduced once, by its owner; for a small message the
+barriers are the whole cost. Here there is one:
 
     stage     rank r copies its tensor into its staging half, and its fingerprint into its slot
     barrier   every rank has staged (and published what it is doing)
