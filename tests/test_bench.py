@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from gradsync.bench.collectives import parse_size
 from gradsync.cli import main
@@ -89,10 +90,22 @@ def test_bench_ddp_rows(tmp_path):
     assert main(["bench", "ddp", "--workers", "2", "--model", "cnn", "--steps", "2", "--bucket-mb", "0.1,25",
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["impl"] for r in rows] == ["torch DDP", "gradsync 0.1 MiB", "gradsync 25 MiB", "no communication"]
+    assert [r["impl"] for r in rows] == ["torch DDP", "gradsync 0.1 MiB", "gradsync 25 MiB", "no communication",
+                                         "+ one gradient copy"]
     params_bytes = rows[0]["params"] * 4
     for r in rows[1:3]:
         assert r["bytes_per_step"] == params_bytes  # ring, N=2: 2(N-1)/N * M = M (when every bucket splits evenly)
+
+
+def test_the_one_copy_reference_copies_every_gradient_of_each_backward():
+    from gradsync.bench.ddp import _copy_each_gradient
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    flat = _copy_each_gradient(model)
+    for seed in (1, 2):   # the second backward accumulates: the copy is of the accumulated gradient
+        model(torch.randn(7, 5, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        assert torch.equal(flat, torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
 
 
 @pytest.mark.slow   # the parameter server's exact bytes per link: test_ps.py's traffic tests

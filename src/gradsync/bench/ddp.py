@@ -11,6 +11,13 @@ One intra-op thread per rank.
     ratio       = ours / torch DDP step time (below 1.0: ours is faster)
     no communication = the bare model's step on every rank at once (gradients never averaged):
                   the floor, so step - floor is what communication costs each implementation
+    + one gradient copy = the floor, and each gradient copied once into a flat buffer as backward
+                  produces it (every rank at once): the least memory traffic any average adds,
+                  since each rank writes its M bytes of averaged gradient and reads M bytes
+                  the other ranks wrote. Where no core is free for a communication thread
+                  (as many ranks as cores) nothing hides that traffic, and no implementation's
+                  step can go below this row's
+    vs floor    = step / no communication
     overlap     = share of our bucket communication that ran before backward ended (trace.py)
     bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
     transport   = what carried our buckets (shm or tcp, GRADSYNC_TRANSPORT's choice); torch DDP: gloo
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,8 @@ from gradsync.train.models import MLP, CharLM, DigitsCNN
 BENCH_MODELS = ("mlp", "cnn", "charlm")
 NO_COMM = "no communication"
 """The same step on the bare model, each rank alone: the floor any implementation's step sits on."""
+ONE_COPY = "+ one gradient copy"
+"""The floor plus one copy of every gradient: the least an average adds when no core is free."""
 
 
 def _model_and_batch(name: str, batch: int):
@@ -64,6 +74,23 @@ def timed_step(model, optimizer, x, y, set_to_none: bool = True) -> float:
     return float(elapsed)
 
 
+def _copy_grad(param: torch.Tensor, target: torch.Tensor) -> None:
+    target.copy_(param.grad)
+
+
+def _copy_each_gradient(model: nn.Module) -> torch.Tensor:
+    """Copy each gradient into a flat buffer of the model's size (returned) once backward has
+    accumulated it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    offset = 0
+    for p in params:
+        target = flat.narrow(0, offset, p.numel()).view_as(p)
+        p.register_post_accumulate_grad_hook(partial(_copy_grad, target=target))
+        offset += p.numel()
+    return flat
+
+
 def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int) -> list[dict]:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -71,13 +98,15 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
     w = gs.world()
     runners = {}
     for label, cap in ([("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]
-                       + [(NO_COMM, 0.0)]):
+                       + [(NO_COMM, 0.0), (ONE_COPY, 0.0)]):
         torch.manual_seed(0)
         model, x, y = _model_and_batch(model_name, batch)
         if label == "torch DDP":
             wrapped = TorchDDP(model, bucket_cap_mb=cap)
-        elif label == NO_COMM:
+        elif label in (NO_COMM, ONE_COPY):
             wrapped = model
+            if label == ONE_COPY:
+                _copy_each_gradient(model)
         else:
             wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cap)
         runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
@@ -98,7 +127,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         for label in labels[turn:] + labels[:turn]:
             gs.traffic_reset()
             times[label].append(step(label))
-            if label not in ("torch DDP", NO_COMM):
+            if label not in ("torch DDP", NO_COMM, ONE_COPY):
                 bytes_per_step[label] = gs.traffic()["bytes_sent"]
                 overlaps[label].append(runners[label][0].last_overlap or 0.0)
     n_params = sum(p.numel() for p in runners[NO_COMM][0].parameters())
@@ -108,10 +137,10 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         wrapped = runners[label][0]
         rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
                      "step_s": statistics.median(times[label]), "times_s": times[label],
-                     "buckets": len(wrapped.buckets) if label not in ("torch DDP", NO_COMM) else None,
+                     "buckets": len(wrapped.buckets) if label not in ("torch DDP", NO_COMM, ONE_COPY) else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
                      "bytes_per_step": bytes_per_step.get(label),
-                     "transport": {"torch DDP": "gloo", NO_COMM: None}.get(label, ours)})
+                     "transport": {"torch DDP": "gloo", NO_COMM: None, ONE_COPY: None}.get(label, ours)})
     return rows
 
 
@@ -121,6 +150,8 @@ def run(workers: int, model: str, batch: int = 64, bucket_mbs: list[float] | Non
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}")
     rows = gs.spawn(_bench_rank, nprocs=workers, args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup))[0]
     baseline = next(r["step_s"] for r in rows if r["impl"] == "torch DDP")
+    floor = next(r["step_s"] for r in rows if r["impl"] == NO_COMM)
     for r in rows:
         r["ratio_vs_torch"] = r["step_s"] / baseline
+        r["ratio_vs_floor"] = r["step_s"] / floor
     return rows
