@@ -44,6 +44,7 @@ NO_COMM = "no communication"
 """The same step on the bare model, each rank alone: the floor any implementation's step sits on."""
 ONE_COPY = "+ one gradient copy"
 """The floor plus one copy of every gradient: the least an average adds when no core is free."""
+NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY)
 
 
 def _model_and_batch(name: str, batch: int):
@@ -127,7 +128,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         for label in labels[turn:] + labels[:turn]:
             gs.traffic_reset()
             times[label].append(step(label))
-            if label not in ("torch DDP", NO_COMM, ONE_COPY):
+            if label not in NOT_OURS:
                 bytes_per_step[label] = gs.traffic()["bytes_sent"]
                 overlaps[label].append(runners[label][0].last_overlap or 0.0)
     n_params = sum(p.numel() for p in runners[NO_COMM][0].parameters())
@@ -137,7 +138,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         wrapped = runners[label][0]
         rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
                      "step_s": statistics.median(times[label]), "times_s": times[label],
-                     "buckets": len(wrapped.buckets) if label not in ("torch DDP", NO_COMM, ONE_COPY) else None,
+                     "buckets": len(wrapped.buckets) if label not in NOT_OURS else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
                      "bytes_per_step": bytes_per_step.get(label),
                      "transport": {"torch DDP": "gloo", NO_COMM: None, ONE_COPY: None}.get(label, ours)})
