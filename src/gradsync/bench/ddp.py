@@ -13,10 +13,11 @@ One intra-op thread per rank.
                   the floor, so step - floor is what communication costs each implementation
     + one gradient copy = the floor, and each gradient copied once into a flat buffer as backward
                   produces it (every rank at once): the least memory traffic any average adds,
-                  since each rank writes its M bytes of averaged gradient and reads M bytes
-                  the other ranks wrote. Where no core is free for a communication thread
-                  (as many ranks as cores) nothing hides that traffic, and no implementation's
-                  step can go below this row's
+                  since each rank writes its M bytes of averaged gradient and the ranks
+                  together read all N x M bytes of gradients, M per rank: a copy's traffic
+                  (the in-place all-reduce moves that). Where no core is free for a
+                  communication thread (as many ranks as cores) nothing hides that traffic, and
+                  no implementation's step can go below this row's
     vs floor    = step / no communication
     overlap     = share of our bucket communication that ran before backward ended (trace.py)
     bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
