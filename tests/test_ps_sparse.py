@@ -40,10 +40,11 @@ def test_sparse_rules_equal_torch_on_sparse_gradients(make):
     ours = table.clone()
     probe = make([torch.nn.Parameter(torch.zeros(1))])
     rows_rule = SparseRows(sparse_rule(probe), ours, probe.param_groups[0])
-    for rows, grad in _sparse_steps(STEPS):
-        oracle.grad = torch.sparse_coo_tensor(rows.view(1, -1), grad, (6, 3))
-        torch_opt.step()
-        rows_rule.step(rows, grad)
+    with torch.sparse.check_sparse_tensor_invariants():   # torch's optimizers build sparse tensors too
+        for rows, grad in _sparse_steps(STEPS):
+            oracle.grad = torch.sparse_coo_tensor(rows.view(1, -1), grad, (6, 3))
+            torch_opt.step()
+            rows_rule.step(rows, grad)
     assert torch.allclose(ours, oracle.detach(), rtol=1e-13, atol=1e-15)
 
 
