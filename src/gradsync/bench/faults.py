@@ -30,14 +30,18 @@ from pathlib import Path
 STRATEGIES = ("ddp", "zero1", "ps-sync", "ps-async", "ssp")
 
 
-def _rank_pids(job_pid: int) -> dict[int, int]:
-    """rank -> pid of the job's rank processes (the launcher names them gradsync-r{rank})."""
+def _children(pid: int) -> list[int]:
     try:
-        children = Path(f"/proc/{job_pid}/task/{job_pid}/children").read_text().split()
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
-        return {}
+        return []
+
+
+def _rank_pids(job_pid: int) -> dict[int, int]:
+    """rank -> pid of the job's rank processes (the launcher names them gradsync-r{rank}; they are its
+    children, or its forkserver's: launch.py)."""
     ranks = {}
-    for pid in map(int, children):
+    for pid in [grandchild for child in _children(job_pid) for grandchild in (child, *_children(child))]:
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
