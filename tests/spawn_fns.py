@@ -38,6 +38,22 @@ def record_pid_then_hang(path):
     time.sleep(120)
 
 
+def record_pid_and_wait(path):
+    """Write this rank's pid to ``path.RANK``, then wait (for a launcher that will be killed)."""
+    with open(f"{path}.{gs.world().rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{path}.{gs.world().rank}.tmp", f"{path}.{gs.world().rank}")
+    time.sleep(120)
+
+
+def what_the_launcher_gave(name):
+    """Print a line, and return the environment variable ``name`` and a draw of numpy's global stream."""
+    import numpy
+
+    print(f"rank {gs.world().rank} writes to the launcher's stdout", flush=True)
+    return os.environ.get(name), int(numpy.random.randint(2**31))
+
+
 def stall_fail_and_wait():
     """Rank 3 raises; rank 0 stalls in Python; rank 1 waits on rank 0 inside an all-reduce."""
     w = gs.world()

@@ -1,7 +1,10 @@
 """gs.spawn: results in rank order, tensors intact, failures named, no orphans."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +61,41 @@ def test_spawn_leaves_no_orphans(tmp_path):
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(3)]
     time.sleep(0.5)
     assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL to the launcher (no chance to stop anyone): its ranks are gone within seconds."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import gradsync as gs, spawn_fns\n"
+              "gs.spawn(spawn_fns.record_pid_and_wait, nprocs=2, args=(sys.argv[2],))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path / "pid")])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids), "ranks outlived their launcher"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_take_the_launchers_environment_and_stdout_at_each_call(monkeypatch, capfd):
+    """Ranks are forked from a process started at an earlier call: what they see must still be the
+    launcher's environment and stdout at this call, and numpy's global stream must differ per rank."""
+    with capfd.disabled():   # a forkserver started here has pytest's own stdout, not this test's capture
+        gs.spawn(spawn_fns.what_the_launcher_gave, nprocs=2, args=("GRADSYNC_TEST_MARK",))
+    monkeypatch.setenv("GRADSYNC_TEST_MARK", "set after the first call")
+    results = gs.spawn(spawn_fns.what_the_launcher_gave, nprocs=2, args=("GRADSYNC_TEST_MARK",))
+    assert [mark for mark, _ in results] == ["set after the first call"] * 2
+    assert results[0][1] != results[1][1], "both ranks drew the same numbers from numpy's global stream"
+    out = capfd.readouterr().out
+    assert all(f"rank {r} writes to the launcher's stdout" in out for r in range(2)), out
 
 
 def test_spawn_rejects_bad_arguments():

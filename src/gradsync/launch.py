@@ -113,6 +113,9 @@ def _take_launcher_state(state: dict) -> None:
         forkserver._forkserver_alive_fd = forkserver._forkserver_address = forkserver._forkserver_pid = None
     os.environ.clear()
     os.environ.update(state["environ"])
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:   # if the forkserver drew it, forked ranks would share its global stream
+        numpy_random.seed()
     for target, inherited in zip((1, 2), state["stdio"]):
         if inherited.fd != target:
             os.dup2(inherited.fd, target)
