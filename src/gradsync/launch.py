@@ -76,8 +76,29 @@ def _context():
     if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(START_PRELOAD)
+        _ensure_forkserver_without_stdio()
         return ctx
     return mp.get_context("spawn")
+
+
+def _ensure_forkserver_without_stdio() -> None:
+    """Start the forkserver, if it is not running, with /dev/null for stdout and stderr: it outlives
+    each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
+    would otherwise wait for it too (ranks get the launcher's stdio at each call instead)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
 
 
 class _InheritedFd:
