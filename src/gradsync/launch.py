@@ -84,7 +84,11 @@ def _context():
 def _ensure_forkserver_without_stdio() -> None:
     """Start the forkserver, if it is not running, with /dev/null for stdout and stderr: it outlives
     each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
-    would otherwise wait for it too (ranks get the launcher's stdio at each call instead)."""
+    would otherwise wait for it too (ranks get the launcher's stdio at each call instead). Once
+    started, it is left alone: stdout is not touched again (should it have died, multiprocessing
+    starts another, with the launcher's stdio)."""
+    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
