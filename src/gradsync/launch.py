@@ -81,6 +81,12 @@ def _context():
     return mp.get_context("spawn")
 
 
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def _ensure_forkserver_without_stdio() -> None:
     """Start the forkserver, if it is not running, with /dev/null for stdout and stderr: it outlives
     each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
@@ -89,9 +95,7 @@ def _ensure_forkserver_without_stdio() -> None:
     starts another, with the launcher's stdio)."""
     if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
         return
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_stdio()
     saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_RDWR)
     try:
@@ -121,9 +125,7 @@ class _InheritedFd:
 
 def _launcher_state() -> dict:
     """What a rank takes from the launcher at the call: its environment, stdout and stderr."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_stdio()
     return {"environ": dict(os.environ), "stdio": (_InheritedFd(1), _InheritedFd(2))}
 
 
