@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import join, runtime, stall
-from gradsync.c10d.work import CommThread, TransferWork
+from gradsync.c10d.comm_thread import CommThread
+from gradsync.c10d.work import TransferWork, run_eagerly
 from gradsync.comm import transport as transports
 from gradsync.comm.agree import Fingerprint
 from gradsync.comm.collectives import (ALGORITHMS, Place, agree_in, all_gather_in, all_reduce_in, broadcast_in,
@@ -135,7 +136,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         super().__init__(world.rank, world.world_size)
         self._group_name, self._group_desc = name, ""
         self.place = Place(world, transport)
-        self._thread = CommThread(f"gradsync-c10d-r{world.rank}")
+        self._thread = CommThread(f"gradsync-c10d-r{world.rank}", world.timeout, world.rank)
         self._torch_store = torch_store
         self._nccl = None
 
@@ -193,7 +194,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             done = self._thread.run_now(operation, tensors)
             if done is not None:
                 return done
-        return self._thread.submit(run, wake=getattr(opts, "asyncOp", True))
+        return self._thread.submit(run, what, wake=getattr(opts, "asyncOp", True))
 
     def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0,
                      op: str = "none") -> None:
@@ -218,7 +219,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             if done is not None:
                 return done
         return self._thread.submit(functools.partial(_all_reduce_one, self.place, tensors, op, _algorithm()),
-                                   wake=asynchronous)
+                                   "allreduce", wake=asynchronous)
 
     def _allreduce_any(self, tensors, opts=None):
         if any(t.is_cuda for t in tensors):
@@ -331,8 +332,38 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     @_cuda_to_nccl
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        """See torch.distributed.all_gather_coalesced: one allgather per input."""
-        return self.allgather(output_lists, input_tensors, opts)
+        """See torch.distributed.all_gather_coalesced: output_lists[r][j] <- rank r's
+        input_tensors[j]. One all-gather per dtype over the inputs flattened together: rank r's
+        piece of the gathered buffer is its inputs back to back."""
+        def run():
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for j, t in enumerate(input_tensors):
+                by_dtype.setdefault(t.dtype, []).append(j)
+            for indices in by_dtype.values():
+                flat = torch.cat([input_tensors[j].reshape(-1) for j in indices])
+                full = all_gather_in(self.place, flat)
+                for r, outputs in enumerate(output_lists):
+                    offset = r * flat.numel()
+                    for j in indices:
+                        out = outputs[j]
+                        out.copy_(full[offset:offset + out.numel()].view_as(out))
+                        offset += out.numel()
+        self._check_coalesced_outputs(output_lists, input_tensors)
+        flat_outputs = [t for outputs in output_lists for t in outputs]
+        return self._run("allgather_coalesced", flat_outputs + list(input_tensors), run, opts)
+
+    def _check_coalesced_outputs(self, output_lists, input_tensors) -> None:
+        n_ranks = self.place.world.world_size
+        if len(output_lists) != n_ranks or any(len(outputs) != len(input_tensors) for outputs in output_lists):
+            raise ValueError(f"gradsync backend: all_gather_coalesced needs world_size={n_ranks} output lists of "
+                             f"{len(input_tensors)} tensors (one per input), got "
+                             f"{[len(outputs) for outputs in output_lists]}")
+        for outputs in output_lists:
+            for out, t in zip(outputs, input_tensors):
+                if out.numel() != t.numel() or out.dtype != t.dtype:
+                    raise ValueError(f"gradsync backend: all_gather_coalesced output of {out.numel()} "
+                                     f"{dtype_name(out.dtype)} elements for an input of {t.numel()} "
+                                     f"{dtype_name(t.dtype)} elements; they must match")
 
     @_cuda_to_nccl
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -446,3 +477,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         if close is not None:
             close()
         runtime.release_group(self.place.world.group_key)
+
+
+
+run_eagerly(GradsyncProcessGroup, (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_into_tensor_coalesced", "_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+    "allgather_coalesced", "alltoall", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "gather", "scatter", "alltoall_base", "all_to_all_single", "barrier", "send",
+    "recv", "recv_anysource"))
