@@ -114,56 +114,168 @@ OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "max": dist.R
        "avg": dist.ReduceOp.AVG}
 
 
-def values(shape, dtype, salt, rank=RANK) -> torch.Tensor:
+SUM_RANGE = {torch.float16: 1 << 9, torch.bfloat16: 1 << 5, torch.float32: 1 << 21, torch.float64: 1 << 50,
+             torch.complex64: 1 << 21, torch.complex128: 1 << 50, torch.int32: 1 << 29, torch.int8: 31,
+             torch.uint8: 63}
+"""Largest magnitude drawn for sums, per dtype: integers that N=4 ranks add exactly in the dtype,
+each beyond what the next narrower type holds (a float32 value past float16's 65504 or its
+integers, a float64 one past float32's 2^24, ...), so a narrowing cast on any path changes it."""
+INT64_LOW = 1 << 41
+"""int64 magnitudes are drawn in [2^41, 2^60]: past int32 and past float64's 2^53 integers."""
+
+
+def values(shape, dtype, salt, op="sum", rank=RANK) -> torch.Tensor:
+    """Rank ``rank``'s values for a case. Every reduction of them is exact in ``dtype``, so both
+    backends must agree bit for bit whatever order they combine the ranks in: for products, powers
+    of two from 2^-3 to 2^3 with random signs (floats; a product of 4 stays within float16's
+    normal range) or integers in [-3, 3] ([0, 3] unsigned); otherwise integers bounded by SUM_RANGE
+    (int64: random signs and magnitudes in [2^41, 2^60]); complex: such real and imaginary parts."""
     g = torch.Generator().manual_seed(1000 * rank + salt)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
-    return torch.randint(0, 5, shape, generator=g).to(dtype)  # small integers: every order of sums is exact
+    if op == "product":
+        if dtype.is_floating_point:
+            signs = torch.randint(0, 2, shape, generator=g) * 2 - 1
+            return (signs * torch.pow(2.0, torch.randint(-3, 4, shape, generator=g).double())).to(dtype)
+        return torch.randint(0 if dtype == torch.uint8 else -3, 4, shape, generator=g).to(dtype)
+    if dtype == torch.int64:
+        magnitudes = torch.randint(INT64_LOW, 1 << 60, shape, generator=g, dtype=torch.int64)
+        return magnitudes * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    bound = SUM_RANGE[dtype]
+    low = 0 if dtype == torch.uint8 else -bound
+    if dtype.is_complex:
+        real = torch.randint(low, bound + 1, shape, generator=g, dtype=torch.int64).double()
+        imaginary = torch.randint(low, bound + 1, shape, generator=g, dtype=torch.int64).double()
+        return torch.complex(real, imaginary).to(dtype)
+    return torch.randint(low, bound + 1, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def attempt(fn, copies, group):
+    try:
+        fn(copies, group)
+        return None
+    except Exception as exc:  # compared by both()
+        return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def both(fn, *tensors):
-    """fn(tensors, group) on gradsync's default group and on gloo, each on its own copies."""
+    """fn(tensors, group) on gradsync's default group and on gloo, each on its own copies; fn
+    appends or replaces outputs in the list it is given. Returns (ours, theirs), or None when both
+    refused alike. A call only one backend refuses is a problem, with one exception: gloo refuses
+    some collectives of complex tensors (gather), and then the oracle is gloo on the same numbers
+    viewed as pairs of reals."""
     ours = [t.clone() for t in tensors]
     theirs = [t.clone() for t in tensors]
-    fn(ours, None)
-    fn(theirs, GLOO)
+    ours_error, theirs_error = attempt(fn, ours, None), attempt(fn, theirs, GLOO)
+    if theirs_error and not ours_error and any(t.is_complex() for t in tensors):
+        theirs = [torch.view_as_real(t.clone()) if t.is_complex() else t.clone() for t in tensors]
+        theirs_error = attempt(fn, theirs, GLOO)
+    if ours_error or theirs_error:
+        if not (ours_error and theirs_error):
+            raise RuntimeError(f"gradsync: {ours_error}; gloo: {theirs_error}")
+        return None
     return ours, theirs
 
 
-def run_case(dtype, shape, op, root, salt) -> None:
-    label = f"{dtype} {shape} op={op} root={root} salt={salt}"
-    x = values(shape, dtype, salt)
-    ours, theirs = both(lambda ts, g: dist.all_reduce(ts[0], op=OPS[op], group=g), x)
-    check(torch.equal(ours[0], theirs[0]), f"all_reduce {label}")
-    ours, theirs = both(lambda ts, g: dist.broadcast(ts[0], src=root, group=g), x)
-    check(torch.equal(ours[0], theirs[0]), f"broadcast {label}")
-    if op in ("sum", "max", "min", "product", "band", "bor", "bxor"):
-        ours, theirs = both(lambda ts, g: dist.reduce(ts[0], dst=root, op=OPS[op], group=g), x)
-        check(RANK != root or torch.equal(ours[0], theirs[0]), f"reduce {label}")
-    outs = [[torch.empty_like(x) for _ in range(N)] for _ in range(2)]
-    dist.all_gather(outs[0], x)
-    dist.all_gather(outs[1], x, group=GLOO)
-    check(all(torch.equal(a, b) for a, b in zip(*outs)), f"all_gather {label}")
+def same(result, what: str) -> None:
+    if result is not None:
+        ours, theirs = result
+        real = [torch.view_as_real(t) if t.is_complex() and not u.is_complex() else t for t, u in zip(ours, theirs)]
+        check(len(ours) == len(theirs) and all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(real, theirs)),
+              what)
+
+
+def run_case(dtype, shape, op, root, several, salt) -> None:
+    """Every torch.distributed collective on this case's tensors, on gradsync and on gloo."""
+    label = f"{dtype} {shape} op={op} root={root} several={several} salt={salt}"
+    reduce_op = OPS[op]
+    x = values(shape, dtype, salt, op)
+    extra = [values((salt % 7 + i,), dtype, salt + i, op) for i in range(1, several)]  # more inputs
     flat = x.reshape(-1)
-    gathered = [torch.empty(N * flat.numel(), dtype=dtype) for _ in range(2)]
-    dist.all_gather_into_tensor(gathered[0], flat)
-    dist.all_gather_into_tensor(gathered[1], flat, group=GLOO)
-    check(torch.equal(*gathered), f"all_gather_into_tensor {label}")
-    if dtype != torch.bool and op in ("sum", "max", "min"):
-        big = values((N * 3,), dtype, salt + 500)
-        pieces = [torch.empty(3, dtype=dtype) for _ in range(2)]
-        dist.reduce_scatter_tensor(pieces[0], big, op=OPS[op])
-        dist.reduce_scatter_tensor(pieces[1], big, op=OPS[op], group=GLOO)
-        check(torch.equal(*pieces), f"reduce_scatter_tensor {label}")
-    got = [[torch.empty_like(x) for _ in range(N)] if RANK == root else None for _ in range(2)]
-    dist.gather(x, got[0], dst=root)
-    dist.gather(x, got[1], dst=root, group=GLOO)
-    check(RANK != root or all(torch.equal(a, b) for a, b in zip(*got)), f"gather {label}")
-    pieces = [values(shape, dtype, salt + 10 * r) for r in range(N)]
-    into = [torch.empty_like(x) for _ in range(2)]
-    dist.scatter(into[0], pieces if RANK == root else None, src=root)
-    dist.scatter(into[1], pieces if RANK == root else None, src=root, group=GLOO)
-    check(torch.equal(*into), f"scatter {label}")
+
+    same(both(lambda ts, g: dist.all_reduce(ts[0], op=reduce_op, group=g), x), f"all_reduce {label}")
+    same(both(lambda ts, g: dist.all_reduce_coalesced(ts, op=reduce_op, group=g), x, *extra),
+         f"all_reduce_coalesced {label}")
+    same(both(lambda ts, g: dist.broadcast(ts[0], src=root, group=g), x), f"broadcast {label}")
+    result = both(lambda ts, g: dist.reduce(ts[0], dst=root, op=reduce_op, group=g), x)
+    if RANK == root:  # only the root's tensor is defined after a reduce
+        same(result, f"reduce {label}")
+
+    def all_gather(ts, g):
+        ts[1:] = [torch.empty_like(ts[0]) for _ in range(N)]
+        dist.all_gather(ts[1:], ts[0], group=g)
+    same(both(all_gather, x), f"all_gather {label}")
+
+    def all_gather_coalesced(ts, g):
+        inputs = ts[:several]
+        ts[several:] = [torch.empty_like(t) for _ in range(N) for t in inputs]
+        dist.all_gather_coalesced([ts[several + r * several:several + (r + 1) * several] for r in range(N)], inputs,
+                                  group=g)
+    same(both(all_gather_coalesced, x, *extra), f"all_gather_coalesced {label}")
+
+    def all_gather_into_tensor(ts, g):
+        ts.append(ts[0].new_empty(N * ts[0].numel()))
+        dist.all_gather_into_tensor(ts[-1], ts[0], group=g)
+    same(both(all_gather_into_tensor, flat), f"all_gather_into_tensor {label}")
+
+    def all_gather_into_tensor_coalesced(ts, g):  # torch's coalescing manager: one call to the backend
+        inputs = list(ts)
+        ts[:] = inputs + [t.new_empty(N * t.numel()) for t in inputs]
+        with dist._coalescing_manager(group=g):
+            for inp, out in zip(inputs, ts[len(inputs):]):
+                dist.all_gather_into_tensor(out, inp, group=g)
+    same(both(all_gather_into_tensor_coalesced, flat, *extra), f"all_gather_into_tensor_coalesced {label}")
+
+    if dtype != torch.bool:  # gloo's reduce-scatter takes no bool
+        pieces = [values(shape, dtype, salt + 10 * j, op).reshape(-1) for j in range(N)]
+
+        def reduce_scatter(ts, g):
+            ts.append(torch.empty_like(ts[0]))
+            dist.reduce_scatter(ts[-1], ts[:N], op=reduce_op, group=g)
+        same(both(reduce_scatter, *pieces), f"reduce_scatter {label}")
+
+        def reduce_scatter_tensor(ts, g):
+            ts.append(ts[0].new_empty(ts[0].numel() // N))
+            dist.reduce_scatter_tensor(ts[-1], ts[0], op=reduce_op, group=g)
+        same(both(reduce_scatter_tensor, torch.cat(pieces)), f"reduce_scatter_tensor {label}")
+
+        def reduce_scatter_tensor_coalesced(ts, g):
+            inputs = list(ts)
+            ts[:] = inputs + [t.new_empty(t.numel() // N) for t in inputs]
+            with dist._coalescing_manager(group=g):
+                for inp, out in zip(inputs, ts[len(inputs):]):
+                    dist.reduce_scatter_tensor(out, inp, op=reduce_op, group=g)
+        same(both(reduce_scatter_tensor_coalesced, torch.cat(pieces), *[e.repeat(N) for e in extra]),
+             f"reduce_scatter_tensor_coalesced {label}")
+
+    outgoing = [values(shape, dtype, salt + 100 + j, op) for j in range(N)]  # piece j goes to rank j
+
+    def all_to_all(ts, g):
+        ts[N:] = [torch.empty_like(t) for t in ts[:N]]
+        dist.all_to_all(ts[N:], ts[:N], group=g)
+    same(both(all_to_all, *outgoing), f"all_to_all {label}")
+
+    def all_to_all_single(ts, g):
+        ts.append(torch.empty_like(ts[0]))
+        dist.all_to_all_single(ts[-1], ts[0], group=g)
+    same(both(all_to_all_single, torch.stack(outgoing)), f"all_to_all_single {label}")
+
+    def gather(ts, g):
+        ts[1:] = [torch.empty_like(ts[0]) for _ in range(N)] if RANK == root else []
+        dist.gather(ts[0], ts[1:] if RANK == root else None, dst=root, group=g)
+    same(both(gather, x), f"gather {label}")
+
+    def scatter(ts, g):
+        ts.append(torch.empty_like(ts[0]))
+        dist.scatter(ts[-1], ts[:N] if RANK == root else None, src=root, group=g)
+    same(both(scatter, *outgoing), f"scatter {label}")
+
+    def ring(ts, g):  # send to the right, receive from the left
+        ts.append(torch.empty_like(ts[0]))
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, ts[0], (RANK + 1) % N, group=g),
+                                            dist.P2POp(dist.irecv, ts[-1], (RANK - 1) % N, group=g)]):
+            work.wait()
+    same(both(ring, x), f"send/recv around the ring {label}")
 
 
 collective_cases = 0
@@ -173,7 +285,8 @@ while True:  # until the test says stop; every rank reads the same case, rank 0 
         break
     before = len(problems)
     try:
-        run_case(getattr(torch, case["dtype"]), tuple(case["shape"]), case["op"], case["root"], case["salt"])
+        run_case(getattr(torch, case["dtype"]), tuple(case["shape"]), case["op"], case["root"], case["several"],
+                 case["salt"])
     except Exception as exc:  # reported to the test as the case's failure; the next case goes on
         problems.append(f"case {case}: {type(exc).__name__}: {exc}")
     found = [None] * N

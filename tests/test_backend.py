@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradsync.runtime import free_port
@@ -33,21 +33,54 @@ def _results(stdout: str) -> list[dict]:
 
 
 FLOATING = ["float32", "float64", "float16", "bfloat16"]
+COMPLEX = ["complex64", "complex128"]
 INTEGRAL = ["int32", "int64", "uint8", "int8", "bool"]
 CASE_COUNT = 40
+SMALL_SHAPES = st.lists(st.integers(0, 5), min_size=1, max_size=3)
+LARGE_SIZES = [70_000, 300_000, 1_100_000]
+"""Elements of a large case's 1-D tensor. With 4 ranks on one host gradsync's all-reduce takes the
+direct path below 256 KiB and the split one above; reduce-scatter and all-gather read each other's
+tensors in one kernel copy from 256 KiB; the 2 MiB rings carry bigger messages in segments. 1.1M
+float32 elements are 4.4 MB, past all of them (and the all-gathers' outputs are 4x that)."""
+
+
+def _ops(dtype: str) -> list[str]:
+    """Every op torch's gloo accepts for the dtype (complex: torch itself refuses the rest)."""
+    if dtype in FLOATING:
+        return ["sum", "avg", "max", "min", "product"]
+    if dtype in COMPLEX:
+        return ["sum", "avg"]
+    return ["sum", "product", "max", "min", "band", "bor", "bxor"]
 
 
 @st.composite
 def collective_cases(draw) -> dict:
-    """One case for backend_script.py's collectives: a dtype, a shape (empty dimensions included),
-    an op the dtype admits on both backends, a root rank and a salt for the values."""
-    dtype = draw(st.sampled_from(FLOATING + INTEGRAL))
-    if dtype in FLOATING:
-        ops = ["sum", "max", "min", "avg"]  # product of floats: gloo multiplies in another order
-    else:
-        ops = ["sum", "product", "max", "min", "band", "bor", "bxor"]
-    return {"dtype": dtype, "shape": draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)),
-            "op": draw(st.sampled_from(ops)), "root": draw(st.integers(0, 3)), "salt": draw(st.integers(0, 10_000))}
+    """One case for backend_script.py's collectives: a dtype, a shape (empty dimensions included,
+    or one large dimension), an op the dtype admits on both backends, a root rank, how many inputs
+    the coalesced calls take (1-3) and a salt for the values (backend_script.values says which)."""
+    dtype = draw(st.sampled_from(FLOATING + COMPLEX + INTEGRAL))
+    large = draw(st.integers(0, 9)) == 0  # one case in ten
+    shape = [draw(st.sampled_from(LARGE_SIZES))] if large else draw(SMALL_SHAPES)
+    return {"dtype": dtype, "shape": shape, "op": draw(st.sampled_from(_ops(dtype))),
+            "root": draw(st.integers(0, 3)), "several": draw(st.integers(1, 3)), "salt": draw(st.integers(0, 10_000))}
+
+
+LARGE_CASES = [  # run in every session, whatever hypothesis draws: each path with a few dtypes and ops
+    {"dtype": "float32", "shape": [1_100_000], "op": "sum", "root": 1, "several": 2, "salt": 1},
+    {"dtype": "int64", "shape": [600_000], "op": "bxor", "root": 3, "several": 1, "salt": 2},
+    {"dtype": "bfloat16", "shape": [2_200_000], "op": "max", "root": 0, "several": 3, "salt": 3},
+    {"dtype": "complex64", "shape": [300_000], "op": "avg", "root": 2, "several": 2, "salt": 4},
+    {"dtype": "float16", "shape": [70_000], "op": "product", "root": 1, "several": 1, "salt": 5},
+]
+
+
+def with_examples(cases: list[dict]):
+    """hypothesis's @example for each of ``cases``."""
+    def decorate(test):
+        for case in cases:
+            test = example(case=case)(test)
+        return test
+    return decorate
 
 
 def _answer(store: dist.TCPStore, world: subprocess.Popen, key: str, limit: float = 90.0) -> list[str]:
@@ -69,6 +102,7 @@ def _serve_cases(store: dist.TCPStore, world: subprocess.Popen, served: list[dic
     @settings(max_examples=CASE_COUNT, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=collective_cases())
+    @with_examples(LARGE_CASES)
     def every_collective_matches_gloo(case):
         index = len(served)
         store.set(f"case/{index}", json.dumps(case))

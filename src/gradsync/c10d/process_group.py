@@ -70,15 +70,40 @@ def _tensors_in(values) -> list[torch.Tensor]:
     return found
 
 
-def _cuda_to_nccl(method):
-    """CUDA tensors go to the same method of an NCCL group on the same store (made on first use)
-    when the backend string was "cpu:gradsync,cuda:nccl"; CPU tensors run here. (torch stops at
-    the first device's backend when that backend is a Python ProcessGroup, so the group itself has
-    to send CUDA work on.)"""
+def _as_real(value):
+    """``value`` with every complex tensor in it (lists included) viewed as real pairs."""
+    if isinstance(value, torch.Tensor):
+        return torch.view_as_real(value) if value.is_complex() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_real(v) for v in value)
+    return value
+
+
+def _check_complex_op(what: str, op: str) -> None:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"gradsync backend: {what} of complex tensors supports SUM and AVG, not {op.upper()} "
+                         f"(torch refuses it in all_reduce too)")
+
+
+def _routed(method):
+    """Where a call's tensors go before the method sees them:
+    - CUDA tensors go to the same method of an NCCL group on the same store (made on first use)
+      when the backend string was "cpu:gradsync,cuda:nccl" (torch stops at the first device's
+      backend when that backend is a Python ProcessGroup, so the group itself sends CUDA work on);
+    - complex tensors are viewed as pairs of reals, as torch's own Python layer does for most
+      collectives before the backend sees them: the bytes are the same, and a sum or an average of
+      complex numbers is the sum or average of their parts. Other reductions of complex numbers are
+      refused, as torch refuses them in all_reduce."""
     @functools.wraps(method)
     def route(self, *args):
-        if any(t.is_cuda for t in _tensors_in(args)):
+        tensors = _tensors_in(args)
+        if any(t.is_cuda for t in tensors):
             return getattr(self._nccl_group(method.__name__), method.__name__)(*args)
+        if any(t.is_complex() for t in tensors):
+            for value in args:
+                if getattr(value, "reduceOp", None) is not None:
+                    _check_complex_op(method.__name__, _op_name(value.reduceOp))
+            return method(self, *_as_real(args))
         return method(self, *args)
     return route
 
@@ -207,7 +232,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         cost 14 us, a third of the call. SUM is recognised by one comparison: looking the op up
         in a dictionary hashes and compares torch's enum objects (1.3 us)."""
         tensor = tensors[0] if len(tensors) == 1 else None
-        if tensor is None or tensor.is_cuda or tensor.is_sparse:
+        if tensor is None or tensor.is_cuda or tensor.is_sparse or tensor.is_complex():
             return self._allreduce_any(tensors, opts)
         if opts is None:
             op, asynchronous = "sum", True
@@ -225,11 +250,14 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         if any(t.is_cuda for t in tensors):
             return self._nccl_group("allreduce").allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_complex() for t in tensors):
+            _check_complex_op("allreduce", op)
+            tensors = _as_real(tensors)
         algorithm = _algorithm()
         return self._run("allreduce", tensors,
                          lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors], opts)
 
-    @_cuda_to_nccl
+    @_routed
     def allreduce_coalesced(self, tensors, opts=None):
         """See torch.distributed.all_reduce_coalesced: one all-reduce per dtype over the tensors
         flattened together."""
@@ -249,7 +277,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                     offset += t.numel()
         return self._run("allreduce_coalesced", tensors, run, opts)
 
-    @_cuda_to_nccl
+    @_routed
     def reduce(self, tensors, opts):
         """See torch.distributed.reduce: a binomial tree onto the root (comm/allreduce_tree.py) on a
         copy; only the root's tensor changes."""
@@ -265,13 +293,13 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("reduce", tensors, run, opts)
 
     # -- broadcast, gathers, scatters -----------------------------------------------------------
-    @_cuda_to_nccl
+    @_routed
     def broadcast(self, tensors, opts):
         """See torch.distributed.broadcast."""
         return self._run("broadcast", tensors,
                          lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors], opts)
 
-    @_cuda_to_nccl
+    @_routed
     def allgather(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_gather: output_tensors[0][r] <- rank r's input_tensors[0]."""
         def run():
@@ -284,20 +312,20 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for outputs in output_tensors for t in outputs]
         return self._run("allgather", flat + list(input_tensors), run, opts)
 
-    @_cuda_to_nccl
+    @_routed
     def _allgather_base(self, output, input, opts=None):
         """See torch.distributed.all_gather_into_tensor."""
         return self._run("_allgather_base", [output, input],
                          lambda: output.copy_(all_gather_in(self.place, input).view_as(output)), opts)
 
-    @_cuda_to_nccl
+    @_routed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.all_gather_into_tensor, for several pairs in one call."""
         return self._run("allgather_into_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(all_gather_in(self.place, inp).view_as(out))
                                   for out, inp in zip(outputs, inputs)], opts)
 
-    @_cuda_to_nccl
+    @_routed
     def _reduce_scatter_base(self, output, input, opts=None):
         """See torch.distributed.reduce_scatter_tensor: input holds N equal pieces, output one."""
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -305,7 +333,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("_reduce_scatter_base", [output, input],
                          lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)), opts)
 
-    @_cuda_to_nccl
+    @_routed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.reduce_scatter: output_tensors[0] <- reduction of every rank's
         input_tensors[0][rank]."""
@@ -320,7 +348,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for pieces in input_tensors for t in pieces]
         return self._run("reduce_scatter", list(output_tensors) + flat, run, opts)
 
-    @_cuda_to_nccl
+    @_routed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.reduce_scatter_tensor, for several pairs in one call."""
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -330,7 +358,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                          lambda: [out.copy_(reduce_scatter_in(self.place, inp, op).view_as(out))
                                   for out, inp in zip(outputs, inputs)], opts)
 
-    @_cuda_to_nccl
+    @_routed
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """See torch.distributed.all_gather_coalesced: output_lists[r][j] <- rank r's
         input_tensors[j]. One all-gather per dtype over the inputs flattened together: rank r's
@@ -365,7 +393,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                                      f"{dtype_name(out.dtype)} elements for an input of {t.numel()} "
                                      f"{dtype_name(t.dtype)} elements; they must match")
 
-    @_cuda_to_nccl
+    @_routed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_to_all: output_tensors[r] <- rank r's input_tensors[this rank]."""
         def run():
@@ -388,7 +416,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             raise ValueError(f"gradsync backend: {what} needs the input to hold world_size="
                              f"{self.place.world.world_size} pieces of the output's {piece} elements, got {total}")
 
-    @_cuda_to_nccl
+    @_routed
     def gather(self, output_tensors, input_tensors, opts):
         """See torch.distributed.gather: the root's output_tensors[0][r] <- rank r's input."""
         root, w = opts.rootRank, self.place.world
@@ -405,7 +433,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                         o.copy_(s)
         return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run, opts)
 
-    @_cuda_to_nccl
+    @_routed
     def scatter(self, output_tensors, input_tensors, opts):
         """See torch.distributed.scatter: output_tensors[0] <- the root's input_tensors[0][rank]."""
         root, w = opts.rootRank, self.place.world
@@ -420,7 +448,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 out.copy_(target)
         return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run, opts)
 
-    @_cuda_to_nccl
+    @_routed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """See torch.distributed.all_to_all_single (splits along dim 0; empty lists: equal splits)."""
         n_ranks = self.place.world.world_size
@@ -446,19 +474,19 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"), opts)
 
     # -- point-to-point -------------------------------------------------------------------------
-    @_cuda_to_nccl
+    @_routed
     def send(self, tensors, dst, tag):
         """See torch.distributed.send (posted at once; the Work completes when the bytes are gone)."""
         handles = [self.place.transport.isend(t.contiguous(), dst, "p2p/send", tag=tag + P2P_TAG_OFFSET)
                    for t in tensors]
         return TransferWork(handles, tensors)
 
-    @_cuda_to_nccl
+    @_routed
     def recv(self, tensors, src, tag):
         """See torch.distributed.recv."""
         return self._receive(tensors, src, tag)
 
-    @_cuda_to_nccl
+    @_routed
     def recv_anysource(self, tensors, tag):
         """See torch.distributed.recv with src=None; work._source_rank() names the sender."""
         return self._receive(tensors, None, tag)
