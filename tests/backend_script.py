@@ -6,13 +6,16 @@ own DDP (no_sync, find_unused_parameters, fp16_compress_hook, static_graph), Zer
 every collective torch.distributed offers on shapes, dtypes, ops and roots that the test draws
 with hypothesis (it serves them one at a time through a TCPStore of its own, the same case to
 every rank, and reads back what differed from gloo), subgroups and a 2 x 2 DeviceMesh, point-to-point and
-object collectives. It also checks the traffic meter against the ring formula and that a
-mismatched collective is an error naming both ranks. Each rank prints one line ``RESULT {json}``.
+object collectives. It also checks the traffic meter against the ring formula, that a
+mismatched collective is an error naming both ranks, and that when one rank never calls a
+collective every rank waiting in it raises within the group's timeout naming that rank. Each rank
+prints one line ``RESULT {json}``.
 """
 
 import json
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -399,7 +402,21 @@ try:
 except RuntimeError as exc:
     sparse_refusal = str(exc)
 
-result = {"rank": RANK, "problems": problems, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
+# -- a peer that never calls: every rank waiting for it raises within the group's timeout, naming it --
+SHORT = 3.0
+short = dist.new_group(backend="gradsync", timeout=timedelta(seconds=SHORT))
+dist.all_reduce(torch.ones(3), group=short)  # the group works
+never_called = None
+if RANK != N - 1:  # the last rank never calls this all-reduce; it waits for the others on gloo
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3), group=short)
+        never_called = {"error": None}
+    except Exception as exc:  # the message is what the test checks
+        never_called = {"error": str(exc), "after": time.monotonic() - started}
+dist.barrier(group=GLOO)
+
+result = {"rank": RANK, "problems": problems, "never_called": never_called, "short_timeout": SHORT, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
           "mismatch": mismatch, "backend": dist.get_backend()}
 os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()

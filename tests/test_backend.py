@@ -157,6 +157,10 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
         rank, mismatch = row["rank"], row["mismatch"]
         assert mismatch is not None and "collective mismatch between rank" in mismatch, mismatch
         assert f"rank {rank} called all_reduce" in mismatch and f"of {10 + rank} float32 elements" in mismatch
+        if rank != 3:  # rank 3 never called the all-reduce ranks 0-2 waited in, on a group of 3 s timeout
+            never_called = row["never_called"]
+            assert "all_reduce" in never_called["error"] and "not arrived: rank 3" in never_called["error"], never_called
+            assert never_called["after"] < row["short_timeout"] + 2.0, never_called
 
 
 @pytest.mark.timeout(120)
