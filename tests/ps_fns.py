@@ -194,6 +194,29 @@ def dead_worker(victim, steps_before_death):
     return "worker finished"
 
 
+def dead_server_while_clipping(victim, version):
+    """Two servers clip in sync mode; server ``victim`` SIGKILLs itself when it is about to exchange its
+    power sum for ``version`` (the version's pushes all in). The others report what they saw."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=2, mode="sync", max_grad_norm=0.01)
+    if ps.is_server:
+        if w.rank == victim:   # fault injection: the exchange is where the other server waits for this one
+            clipping, exchange = ps._server.clipping, ps._server.clipping._exchange
+            clipping._exchange = lambda mine: (os.kill(os.getpid(), signal.SIGKILL) if ps._server.version == version
+                                               else exchange(mine))
+        ps.serve()
+        return "served without noticing"
+    x = torch.randn(4, 8, dtype=torch.float64)
+    y = torch.zeros(4, dtype=torch.long)
+    for _ in range(100):
+        ps.pull()
+        nn.functional.cross_entropy(model(x), y).backward()
+        ps.push()
+    ps.close()
+    return "worker finished"
+
+
 def malformed(kind):
     """Rank 2 sends one bad message to the server; the server must refuse it and name rank 2."""
     w = gs.world()

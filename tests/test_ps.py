@@ -120,6 +120,18 @@ def test_clipping_equals_one_process_with_global_batch_and_torch_clip(world_of, 
             assert traffic["per_op"].get("ps/clip", {"sent": 0})["sent"] == steps * (servers - 1) * 8
 
 
+@pytest.mark.timeout(120)
+def test_a_server_lost_while_clipping_is_named_and_nothing_hangs():
+    pool = WorldPool(4, timeout=5.0)   # a world of its own: server 0 waits at most this long for server 1's sum
+    with pytest.raises(RankFailure) as info:
+        pool.run(ps_fns.dead_server_while_clipping, 1, 2, case_timeout=60)
+    errors = info.value.errors
+    assert errors[1][0] == "died"
+    assert errors[0][0] == "RuntimeError" and "no power sum from server rank 1 for clipping version 2" in errors[0][1]
+    for worker in (2, 3):   # the workers hear it from server 0 (or see server 1 gone), naming the rank
+        assert "rank 1" in errors[worker][1], errors[worker]
+
+
 # -- traffic ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 1), (4, 2)])

@@ -16,8 +16,8 @@ Where the norm is taken (clip.py has the formulas: power sums, one coefficient m
                 then moves the parameters as a one-process step on that worker's batch would, scaled
                 by 1/W. With one worker this is the sync rule.
 
-A server that gets no sum from another server within the timeout stops, tells its workers (ABORT)
-and raises, naming that server and the version.
+A server whose receive of another server's sum fails (that server died: at once; it stalled: after
+the timeout) stops, tells its workers (ABORT) and raises, naming that server and the version.
 """
 
 from __future__ import annotations

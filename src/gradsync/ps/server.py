@@ -394,8 +394,8 @@ class Server:
             self.clipping.clip_(([gradient] if gradient.numel() else []) + [grad for _, grad in table_rows],
                                 gradient.dtype)
         except PeerError as exc:
-            message = (f"parameter server rank {self.rank}: server rank {exc.peer} sent no power sum for clipping "
-                       f"version {self.version} within {self.timeout:.0f} s ({exc}); it may have died or stalled")
+            message = (f"parameter server rank {self.rank}: no power sum from server rank {exc.peer} for clipping "
+                       f"version {self.version}; it may have died or stalled (timeout {self.timeout:.0f} s): {exc}")
             self._abort(wire.REASON_SERVER_ERROR, exc.peer, message)
             raise RuntimeError(message) from exc
 
