@@ -174,11 +174,9 @@ def in_step(mode, steps, sync_dir, settle_s=0.05):
     return "worker", w.rank
 
 
-def dead_worker(victim, steps_before_death):
-    """The victim SIGKILLs itself after some steps; the others report what they saw."""
-    w = gs.world()
-    model = ddp_fns.make_model("mlp", torch.float64)
-    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+def _serve_or_work(ps, model, kill_at_step=None):
+    """A server serves; a worker pulls, computes on a fixed batch and pushes, up to 100 steps, and
+    SIGKILLs itself at step ``kill_at_step`` (None: never). Returns what the rank saw."""
     if ps.is_server:
         ps.serve()
         return "served without noticing"
@@ -187,11 +185,19 @@ def dead_worker(victim, steps_before_death):
     for step in range(100):
         ps.pull()
         nn.functional.cross_entropy(model(x), y).backward()
-        if w.rank == victim and step == steps_before_death:
+        if step == kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         ps.push()
     ps.close()
     return "worker finished"
+
+
+def dead_worker(victim, steps_before_death):
+    """The victim SIGKILLs itself after some steps; the others report what they saw."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    return _serve_or_work(ps, model, steps_before_death if w.rank == victim else None)
 
 
 def dead_server_while_clipping(victim, version):
@@ -200,21 +206,11 @@ def dead_server_while_clipping(victim, version):
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
     ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=2, mode="sync", max_grad_norm=0.01)
-    if ps.is_server:
-        if w.rank == victim:   # fault injection: the exchange is where the other server waits for this one
-            clipping, exchange = ps._server.clipping, ps._server.clipping._exchange
-            clipping._exchange = lambda mine: (os.kill(os.getpid(), signal.SIGKILL) if ps._server.version == version
-                                               else exchange(mine))
-        ps.serve()
-        return "served without noticing"
-    x = torch.randn(4, 8, dtype=torch.float64)
-    y = torch.zeros(4, dtype=torch.long)
-    for _ in range(100):
-        ps.pull()
-        nn.functional.cross_entropy(model(x), y).backward()
-        ps.push()
-    ps.close()
-    return "worker finished"
+    if w.rank == victim:   # fault injection: the exchange is where the other server waits for this one
+        clipping, exchange = ps._server.clipping, ps._server.clipping._exchange
+        clipping._exchange = lambda mine: (os.kill(os.getpid(), signal.SIGKILL) if ps._server.version == version
+                                           else exchange(mine))
+    return _serve_or_work(ps, model)
 
 
 def malformed(kind):
