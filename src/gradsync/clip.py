@@ -32,9 +32,9 @@ NORM_EPSILON = 1e-6
 """Added to the norm before dividing, as torch does."""
 
 
-def check_arguments(max_norm, norm_type) -> tuple[float, float]:
+def check_arguments(max_norm, norm_type, name: str = "max_norm") -> tuple[float, float]:
     """(max_norm, p) as floats (norm_type may be "inf", as torch accepts); ValueError for values that
-    cannot be clipped by."""
+    cannot be clipped by. ``name``: what the caller calls max_norm, for the message."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
@@ -47,7 +47,7 @@ def check_arguments(max_norm, norm_type) -> tuple[float, float]:
     except (TypeError, ValueError, RuntimeError):
         limit = math.nan
     if isinstance(max_norm, bool) or not math.isfinite(limit) or limit <= 0:
-        raise ValueError(f"max_norm must be a finite number > 0 (the largest norm the gradient may keep), "
+        raise ValueError(f"{name} must be a finite number > 0 (the largest norm the gradient may keep), "
                          f"got {max_norm!r}")
     return limit, p
 

@@ -78,10 +78,10 @@ class ParameterServer:
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
                  staleness: int = 0, max_grad_norm: float | None = None, norm_type: float = 2.0) -> None:
+        if max_grad_norm is not None:
+            clip.check_arguments(max_grad_norm, norm_type, "max_grad_norm")
         world = runtime.world()
         params = self._check(model, optimizer_fn, num_servers, mode, staleness, world)
-        if max_grad_norm is not None:
-            clip.check_arguments(max_grad_norm, norm_type)
         self.world = world
         self.model = model
         self.mode = mode
