@@ -89,7 +89,8 @@ class _Bucket:
 
 @dataclass
 class _Reduced:
-    """What clip_grad_norm_'s reduction left, so step() can tell whether the gradients changed since."""
+    """What the step's reduction left (clip_grad_norm_ reduces before step()), so step() can tell
+    whether the gradients changed since."""
     versions: list[int]            # per bucket: its flat gradient buffer's version counter
     had_grad: list[bool]           # per parameter: whether it had a .grad (now a view of its bucket's buffer)
 
@@ -162,7 +163,7 @@ class ShardedOptimizer:
         self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
         self.last_comm_seconds = 0.0
         self._watch = GradientWatch(self.params)
-        self._reduced: _Reduced | None = None   # set by clip_grad_norm_: this step's gradients are in the shards
+        self._reduced: _Reduced | None = None   # this step's gradients are in the shards (clip_grad_norm_ ran)
         self._reduce_seconds = 0.0
 
     @property
