@@ -38,13 +38,16 @@ def optimizer_fn(kind):
 
 
 def train(mode, opt_kind, steps, local_batch, num_servers, staleness=0, straggler=None, sleep_s=0.0,
-          model_name="mlp", dtype=torch.float64):
+          model_name="mlp", dtype=torch.float64, clip=None):
     """Servers serve; workers pull/backward/push on their slice of the global data, then one final pull.
+    ``clip``: (max_grad_norm, norm_type) for the ParameterServer.
 
     Returns ("server", stats, traffic) or ("worker", params, stats, traffic)."""
     w = gs.world()
     model = ddp_fns.make_model(model_name, dtype, seed=w.rank) if model_name in ddp_fns.MODELS else Uneven().to(dtype)
-    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode, staleness=staleness)
+    clipping = dict(max_grad_norm=clip[0], norm_type=clip[1]) if clip else {}
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode, staleness=staleness,
+                            **clipping)
     gs.traffic_reset()
     if ps.is_server:
         ps.serve()
@@ -66,6 +69,21 @@ def train(mode, opt_kind, steps, local_batch, num_servers, staleness=0, straggle
     traffic = gs.traffic()
     ps.close()
     return "worker", {n: p.detach().clone() for n, p in model.named_parameters()}, ps.stats(), traffic
+
+
+def one_process_clipped(opt_kind, steps, workers, local_batch, max_norm, norm_type):
+    """The oracle for clipping: one process, the global batch, torch.nn.utils.clip_grad_norm_ before
+    each step. Returns the parameters and the norm of every step."""
+    model = ddp_fns.make_model("mlp", torch.float64)
+    optimizer = optimizer_fn(opt_kind)(list(model.parameters()))
+    xs, ys = ddp_fns.global_data(steps, workers, local_batch, torch.float64)
+    norms = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.CrossEntropyLoss()(model(xs[step]), ys[step]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def _mark(sync_dir, rank, clock):
@@ -156,11 +174,9 @@ def in_step(mode, steps, sync_dir, settle_s=0.05):
     return "worker", w.rank
 
 
-def dead_worker(victim, steps_before_death):
-    """The victim SIGKILLs itself after some steps; the others report what they saw."""
-    w = gs.world()
-    model = ddp_fns.make_model("mlp", torch.float64)
-    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+def _serve_or_work(ps, model, kill_at_step=None):
+    """A server serves; a worker pulls, computes on a fixed batch and pushes, up to 100 steps, and
+    SIGKILLs itself at step ``kill_at_step`` (None: never). Returns what the rank saw."""
     if ps.is_server:
         ps.serve()
         return "served without noticing"
@@ -169,11 +185,32 @@ def dead_worker(victim, steps_before_death):
     for step in range(100):
         ps.pull()
         nn.functional.cross_entropy(model(x), y).backward()
-        if w.rank == victim and step == steps_before_death:
+        if step == kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         ps.push()
     ps.close()
     return "worker finished"
+
+
+def dead_worker(victim, steps_before_death):
+    """The victim SIGKILLs itself after some steps; the others report what they saw."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    return _serve_or_work(ps, model, steps_before_death if w.rank == victim else None)
+
+
+def dead_server_while_clipping(victim, version):
+    """Two servers clip in sync mode; server ``victim`` SIGKILLs itself when it is about to exchange its
+    power sum for ``version`` (the version's pushes all in). The others report what they saw."""
+    w = gs.world()
+    model = ddp_fns.make_model("mlp", torch.float64)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=2, mode="sync", max_grad_norm=0.01)
+    if w.rank == victim:   # fault injection: the exchange is where the other server waits for this one
+        clipping, exchange = ps._server.clipping, ps._server.clipping._exchange
+        clipping._exchange = lambda mine: (os.kill(os.getpid(), signal.SIGKILL) if ps._server.version == version
+                                           else exchange(mine))
+    return _serve_or_work(ps, model)
 
 
 def malformed(kind):

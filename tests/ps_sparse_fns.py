@@ -20,11 +20,11 @@ HOT_EMB, HOT_BAG = 40, 24
 class SparseNet(nn.Module):
     """A sparse nn.Embedding and a sparse nn.EmbeddingBag (sum) feeding a dense linear classifier."""
 
-    def __init__(self, seed=0, dtype=torch.float64):
+    def __init__(self, seed=0, dtype=torch.float64, sparse=True):
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = nn.Embedding(EMB_ROWS, DIM, sparse=True)
-        self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode="sum", sparse=True)
+        self.emb = nn.Embedding(EMB_ROWS, DIM, sparse=sparse)
+        self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode="sum", sparse=sparse)
         self.out = nn.Linear(2 * DIM, CLASSES)
         self.to(dtype)
 
@@ -50,27 +50,33 @@ def optimizer_fn(kind):
     raise ValueError(kind)
 
 
-def single_process(opt_kind, steps, workers, local_batch):
-    """The oracle: one process, torch's own optimizer on the sparse gradients, batch W*b."""
-    model = SparseNet()
+def single_process(opt_kind, steps, workers, local_batch, clip=None):
+    """The oracle: one process, torch's own optimizer on the sparse gradients, batch W*b. ``clip``:
+    (max_norm, norm_type) for torch.nn.utils.clip_grad_norm_ before each step, which takes no sparse
+    gradient, so the tables are dense then (plain SGD moves untouched rows by 0 either way)."""
+    model = SparseNet(sparse=clip is None)
     optimizer = optimizer_fn(opt_kind)(list(model.parameters()))
     ids, bags, labels = global_data(steps, workers, local_batch)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(ids[step], bags[step]), labels[step]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(mode, opt_kind, steps, local_batch, num_servers, straggler_sleep_s=0.0):
+def train(mode, opt_kind, steps, local_batch, num_servers, straggler_sleep_s=0.0, clip=None):
     """Workers pull the rows of their next batch, backward, push; one final whole pull. The last worker
     sleeps ``straggler_sleep_s`` after each push, so the others run ahead (ssp) before its next pull.
+    ``clip``: (max_grad_norm, norm_type) for the ParameterServer.
 
     Returns ("server", stats, traffic) or ("worker", params, stats, traffic, untouched_ok) where
     untouched_ok says rows this worker never asked for kept the NaN it planted in them."""
     w = gs.world()
     model = SparseNet(seed=w.rank)   # rank 0's parameters win the broadcast
-    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode)
+    clipping = dict(max_grad_norm=clip[0], norm_type=clip[1]) if clip else {}
+    ps = gs.ParameterServer(model, optimizer_fn(opt_kind), num_servers=num_servers, mode=mode, **clipping)
     gs.traffic_reset()
     if ps.is_server:
         ps.serve()

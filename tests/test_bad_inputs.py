@@ -55,6 +55,15 @@ def test_parameter_server_bad_mode_and_staleness(world):
         ParameterServer(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), mode="ssp", staleness=-1)
 
 
+def test_parameter_server_bad_clipping(world):
+    for value in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+            ParameterServer(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), max_grad_norm=value)
+    for value in (0, -1.0, "fro"):
+        with pytest.raises(ValueError, match=r"use a p > 0 \(1.0, 2.0, ...\) or inf"):
+            ParameterServer(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), max_grad_norm=1.0, norm_type=value)
+
+
 def test_sharded_optimizer_refuses_groups_and_non_optimizers(world):
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="not parameter groups"):

@@ -93,6 +93,45 @@ def test_sync_equals_gradsync_ddp(world_of):
         assert relative_error(params, ddp[0][0]) <= 1e-12
 
 
+# -- clipping (clipping.py) --------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,world_size,servers,norm_type,max_norm", [
+    ("sync", 4, 2, 2.0, 0.05),            # two servers: the norm is taken over both shards
+    ("sync", 4, 2, float("inf"), 0.01),
+    ("sync", 3, 1, 2.0, 100.0),           # never bites
+    ("async", 2, 1, 2.0, 0.05),           # one worker: its own gradient is the averaged one
+    ("ssp", 2, 1, 3.0, 0.02)])
+def test_clipping_equals_one_process_with_global_batch_and_torch_clip(world_of, mode, world_size, servers,
+                                                                      norm_type, max_norm):
+    steps, local_batch, workers = 3, 4, world_size - servers
+    results = world_of(world_size).run(ps_fns.train, mode, "momentum", steps, local_batch, servers, 0, None, 0.0,
+                                       "mlp", torch.float64, (max_norm, norm_type))
+    oracle, norms = ps_fns.one_process_clipped("momentum", steps, workers, local_batch, max_norm, norm_type)
+    assert [norm > max_norm for norm in norms] == [max_norm < 1] * steps, "clipping bites at every step, or never"
+    for _, params, stats, _ in workers_of(results):
+        assert relative_error(params, oracle) <= 1e-12, f"worker rank {stats['rank']}"
+        if mode != "sync":   # the worker clipped what it pushed
+            assert stats["last_grad_norm"] == pytest.approx(norms[-1], rel=1e-12)
+    for _, stats, traffic in servers_of(results):
+        if mode == "sync":   # every server saw the same global norm and clipped when it was above max_norm
+            assert stats["last_grad_norm"] == pytest.approx(norms[-1], rel=1e-12), f"server rank {stats['rank']}"
+            assert stats["clipped_versions"] == (steps if max_norm < 1 else 0)
+            # S-1 float64 scalars out per version (with one server, none)
+            assert traffic["per_op"].get("ps/clip", {"sent": 0})["sent"] == steps * (servers - 1) * 8
+
+
+@pytest.mark.timeout(120)
+def test_a_server_lost_while_clipping_is_named_and_nothing_hangs():
+    pool = WorldPool(4, timeout=5.0)   # a world of its own: server 0 waits at most this long for server 1's sum
+    with pytest.raises(RankFailure) as info:
+        pool.run(ps_fns.dead_server_while_clipping, 1, 2, case_timeout=60)
+    errors = info.value.errors
+    assert errors[1][0] == "died"
+    assert errors[0][0] == "RuntimeError" and "no power sum from server rank 1 for clipping version 2" in errors[0][1]
+    for worker in (2, 3):   # the workers hear it from server 0 (or see server 1 gone), naming the rank
+        assert "rank 1" in errors[worker][1], errors[worker]
+
+
 # -- traffic ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 1), (4, 2)])

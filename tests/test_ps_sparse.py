@@ -105,6 +105,22 @@ def test_sparse_sync_equals_one_process_with_global_batch(world_of, optimizer, w
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,world_size,servers", [("sync", 4, 2), ("async", 2, 1)])
+def test_clipping_counts_the_touched_rows_in_the_norm(world_of, mode, world_size, servers):
+    """max_grad_norm with sparse tables: the norm covers the dense shard and every touched row (sync:
+    the servers' mean rows, over both servers; async with one worker: the rows it pushes). Oracle: one
+    process with dense tables and torch.nn.utils.clip_grad_norm_; 0.5 is below every step's norm
+    (1.4-1.8, of which the rows are about 0.2)."""
+    steps, local_batch = 3, 4
+    results = world_of(world_size).run(fns.train, mode, "sgd", steps, local_batch, servers, 0.0, (0.5, 2.0))
+    oracle = fns.single_process("sgd", steps, world_size - servers, local_batch, clip=(0.5, 2.0))
+    unclipped = fns.single_process("sgd", steps, world_size - servers, local_batch)
+    assert relative_error(unclipped, oracle) > 1e-2
+    for _, params, stats, _, _ in workers_of(results):
+        assert relative_error(params, oracle) <= 1e-12, f"worker rank {stats['rank']}"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,servers", [(3, 1), (4, 2)])
 def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, servers):
     steps, local_batch, esize = 3, 4, 8

@@ -1,5 +1,6 @@
 """gradsync train end to end: accuracy, exact resume, clear errors for bad input, the example script."""
 
+import json
 import os
 import subprocess
 import sys
@@ -85,6 +86,10 @@ def test_trace_file_is_written(tmp_path):
     (["--model", "charlm", "--dataset", "digits"], "cannot train on"),
     (["--strategy", "ps-async", "--workers", "3", "--checkpoint-every", "10"], "checkpoints on preemption and at its end"),
     (["--out", "/proc/forbidden/run"], "not a writable directory"),
+    (["--clip-grad", "0"], "--clip-grad must be a finite number > 0"),
+    (["--clip-grad", "-1"], "--clip-grad must be a finite number > 0"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number > 0"),
+    (["--clip-grad", "big"], "invalid float value: 'big'"),
 ])
 def test_bad_flags_give_clear_errors(argv, message, capsys):
     try:
@@ -226,3 +231,33 @@ def test_checkpoint_every_by_time_and_bad_values(tmp_path):
     # 0s would be refused; a tiny interval checkpoints after (nearly) every step, agreed by broadcast
     summary = run(TrainConfig(out=str(tmp_path), workers=2, steps=6, quiet=True, checkpoint_every="0.000001s"))[0]["summary"]
     assert summary["checkpoints"] == 6  # after steps 1-5, and the last one at the end
+
+
+def _step_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "step"]
+
+
+@pytest.mark.timeout(300)
+def test_clip_grad_flag_equals_one_process_with_the_global_batch(world_of, tmp_path, capsys):
+    """--clip-grad X under ddp, zero1 (2 workers x 16) and ps-sync (1 server, 2 workers x 16) against
+    --strategy local with the global batch of 32, whose loop is torch.nn.utils.clip_grad_norm_ on one
+    process. X is below every step's norm, so clipping bites at each step. The jobs run in the test
+    session's worlds (train_rank is what each spawned rank runs)."""
+    from gradsync.train.loop import train_rank
+    from test_ps import relative_error
+
+    common = dict(steps=4, lr=0.05, lr_scaling="none", warmup_steps=0, quiet=True, clip_grad=0.05)
+    local = run(TrainConfig(workers=1, strategy="local", batch_size=32, out=str(tmp_path / "local"), **common))
+    assert "clip grad 2-norm to 0.05 (torch's clip_grad_norm_)" in capsys.readouterr().out
+    oracle, norms = local[0]["params"], [r["grad_norm"] for r in _step_records(tmp_path / "local")]
+    # every step's gradient is scaled by less than 1/2: a run that did not clip would be far off
+    assert len(norms) == 4 and min(norms) > 2 * common["clip_grad"], norms
+    for strategy, world_size in (("ddp", 2), ("zero1", 2), ("ps-sync", 3)):
+        out = tmp_path / strategy
+        cfg = TrainConfig(workers=world_size, strategy=strategy, batch_size=16, out=str(out), **common)
+        results = world_of(world_size).run(train_rank, cfg)
+        # float32: the mean of two ranks' means is the global mean up to rounding, far below clipping's effect
+        for rank, result in enumerate(results[1:] if strategy == "ps-sync" else results):
+            assert relative_error(result["params"], oracle) <= 1e-5, f"{strategy} rank {rank}"
+        if strategy != "ps-sync":   # the norm each step clipped by is the one process's
+            assert [r["grad_norm"] for r in _step_records(out)] == pytest.approx(norms, rel=1e-5), strategy

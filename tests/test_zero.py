@@ -145,3 +145,47 @@ def test_train_zero1_reaches_accuracy_and_resumes_exactly(tmp_path):
     run(TrainConfig(out=str(tmp_path / "b"), **{**common, "steps": 13}))
     resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=True, **common))
     assert straight[0]["digest"] == resumed[0]["digest"], "resume must be bit-identical"
+
+
+# -- clip_grad_norm_ ---------------------------------------------------------------------------------
+INF = float("inf")
+CLIP_CASES = [  # (optimizer, norm_type, max_norm, bucket_cap_mb): the first three clip every step
+    ("adam", 2.0, 0.05, 25), ("momentum", INF, 0.01, 0.001), ("adamw", 3.0, 0.02, 0.001),
+    ("momentum", 2.0, 100.0, 25)]
+
+
+@pytest.mark.timeout(300)
+def test_clip_grad_norm_equals_torch_ddp_zero_redundancy_optimizer_and_clip(world_of):
+    # oracle: torch's DDP + ZeroRedundancyOptimizer + torch.nn.utils.clip_grad_norm_ on gloo, same world
+    steps = 4
+    results = world_of(3).run(zero_fns.clip_against_torch, CLIP_CASES, steps, 4)
+    for rank, per_case in enumerate(results):
+        for (opt_kind, norm_type, max_norm, cap), got in zip(CLIP_CASES, per_case):
+            case = f"rank {rank}, {opt_kind}, norm_type {norm_type}, max_norm {max_norm}"
+            assert got["our_norms"] == pytest.approx(got["torch_norms"], rel=1e-12, abs=0), case
+            bites = [norm > max_norm for norm in got["torch_norms"]]
+            assert bites == [max_norm < 1] * steps, f"{case}: clipping must bite at every step, or never"
+            assert relative_error(got["ours"], got["torch"]) <= 1e-12, case
+            # one reduce-scatter + all-gather per step and one scalar all-reduce: never reduced twice
+            assert got["sent"] == got["expected_bytes"], case
+    for per_case in results[1:]:   # one coefficient on every rank: the replicas stay identical
+        for got, first in zip(per_case, results[0]):
+            assert all(torch.equal(got["ours"][n], first["ours"][n]) for n in got["ours"])
+
+
+@pytest.mark.timeout(300)
+def test_clip_in_the_wrong_place_is_loud_and_bad_arguments_are_refused(world_of):
+    results = world_of(2).run(zero_fns.clip_misuse)
+    for rank, got in enumerate(results):
+        for layout in ("True", "False"):   # fresh gradients, and gradients that are views of the buckets
+            assert got[f"ours_warnings_{layout}"] == [], f"rank {rank}"
+            warned = got[f"torch_warnings_{layout}"]
+            assert len(warned) == 3 and all("torch.nn.utils.clip_grad_norm_" in w for w in warned), (rank, warned)
+        for case in ("backward_after_clip", "model_zero_grad_after_clip"):
+            assert got[case].startswith("RuntimeError") and "changed after clip_grad_norm_" in got[case], got[case]
+        assert got["zero_grad_starts_over"] == "nothing raised"
+        for value, message in got["bad_max_norm"].items():
+            assert message.startswith("ValueError: max_norm must be a finite number > 0"), (value, message)
+        for value, message in got["bad_norm_type"].items():
+            assert message.startswith("ValueError: norm_type") and "p > 0 (1.0, 2.0, ...) or inf" in message, message
+        assert "non-finite" in got["nonfinite"], f"rank {rank}: {got['nonfinite']}"

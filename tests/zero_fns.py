@@ -144,3 +144,131 @@ def round_trip(full_state):
     opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, bucket_cap_mb=0.002, lr=0.01)
     opt.load_state_dict(full_state)
     return opt.state_dict()
+
+
+# -- clip_grad_norm_ ---------------------------------------------------------------------------------
+def clip_against_torch(cases, steps, local_batch):
+    """Per case (optimizer, norm_type, max_norm, bucket_cap_mb): ShardedOptimizer.clip_grad_norm_
+    before each step, and torch's DDP + ZeroRedundancyOptimizer + torch.nn.utils.clip_grad_norm_ on
+    the same data in this world (gloo). Returns per case both parameter sets, both norms per step, our
+    bytes sent, and what the reduce-scatter + all-gather formula plus one scalar all-reduce per step
+    would send."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
+    loss_fn = nn.CrossEntropyLoss()
+    out = []
+    for opt_kind, norm_type, max_norm, bucket_cap_mb in cases:
+        cls, kwargs = OPTIMIZERS[opt_kind]
+        scalar = torch.zeros(1, dtype=torch.float64)
+        gs.traffic_reset()
+        gs.all_reduce(scalar, op="max" if norm_type == float("inf") else "sum")
+        scalar_bytes = gs.traffic()["bytes_sent"]
+
+        model = ddp_fns.make_model("mlp", torch.float64, seed=w.rank)
+        opt = gs.ShardedOptimizer(model.parameters(), cls, bucket_cap_mb=bucket_cap_mb, **kwargs)
+        ours = []
+        gs.traffic_reset()
+        for step in range(steps):
+            opt.zero_grad()
+            loss_fn(model(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
+            ours.append(float(opt.clip_grad_norm_(max_norm, norm_type)))
+            opt.step()
+        sent = gs.traffic()["bytes_sent"]
+
+        reference = ddp_fns.make_model("mlp", torch.float64, seed=w.rank)
+        ddp = TorchDDP(reference)   # broadcasts rank 0's parameters, as ShardedOptimizer does
+        zero = ZeroRedundancyOptimizer(reference.parameters(), optimizer_class=cls, **kwargs)
+        theirs = []
+        for step in range(steps):
+            zero.zero_grad()
+            loss_fn(ddp(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
+            theirs.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)))
+            zero.step()
+        out.append({"ours": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "torch": {n: p.detach().clone() for n, p in reference.named_parameters()},
+                    "our_norms": ours, "torch_norms": theirs, "sent": sent,
+                    "expected_bytes": steps * (scalar_bytes + sum(
+                        scatter_gather_bytes(b.numel, w.world_size, w.rank) for b in opt.buckets))})
+    return out
+
+
+def clip_misuse():
+    """What a program sees when it clips in the wrong place, or passes bad arguments; see test_zero."""
+    import warnings
+
+    from gradsync.zero import LocalGradientWarning
+
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(3, w.world_size, 4, torch.float64)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def fresh(set_to_none=True):
+        model = ddp_fns.make_model("mlp", torch.float64)
+        return model, gs.ShardedOptimizer(model.parameters(), torch.optim.SGD, bucket_cap_mb=0.001, lr=0.1)
+
+    def backward(model, step=0):
+        loss_fn(model(xs[step].chunk(w.world_size)[w.rank]), ys[step].chunk(w.world_size)[w.rank]).backward()
+
+    def local_warnings(fn) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        return [str(c.message) for c in caught if issubclass(c.category, LocalGradientWarning)]
+
+    def raised(fn, kind=Exception) -> str:
+        try:
+            fn()
+        except kind as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "nothing raised"
+
+    result = {}
+    # ours in the right place, or torch's on the local gradient before step(), over three steps, with
+    # .grad kept (views of the buckets) or set to None: torch's is warned at every step, ours never
+    for clipper, set_to_none in [(c, s) for c in ("ours", "torch") for s in (True, False)]:
+        model, opt = fresh()
+
+        def three_steps():
+            for step in range(3):
+                opt.zero_grad(set_to_none=set_to_none)
+                backward(model, step)
+                if clipper == "ours":
+                    opt.clip_grad_norm_(1e-3)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                opt.step()
+        result[f"{clipper}_warnings_{set_to_none}"] = local_warnings(three_steps)
+    # a backward after clip_grad_norm_ reduced the gradients: step() refuses to ignore it
+    model, opt = fresh()
+    backward(model)
+    opt.clip_grad_norm_(1e-3)
+    backward(model, 1)
+    result["backward_after_clip"] = raised(opt.step, RuntimeError)
+    # the model's own zero_grad after clip_grad_norm_, then a new backward
+    model, opt = fresh()
+    backward(model)
+    opt.clip_grad_norm_(1e-3)
+    model.zero_grad()
+    backward(model, 1)
+    result["model_zero_grad_after_clip"] = raised(opt.step, RuntimeError)
+    # opt.zero_grad() after clip_grad_norm_ starts the step over: no error
+    opt.zero_grad()
+    backward(model, 2)
+    result["zero_grad_starts_over"] = raised(opt.step)
+    # bad arguments: refused before anything is reduced
+    model, opt = fresh()
+    backward(model)
+    result["bad_max_norm"] = {repr(value): raised(lambda: opt.clip_grad_norm_(value), ValueError)
+                              for value in (0.0, -1.0, float("nan"), float("inf"), "big", True)}
+    result["bad_norm_type"] = {repr(value): raised(lambda: opt.clip_grad_norm_(1.0, value), ValueError)
+                               for value in (0, -2.0, float("-inf"), float("nan"), "fro")}
+    # a non-finite gradient on one rank: every rank raises with error_if_nonfinite, as torch does
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LocalGradientWarning)   # the nan written into .grad is a change too
+        if w.rank == 0:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        result["nonfinite"] = raised(lambda: opt.clip_grad_norm_(1.0, error_if_nonfinite=True), RuntimeError)
+    return result

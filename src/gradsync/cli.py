@@ -266,6 +266,9 @@ def _add_train(commands) -> None:
     train.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
     train.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB")
     train.add_argument("--compress", choices=COMPRESSION, default="none", help="gradient compression on the wire")
+    train.add_argument("--clip-grad", type=float, default=None, metavar="X",
+                       help="clip the averaged gradient to total 2-norm X before each optimizer step, as torch's "
+                            "clip_grad_norm_ on one process (ps-sync: on the servers; ps-async, ssp: each push)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl, trace.json, checkpoints")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")

@@ -2,7 +2,8 @@
 
     opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     loss.backward()          # plain local backward: no DDP wrapper, ShardedOptimizer reduces
-    opt.step()               # reduce-scatter grads -> update own shard -> all-gather params
+    opt.clip_grad_norm_(1.0) # optional: reduce-scatter grads, clip by the averaged gradient's norm
+    opt.step()               # reduce-scatter grads (unless clip did) -> update own shard -> all-gather params
     opt.zero_grad()
 
 Vocabulary
@@ -30,6 +31,21 @@ and nothing is copied. On one host the parameters, too, are views of a flat shar
 wrapped optimizer updates the parameters where they lie, and the all-gather copies the other ranks'
 shards straight into them (all_gather_in_place.py).
 
+Clipping: ``clip_grad_norm_(max_norm, norm_type=2.0)`` is torch.nn.utils.clip_grad_norm_ on the
+averaged gradient, what torch DDP + ZeroRedundancyOptimizer + torch's clip_grad_norm_ compute. Call it
+after the step's last backward and before step(), on every rank. It does the step's reduce-scatter
+(step() then uses those shards: the gradients are reduced once per step), takes this rank's power sum
+over its shards, sum_i |g_i|^p (max |g_i| for inf), and combines the ranks' sums in one all-reduce of
+one float64 scalar (8 bytes of payload per rank, on top of the 2(N-1)/N*M); the total norm
+(clip.py) gives one coefficient, min(1, max_norm / (norm + 1e-6)), applied to every shard on every
+rank. Afterwards .grad still holds this rank's local, unclipped gradient: the averaged, clipped one
+lives in the shards. Until step() or clip_grad_norm_, .grad is local, so torch.nn.utils.clip_grad_norm_
+(or clip_grad_value_) called there would clip each rank's own gradient by its own norm: a silently
+different update. A gradient changed in place after backward therefore draws a warning at the
+reduction (grad_watch.py; a linear change such as dividing by a constant is harmless), and a
+gradient changed after clip_grad_norm_ reduced it (another backward, an in-place change, a
+zero_grad of the model) makes step() raise, since the change would be ignored.
+
 Checkpoints: ``state_dict()`` gathers the whole state onto rank 0 in the layout of the wrapped
 optimizer's own state_dict (per parameter, parameter order), so a plain torch optimizer can load it;
 other ranks get None. ``load_state_dict(full)`` takes that full dict on every rank and keeps this
@@ -41,15 +57,18 @@ optimizer that looks across a whole tensor (a per-tensor norm, as LAMB does) wou
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync import clip, runtime
 from gradsync.comm.allreduce_ring import Chunks, ring_chunks
-from gradsync.comm.collectives import all_gather, all_gather_in_place, reduce_scatter, shared_allocator
+from gradsync.comm.collectives import all_gather, all_gather_in_place, all_reduce, reduce_scatter, shared_allocator
+from gradsync.grad_watch import GradientWatch
 from gradsync.replicas import broadcast_coalesced
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -66,6 +85,18 @@ class _Bucket:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
+
+
+@dataclass
+class _Reduced:
+    """What the step's reduction left (clip_grad_norm_ reduces before step()), so step() can tell
+    whether the gradients changed since."""
+    versions: list[int]            # per bucket: its flat gradient buffer's version counter
+    had_grad: list[bool]           # per parameter: whether it had a .grad (now a view of its bucket's buffer)
+
+
+class LocalGradientWarning(UserWarning):
+    """A gradient was changed in place while it held only this rank's local gradient (see zero.py)."""
 
 
 def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -131,6 +162,9 @@ class ShardedOptimizer:
             self._point_into_values(self.buckets[-1])
         self.optimizer = optimizer_class([b.shard for b in self.buckets], **defaults)
         self.last_comm_seconds = 0.0
+        self._watch = GradientWatch(self.params)
+        self._reduced: _Reduced | None = None   # this step's gradients are in the shards (clip_grad_norm_ ran)
+        self._reduce_seconds = 0.0
 
     @property
     def param_groups(self) -> list[dict]:
@@ -138,6 +172,8 @@ class ShardedOptimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = None   # a reduction not yet stepped is dropped with the gradients
+        self._watch.forget()
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -188,15 +224,89 @@ class ShardedOptimizer:
                 view.copy_(p.grad)
                 p.grad = view
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Reduce-scatter gradients, update this rank's shards, all-gather the parameters."""
+    def _reduce(self) -> None:
+        """The step's reduce-scatter: every bucket's averaged gradient, this rank's shard of it, into
+        bucket.shard.grad. Warns first when a gradient was changed after backward (module docstring)."""
+        changed = self._watch.changed()
+        if changed:
+            param = self.params[changed[0]]
+            warnings.warn(
+                f"ShardedOptimizer: the gradient of {len(changed)} parameter(s) (the first: #{changed[0]}, shape "
+                f"{tuple(param.shape)}) was changed in place after backward, while .grad held this rank's local "
+                f"gradient (the average across ranks is taken in step() or opt.clip_grad_norm_). "
+                f"torch.nn.utils.clip_grad_norm_ or clip_grad_value_ there clip each rank's own gradient, not the "
+                f"average: call opt.clip_grad_norm_(max_norm) after backward instead. A linear change (dividing by "
+                f"a constant) gives the same average and is safe to silence.", LocalGradientWarning,
+                stacklevel=5)   # the caller of step() or clip_grad_norm_ (each wrapped by torch.no_grad)
         started = time.perf_counter()
         for bucket in self.buckets:
-            self._refresh_shard(bucket)
             self._collect_grads(bucket)
             bucket.shard.grad = reduce_scatter(bucket.grads, op="avg")
-        comm = time.perf_counter() - started
+        self._reduce_seconds = time.perf_counter() - started
+        self._watch.forget()
+        self._reduced = _Reduced([bucket.grads._version for bucket in self.buckets],
+                                 [p.grad is not None for p in self.params])
+
+    def _reduce_once(self) -> None:
+        """Reduce this step's gradients, or check that those already reduced are still what was reduced."""
+        if self._reduced is None:
+            self._reduce()
+        else:
+            self._check_unchanged_since_reduce(self._reduced)
+
+    def _check_unchanged_since_reduce(self, reduced: _Reduced) -> None:
+        """RuntimeError when a gradient changed after clip_grad_norm_ reduced it: step() would ignore it."""
+        index = 0
+        for bucket, version in zip(self.buckets, reduced.versions):
+            for p, view in _views(bucket.grads, bucket.params):
+                moved = (p.grad is not None) != reduced.had_grad[index] or (
+                    p.grad is not None and p.grad.data_ptr() != view.data_ptr())
+                if moved or bucket.grads._version != version:
+                    raise RuntimeError(
+                        f"ShardedOptimizer: the gradients changed after clip_grad_norm_ reduced them (parameter "
+                        f"#{index}, shape {tuple(p.shape)}: another backward, an in-place change to .grad, or "
+                        f".grad replaced or set to None). step() applies the gradients as clip_grad_norm_ "
+                        f"reduced and clipped them, so the change would be ignored. Call clip_grad_norm_ after "
+                        f"the step's last backward, just before step(); opt.zero_grad() starts the step over")
+                index += 1
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradient by its total norm, as torch.nn.utils.clip_grad_norm_ would on one
+        process (or on torch DDP's averaged .grad); returns that norm, taken before clipping, in the
+        gradients' dtype.
+
+        Where: after the step's last backward (after all gradient accumulation), before step(), on
+        every rank (it is collective). Not torch.nn.utils.clip_grad_norm_(model.parameters(), ...):
+        before step() .grad holds only this rank's gradient.
+
+        It performs the step's reduce-scatter, which step() then reuses, plus one all-reduce of one
+        float64 scalar (this rank's power sum; "max" for inf); see the module docstring and clip.py.
+        ``norm_type``: any p > 0 or inf; ``error_if_nonfinite``: raise, as torch does, when the norm is
+        nan or inf (every rank raises: the norm is the same everywhere)."""
+        max_norm, p = clip.check_arguments(max_norm, norm_type)
+        self._reduce_once()
+        started = time.perf_counter()
+        shard_grads = [bucket.shard.grad for bucket in self.buckets]
+        combined = clip.power_sum(shard_grads, p).reshape(1)
+        all_reduce(combined, op=clip.combine_op(p))
+        self._reduce_seconds += time.perf_counter() - started
+        dtype = functools.reduce(torch.promote_types, [g.dtype for g in shard_grads])
+        norm = clip.total_norm(combined[0], p, dtype, error_if_nonfinite)
+        scale = clip.coefficient(norm, max_norm)
+        for grad in shard_grads:
+            grad.mul_(scale.to(grad.device))
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce-scatter gradients (unless clip_grad_norm_ did), update this rank's shards, all-gather
+        the parameters."""
+        self._reduce_once()
+        self._reduced = None
+        for bucket in self.buckets:
+            self._refresh_shard(bucket)
         self.optimizer.step()
         started = time.perf_counter()
         for bucket in self.buckets:
@@ -206,7 +316,7 @@ class ShardedOptimizer:
                 continue
             for p, gathered in _views(all_gather(bucket.shard.detach()), bucket.params):
                 p.copy_(gathered)
-        self.last_comm_seconds = comm + time.perf_counter() - started
+        self.last_comm_seconds = self._reduce_seconds + time.perf_counter() - started
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank (the quantity ZeRO-1 divides by N)."""

@@ -32,6 +32,7 @@ from gradsync.comm.transport import PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError, ServerAbortedError
 from gradsync.ps import row_sharding, sparse_wire
+from gradsync.ps.clipping import clip_push_
 from gradsync.ps.sharding import ShardPlan, gather_shard, scatter_shard
 from gradsync.ps.sparse_tables import TableSpec, coalesce_rows
 
@@ -40,8 +41,11 @@ class Client:
     """One worker's view of the S servers."""
 
     def __init__(self, transport: Transport, plan: ShardPlan, params: list[torch.Tensor], mode: str,
-                 channel: wire.Channel, tables: list[tuple[TableSpec, torch.Tensor]] = ()) -> None:
+                 channel: wire.Channel, tables: list[tuple[TableSpec, torch.Tensor]] = (),
+                 clip_push: tuple[float, float] | None = None) -> None:
         self.transport = transport
+        self.clip_push = clip_push   # (max_norm, norm_type): async and ssp clip each push here (clipping.py)
+        self.last_norm: float | None = None
         self.channel = channel
         self.rank = transport.rank
         self.plan = plan
@@ -177,6 +181,8 @@ class Client:
         started = time.monotonic()
         grads = [p.grad for p in self.params]
         touched = [coalesce_rows(table, spec) for spec, table in self.tables]
+        if self.clip_push is not None:
+            self.last_norm = clip_push_(*self.clip_push, grads, [values for _, values in touched])
         owners = [row_sharding.split_by_owner(ids, len(self.servers)) for ids, _ in touched]
         handles = []
         for server in self.servers:
@@ -269,4 +275,5 @@ class Client:
 
     def stats(self) -> dict:
         return {"role": "worker", "rank": self.rank, "mode": self.mode, "steps": self.clock,
-                "pull_wait_seconds": self.pull_wait_seconds, "push_seconds": self.push_seconds}
+                "pull_wait_seconds": self.pull_wait_seconds, "push_seconds": self.push_seconds,
+                "last_grad_norm": self.last_norm}

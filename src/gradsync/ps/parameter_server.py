@@ -31,6 +31,11 @@ Construction, as a recipe (collective: every rank calls it with the same argumen
 so element-wise optimizers (SGD, momentum, Adam, AdamW) behave exactly as on the whole model.
 Modes: see server.py. W = world_size - S workers; per-worker batch b gives an effective batch W*b.
 
+Clipping: ``max_grad_norm=c`` clips by the gradient's total ``norm_type``-norm, as
+torch.nn.utils.clip_grad_norm_ (clipping.py says where: sync, the servers clip each version's
+averaged gradient by its norm over all S shards, one scalar exchanged between servers per version,
+equal to one process with the global batch; async and ssp, each worker clips the gradient it pushes).
+
 Sparse tables: the weight of an nn.Embedding or nn.EmbeddingBag built with sparse=True is not part
 of the flat shards. Its rows are striped over the servers (row r on server r mod S,
 row_sharding.py), pushes carry only the touched rows and pulls fetch only the rows asked for
@@ -47,10 +52,11 @@ from torch import nn
 
 import io
 
-from gradsync import runtime
+from gradsync import clip, runtime
 from gradsync.comm.transport import default_transport
 from gradsync.ps import resharding
 from gradsync.ps.client import Client
+from gradsync.ps.clipping import ServerClipping
 from gradsync.ps.protocol import Channel
 from gradsync.ps.server import MODES, Server
 from gradsync.ps.sharding import plan_shards
@@ -71,7 +77,9 @@ class ParameterServer:
     """See the module docstring."""
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
-                 staleness: int = 0) -> None:
+                 staleness: int = 0, max_grad_norm: float | None = None, norm_type: float = 2.0) -> None:
+        if max_grad_norm is not None:
+            clip.check_arguments(max_grad_norm, norm_type, "max_grad_norm")
         world = runtime.world()
         params = self._check(model, optimizer_fn, num_servers, mode, staleness, world)
         self.world = world
@@ -92,13 +100,17 @@ class ParameterServer:
         self.is_server = world.rank < num_servers
         transport = default_transport()
         channel = Channel(world.store, _next_instance())
+        server_clips = max_grad_norm is not None and mode == "sync"
         if self.is_server:
+            clipping = (ServerClipping(max_grad_norm, norm_type, transport, num_servers, channel.payload_tag)
+                        if server_clips else None)
             self._server = Server(transport, self.workers, self.plan.pieces[world.rank], dense, optimizer_fn,
-                                  mode, staleness, world.timeout, channel, tables, num_servers)
+                                  mode, staleness, world.timeout, channel, tables, num_servers, clipping)
             self._client = None
         else:
             self._server = None
-            self._client = Client(transport, self.plan, dense, mode, channel, tables)
+            self._client = Client(transport, self.plan, dense, mode, channel, tables,
+                                  None if server_clips or max_grad_norm is None else (max_grad_norm, norm_type))
 
     @staticmethod
     def _check(model, optimizer_fn, num_servers, mode, staleness, world) -> list[torch.Tensor]:

@@ -82,6 +82,7 @@ from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
 from gradsync.ps import resharding, sparse_wire
+from gradsync.ps.clipping import ServerClipping
 from gradsync.ps.outbox import Outbox, Part
 from gradsync.ps.row_history import RowHistory
 from gradsync.ps.sharding import Piece, gather_shard
@@ -120,8 +121,9 @@ class Server:
     def __init__(self, transport: Transport, workers: list[int], pieces: list[Piece], params: list[torch.Tensor],
                  optimizer_fn: Callable, mode: str, staleness_bound: int, timeout: float,
                  channel: wire.Channel, tables: list[tuple[TableSpec, torch.Tensor]] = (),
-                 num_servers: int = 1) -> None:
+                 num_servers: int = 1, clipping: ServerClipping | None = None) -> None:
         self.transport = transport
+        self.clipping = clipping   # sync: clip each version's mean gradient by the norm over all servers
         self.channel = channel
         self.rank = transport.rank
         self.workers = list(workers)
@@ -377,11 +379,25 @@ class Server:
             return
         self.staleness[0] += len(self.pushed_this_version)
         pushers = len(self.pushed_this_version)
-        self._step(self.grad_sum.div_(pushers), [table.take_mean(pushers) for table in self.tables])
+        gradient, table_rows = self.grad_sum.div_(pushers), [table.take_mean(pushers) for table in self.tables]
+        if self.clipping is not None:
+            self._clip(gradient, table_rows)
+        self._step(gradient, table_rows)
         self.grad_sum.zero_()
         self.pushed_this_version.clear()
         if self.stop_asked and self.final_version is None:
             self.final_version = self.version
+
+    def _clip(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Clip the version's mean gradient by its norm over every server (clipping.py)."""
+        try:
+            self.clipping.clip_(([gradient] if gradient.numel() else []) + [grad for _, grad in table_rows],
+                                gradient.dtype)
+        except PeerError as exc:
+            message = (f"parameter server rank {self.rank}: no power sum from server rank {exc.peer} for clipping "
+                       f"version {self.version}; it may have died or stalled (timeout {self.timeout:.0f} s): {exc}")
+            self._abort(wire.REASON_SERVER_ERROR, exc.peer, message)
+            raise RuntimeError(message) from exc
 
     def _step(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows.
@@ -567,6 +583,8 @@ class Server:
             "most_answers_in_flight": self.outbox.most_answers if self.outbox else 0,
             "answers_held": self.outbox.answers_held if self.outbox else 0,
             "optimizer_state_bytes": self._state_bytes(),
+            "clipped_versions": self.clipping.clipped if self.clipping else 0,
+            "last_grad_norm": self.clipping.last_norm if self.clipping else None,
         }
 
     def _state_bytes(self) -> int:

@@ -39,6 +39,18 @@ def build_optimizer(cfg: TrainConfig, params, lr: float):
     return cls(params, **kwargs)
 
 
+def clip_gradients(cfg: TrainConfig, model: nn.Module, optimizer) -> float | None:
+    """--clip-grad for ddp, zero1 and local, after the step's last backward: the averaged gradient's
+    total 2-norm before clipping (None without the flag). ddp's .grad already is the average, so torch's
+    clip_grad_norm_ sees what one process would; zero1's .grad is local until ShardedOptimizer reduces,
+    so its own clip_grad_norm_ reduces first. (The parameter server clips inside: loop_ps.py.)"""
+    if cfg.clip_grad is None:
+        return None
+    if cfg.strategy == "zero1":
+        return float(optimizer.clip_grad_norm_(cfg.clip_grad))
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad))
+
+
 def lr_at(step: int, peak: float, warmup_steps: int) -> float:
     """Linear warm-up from peak/warmup to peak over the first ``warmup_steps`` steps, then flat."""
     return peak if step >= warmup_steps else peak * (step + 1) / warmup_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,9 @@ class TrainConfig:
     """DDP bucket cap in MiB."""
     compress: Literal["none", "fp16", "bf16"] = "none"
     """Gradient compression on the wire (ddp)."""
+    clip_grad: float | None = None
+    """Largest total 2-norm of the averaged gradient a step applies (torch.nn.utils.clip_grad_norm_ on one
+    process with the global batch; where each strategy takes the norm: clip_site()); None: no clipping."""
     seed: int = 0
     """Seed for model initialisation, data split and shuffling."""
     out: str = "runs/latest"
@@ -131,6 +135,9 @@ class TrainConfig:
             raise ValueError(f"--staleness and --warmup-steps must be >= 0, got {self.staleness} and {self.warmup_steps}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
+            raise ValueError(f"--clip-grad must be a finite number > 0 (the largest total 2-norm of the averaged "
+                             f"gradient), got {self.clip_grad}")
         if self.bucket_mb <= 0 or self.timeout <= 0:
             raise ValueError(f"--bucket-mb and --timeout must be > 0, got {self.bucket_mb} and {self.timeout}")
         if self.strategy.startswith("ps") or self.strategy == "ssp":
@@ -162,6 +169,15 @@ class TrainConfig:
             probe.unlink()
         except OSError as exc:
             raise ValueError(f"--out {self.out} is not a writable directory: {exc.strerror or exc}") from None
+
+    def clip_site(self) -> str:
+        """Where --clip-grad takes the norm and clips, for this strategy (the batch-math line prints it)."""
+        return {"ddp": "torch's clip_grad_norm_ on the all-reduced .grad",
+                "local": "torch's clip_grad_norm_",
+                "zero1": "ShardedOptimizer.clip_grad_norm_: shard norms, 1 scalar all-reduce",
+                "ps-sync": "on the servers, the version's averaged gradient, norm over all shards",
+                "ps-async": "on each worker, its own push",
+                "ssp": "on each worker, its own push"}[self.strategy]
 
     def default_lr(self) -> float:
         return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3, "word2vec": 0.2}[self.model]

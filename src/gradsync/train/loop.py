@@ -17,6 +17,7 @@ step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exi
 Batch math (printed at start):
     global batch = per-worker batch x workers x accumulation steps
     lr = base lr x (global batch / per-worker batch)      with --lr-scaling linear
+    clip: g <- g x min(1, X / (||g||_2 + 1e-6))           with --clip-grad X, g the step's averaged gradient
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gradsync import checkpoint, trace
 from gradsync.launch import hold_signals
 from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
-from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
+from gradsync.train.common import build_optimizer, clip_gradients, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
@@ -188,6 +189,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                     loss = _micro_loss(cfg, wrapped(x), y, ids, step_size, step_size == global_batch, w.world_size)
                     loss.backward()
                 loss_sum += float(loss.detach())
+            grad_norm = clip_gradients(cfg, model, optimizer)
             with trace.span("optimizer step", "compute"):
                 optimizer.step()
             step += 1
@@ -198,7 +200,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
                 stats["overlaps"].append(wrapped.last_overlap)
-            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap)
+            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm)
             due, stop = boundary(step)
             if stop:
                 return _preempted(cfg, report, watch, lambda *at: save(*at, background=False), wrapped, step, epoch,

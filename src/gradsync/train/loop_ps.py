@@ -9,6 +9,10 @@ Batch math: global batch = per-worker batch x W x accumulation; the learning rat
 for ddp. In async and ssp every push is applied on its own, as gradient / W (server.py), so the same
 learning rate serves all three modes; the warm-up counts versions (pushes / W in async and ssp).
 
+--clip-grad X (ps/clipping.py): in sync mode the servers clip each version's averaged gradient by its
+2-norm over all servers' shards (one scalar from each server to each other per version), as one
+process with the global batch would; in async and ssp each worker clips the gradient it pushes.
+
 Sparse tables (word2vec): a model with ``make_sparse()`` trains its embeddings with sparse gradients;
 each step a worker reads its micro-batches first, then pulls only the rows they need
 (``model.rows_needed``) and pushes only the rows they touched (ps/sparse_wire.py).
@@ -107,7 +111,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if saved:
         model.load_state_dict(saved["model"])
     ps = gs.ParameterServer(model, _optimizer_fn(cfg, peak_lr, 1 if mode == "sync" else workers),
-                            num_servers=servers, mode=mode, staleness=cfg.staleness)
+                            num_servers=servers, mode=mode, staleness=cfg.staleness, max_grad_norm=cfg.clip_grad)
     if saved:
         ps.load_state_dict(saved["ps"])
     step = saved["ps"]["clocks"][worker_index] if saved and not ps.is_server else 0

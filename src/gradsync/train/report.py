@@ -67,7 +67,8 @@ class Reporter:
         self.console.print(f"batch: {c.batch_size} per worker x {workers} workers x {c.grad_accum} accumulation "
                            f"= {global_batch} global; lr {base_lr:g} x {global_batch // c.batch_size if c.lr_scaling == 'linear' else 1} "
                            f"({c.lr_scaling} scaling) = {peak_lr:g}, warm-up {c.warmup_steps} steps; "
-                           f"{steps_per_epoch} steps/epoch, {self.total_steps} steps in all")
+                           f"{steps_per_epoch} steps/epoch, {self.total_steps} steps in all"
+                           + (f"; clip grad 2-norm to {c.clip_grad:g} ({c.clip_site()})" if c.clip_grad else ""))
         if resumed_at is not None:
             self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
         self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr})
@@ -97,11 +98,14 @@ class Reporter:
         if self.enabled:
             self._record({"event": "setup", **fields})
 
-    def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap) -> None:
+    def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap,
+             grad_norm: float | None = None) -> None:
+        """``grad_norm``: with --clip-grad, the averaged gradient's 2-norm before clipping (ddp, zero1, local)."""
         if not self.enabled:
             return
         self._record({"event": "step", "step": step, "epoch": epoch, "loss": loss,
-                      "samples_per_s": samples_per_s, "overlap": overlap})
+                      "samples_per_s": samples_per_s, "overlap": overlap,
+                      **({"grad_norm": grad_norm} if grad_norm is not None else {})})
         if self.progress:
             self.progress.update(self.task, completed=step,
                                  description=f"epoch {epoch} loss {loss:.4f} {samples_per_s:,.0f} samples/s")
