@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--backend", metavar="LIST", help="instead: torch's own DDP on each torch.distributed backend "
                      "listed (e.g. gloo,gradsync), the first one the baseline; plus the torch API layer's cost")
     ddp.add_argument("--rounds", type=_positive_int, default=3, help="with --backend: alternating runs per backend")
+    ddp.add_argument("--compile", action="store_true",
+                     help="with --backend: also torch.compile(DDP(model)) and the compiled floor (inductor)")
     ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
     ps.add_argument("--workers", type=_int_list, default=[2, 3, 4],
                     help="comma-separated worker counts W (the server is extra)")
@@ -405,13 +407,16 @@ def _bench_backends(args) -> int:
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if len(backends) < 1 or any(b not in ("gloo", "gradsync") for b in backends):
         raise ValueError(f"--backend {args.backend!r}: give a comma-separated list of gloo and gradsync, e.g. gloo,gradsync")
-    steps, api = backend.run(args.workers, args.model, args.batch_size, args.steps, backends, args.rounds)
+    steps, api = backend.run(args.workers, args.model, args.batch_size, args.steps, backends, args.rounds,
+                             compiled=args.compile)
     table = Table(title=f"torch DDP step, {args.model}, {args.workers} ranks, batch {args.batch_size}/rank; median "
-                        f"of {args.rounds} alternating runs (each the median of {args.steps} steps)")
-    for column in ("backend", "step (ms)", f"/{backends[0]}", "each run (ms)"):
+                        f"of {args.rounds} alternating runs (each the median of {args.steps} steps); floor: the bare "
+                        f"model's step in the same runs")
+    for column in ("backend", "program", "step (ms)", f"/{backends[0]}", "vs floor", "each run (ms)"):
         table.add_column(column, justify="right")
     for r in steps:
-        table.add_row(r["backend"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x", ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
+        table.add_row(r["backend"], r["program"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['vs_floor']:.2f}x",
+                      ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
     _show(table, steps, None, 110)
     if api:
         table = Table(title="all_reduce through torch's API on the gradsync backend beside gs.all_reduce, same ranks")
@@ -431,6 +436,9 @@ def _bench_ddp(args) -> int:
 
     if args.backend:
         return _bench_backends(args)
+    if args.compile:
+        raise ValueError("--compile times torch's DDP compiled on each backend: give --backend too, e.g. "
+                         "--backend gloo,gradsync --compile")
 
     try:
         caps = [float(c) for c in args.bucket_mb.split(",") if c.strip()]

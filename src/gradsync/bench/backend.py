@@ -3,10 +3,14 @@
 The program is the same for every backend: init_process_group(backend), torch's
 DistributedDataParallel around the benchmark model, timed full steps (bench/ddp.py's timed_step:
 barrier, forward, backward with the bucket all-reduces, optimizer step; the slowest rank's time).
-Each backend runs in its own torchrun, alternately, ``rounds`` times, so machine noise hits them
-alike; a row's step time is the median over every round's median.
+In the same run, interleaved step by step in a rotating order, the bare model's step on every rank
+at once (no communication: the floor), and with ``compiled`` both again under torch.compile
+(compile(DDP(model)), the order torch's docs use, so DDPOptimizer splits the graph at the buckets;
+inductor). Each backend runs in its own torchrun, alternately, ``rounds`` times, so machine noise
+hits them alike; a row's step time is the median over every round's median.
 
-    ratio    = step time on this backend / step time on the first backend listed (gloo)
+    ratio     = step time on this backend / the same row's step time on the first backend (gloo)
+    vs floor  = step time / the floor's in the same runs (compiled rows: the compiled floor's)
 
 On the gradsync backend the same run also times the torch API layer: ``dist.all_reduce(t)``
 through the ProcessGroup (c10d/) beside ``gs.all_reduce(t)`` called directly on the same ranks
@@ -31,23 +35,34 @@ API_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 """Bytes of the float32 tensors for the API-layer rows."""
 
 
+TORCH_DDP, FLOOR = "torch DDP", "no communication"
+COMPILED = " (compiled)"
+
+
 def run(workers: int, model: str, batch: int, steps: int, backends: list[str], rounds: int = 3,
-        reps: int = 20) -> tuple[list[dict], list[dict]]:
-    """Step rows (one per backend) and API rows (one per size), from ``rounds`` alternating runs."""
-    step_medians: dict[str, list[float]] = {backend: [] for backend in backends}
+        reps: int = 20, compiled: bool = False) -> tuple[list[dict], list[dict]]:
+    """Step rows (one per backend and program) and API rows (one per size), from ``rounds``
+    alternating runs."""
+    step_medians: dict[tuple[str, str], list[float]] = {}
     api: dict[int, dict[str, list[float]]] = {}
     for _ in range(rounds):
         for backend in backends:
             result = _torchrun(workers, ["--backend", backend, "--model", model, "--batch", str(batch),
-                                         "--steps", str(steps), "--reps", str(reps)])
-            step_medians[backend].append(result["step_ms"])
+                                         "--steps", str(steps), "--reps", str(reps)]
+                               + (["--compile"] if compiled else []))
+            for label, step_ms in result["step_ms"].items():
+                step_medians.setdefault((backend, label), []).append(step_ms)
             for size, times in result.get("api", {}).items():
                 for key, value in times.items():
                     api.setdefault(int(size), {}).setdefault(key, []).append(value)
-    baseline = statistics.median(step_medians[backends[0]])
-    step_rows = [{"backend": backend, "workers": workers, "model": model, "step_ms": statistics.median(times),
-                  "runs_ms": times, "ratio": statistics.median(times) / baseline}
-                 for backend, times in step_medians.items()]
+    step_rows = []
+    for (backend, label), times in step_medians.items():
+        median = statistics.median(times)
+        floor = statistics.median(step_medians[(backend, FLOOR + (COMPILED if label.endswith(COMPILED) else ""))])
+        step_rows.append({"backend": backend, "program": label, "workers": workers, "model": model,
+                          "step_ms": median, "runs_ms": times,
+                          "ratio": median / statistics.median(step_medians[(backends[0], label)]),
+                          "vs_floor": median / floor})
     api_rows = []
     for size, times in sorted(api.items()):
         through_api, direct = statistics.median(times["api_us"]), statistics.median(times["direct_us"])
@@ -66,7 +81,7 @@ def _torchrun(workers: int, args: list[str]) -> dict:
     return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int) -> None:
+def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int, compiled: bool) -> None:
     import torch.distributed as dist
     from torch import nn
 
@@ -74,13 +89,24 @@ def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int) ->
 
     torch.set_num_threads(1)
     dist.init_process_group(backend)
-    model, x, y = _model_and_batch(model_name, batch)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    for _ in range(3):  # warm-up: buffers, buckets, connections
-        timed_step(ddp, optimizer, x, y)
-    step_ms = statistics.median(timed_step(ddp, optimizer, x, y) for _ in range(steps)) * 1e3
-    result = {"step_ms": step_ms}
+    runners = {}
+    for label in (TORCH_DDP, FLOOR) + ((TORCH_DDP + COMPILED, FLOOR + COMPILED) if compiled else ()):
+        torch.manual_seed(0)
+        model, x, y = _model_and_batch(model_name, batch)
+        wrapped = model if label.startswith(FLOOR) else nn.parallel.DistributedDataParallel(model)
+        if label.endswith(COMPILED):
+            wrapped = torch.compile(wrapped)
+        runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.01), x, y)
+    for wrapped, optimizer, x, y in runners.values():
+        for _ in range(3):  # warm-up: buffers, buckets, connections, compilation
+            timed_step(wrapped, optimizer, x, y)
+    times: dict[str, list[float]] = {label: [] for label in runners}
+    labels = list(runners)
+    for index in range(steps):  # interleaved, in an order that rotates every step (bench/ddp.py)
+        turn = index % len(labels)
+        for label in labels[turn:] + labels[:turn]:
+            times[label].append(timed_step(*runners[label]))
+    result = {"step_ms": {label: statistics.median(values) * 1e3 for label, values in times.items()}}
     if backend == "gradsync":
         result["api"] = _api_layer(reps)
     if dist.get_rank() == 0:
@@ -118,5 +144,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true")
     options = parser.parse_args()
-    _worker(options.backend, options.model, options.batch, options.steps, options.reps)
+    _worker(options.backend, options.model, options.batch, options.steps, options.reps, options.compile)
