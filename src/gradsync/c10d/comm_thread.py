@@ -144,7 +144,7 @@ class CommThread:
             if not nested:
                 if self._holder is not None or self._queue:
                     return None
-                self._holder = me
+                self._take_turn(me)
         previous = self._enter("running a synchronous collective", None)
         try:
             operation(*args)
@@ -161,6 +161,11 @@ class CommThread:
         return done
 
     # -- running -----------------------------------------------------------------------------------
+    def _take_turn(self, me: int) -> None:
+        """Called with the lock held: the watchdog, which looks under the lock, must not see the new
+        holder with the last holder's progress time."""
+        self._holder, self._progress_at = me, time.monotonic()
+
     def _enter(self, doing: str, operation: Operation | None) -> tuple:
         previous = (self._doing, self._in_operation, self._current)
         self._doing, self._in_operation, self._current = doing, True, operation
@@ -207,7 +212,8 @@ class CommThread:
                     release = False
                 elif take_turn and self._holder is None and self._queue and self._queue[0] is queued:
                     head = self._queue.popleft()
-                    self._holder, release = me, True
+                    self._take_turn(me)
+                    release = True
                 else:
                     return
             try:
@@ -231,7 +237,7 @@ class CommThread:
                 if self._closed:
                     return
                 queued = self._queue.popleft()
-                self._holder = me
+                self._take_turn(me)
             try:
                 self._execute(queued)
             finally:

@@ -15,6 +15,8 @@ transport's handles when the program waits.
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import time
 
@@ -35,12 +37,27 @@ def _unwrap(done: torch.futures.Future):
 
 
 def run_eagerly(cls, names: tuple[str, ...]) -> None:
-    """Make ``cls``'s methods ``names`` run eagerly under torch.compile (torch.compiler.disable,
-    0.4 us a call). A collective called from compiled code (DDP's forward broadcasts, a graph
-    break's wait()) would otherwise be traced by dynamo, which keeps a ProcessGroup opaque and stops
-    with an error at the first attribute of one written in Python (self._run, self.place)."""
+    """Make ``cls``'s methods ``names`` run eagerly under torch.compile. A collective called from
+    compiled code (DDP's forward broadcasts, a graph break's wait()) would otherwise be traced by
+    dynamo, which keeps a ProcessGroup opaque and stops with an error at the first attribute of one
+    written in Python (self._run, self.place). torch.compiler.disable does it (0.4 us a call), but
+    importing dynamo for it costs a second of every program's start: so the method runs as it is
+    until the program itself has imported dynamo (torch.compile does), one dictionary lookup a call."""
     for name in names:
-        setattr(cls, name, torch.compiler.disable(getattr(cls, name), recursive=True))
+        setattr(cls, name, _eager(getattr(cls, name)))
+
+
+def _eager(method):
+    disabled = []
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:  # nothing can compile in this process yet
+            return method(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(method, recursive=True))
+        return disabled[0](*args, **kwargs)
+    return call
 
 
 class FutureWork(dist.Work):
