@@ -181,3 +181,207 @@ def run_cases(fn, cases):
         except Exception as exc:  # noqa: BLE001 - reported by the test
             out[case] = ("raised", type(exc).__name__, f"{exc}\n{traceback.format_exc()}")
     return out
+
+
+# -- uneven inputs (Join) --------------------------------------------------------------------------
+def uneven_batches(rank, local_batch=4):
+    """Rank r's own 6 + 3r batches (seeded by r)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    count = 6 + 3 * rank
+    return (torch.randn(count, local_batch, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (count, local_batch), generator=g))
+
+
+def _train_joined(which, case, xs, ys):
+    """One uneven run: ``which`` is "torch" (torch's DDP + Join, plain optimizer) or "ours"."""
+    model_name = "cnn_bn" if case == "buffers_divide_by_alive" else "mlp"
+    model = make_model(model_name)
+    sharded = case in ("sharded_with_ddp", "sharded_alone")
+    if which == "torch":
+        wrapped = TorchDDP(model, bucket_cap_mb=0.0006)
+    elif case == "sharded_alone":
+        wrapped = model
+    else:
+        wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=0.0006)
+    if case == "torch_hook":
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+    if which == "ours" and sharded:
+        opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01) if sharded else ddp_fns.make_optimizer("sgd", model.parameters())
+    joinables = [opt] if which == "ours" and case == "sharded_alone" else [wrapped, opt] if which == "ours" and sharded \
+        else [wrapped]
+    options = {"divide_by_initial_world_size": case != "buffers_divide_by_alive",
+               "throw_on_early_termination": case == "throw"}
+    steps = 0
+    try:
+        with Join(joinables, throw_on_early_termination=options["throw_on_early_termination"],
+                  divide_by_initial_world_size=options["divide_by_initial_world_size"]):
+            for x, y in zip(xs, ys):
+                opt.zero_grad()
+                nn.functional.cross_entropy(wrapped(x), y).backward()
+                opt.step()
+                steps += 1
+    except RuntimeError as exc:
+        if case != "throw":
+            raise
+        return {"raised": str(exc), "steps": steps}
+    out = {"params": params_of(model), "steps": steps}
+    if model_name == "cnn_bn":
+        out["buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return out
+
+
+def join_case(case):
+    """torch's DDP + Join beside ours, rank r with 6 + 3r batches. Cases: "ddp" (Join([model])),
+    "buffers_divide_by_alive" (BatchNorm buffers, divide_by_initial_world_size=False), "torch_hook"
+    (torch's allreduce_hook), "throw" (throw_on_early_termination), "sharded_with_ddp"
+    (Join([model, ShardedOptimizer])), "sharded_alone" (Join([ShardedOptimizer]) over a bare model);
+    the sharded cases' oracle is torch's DDP + Join with the unsharded optimizer."""
+    xs, ys = uneven_batches(gs.world().rank)
+    return {which: _train_joined(which, case, xs, ys) for which in ("torch", "ours")}
+
+
+# -- mixed precision ---------------------------------------------------------------------------------
+MIXED_PRECISION_CASES = {
+    # model, param_dtype, reduce_dtype, buffer_dtype
+    "cnn_bn": ("cnn_bn", torch.float32, None, torch.float32),
+    "mlp_reduce_fp16": ("mlp", torch.float32, torch.float16, None),
+}
+
+
+def _low_precision_oracle_step(low, master, ddp, reduced, x, y, param_dtype):
+    """torch's DDP over the low-precision copy; master (full precision) gets the reduced gradients."""
+    with torch.no_grad():
+        for p_low, p in zip(low.parameters(), master.parameters()):
+            p_low.copy_(p)
+    low.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(ddp(x.to(param_dtype)), y).backward()
+    for p_low, p in zip(low.parameters(), master.parameters()):
+        p.grad = reduced[id(p_low)].to(p.dtype)
+
+
+def mixed_precision_case(case, steps=4, local_batch=4):
+    """Ours with mixed_precision beside torch's DDP running the arithmetic torch's mixed precision
+    defines (its _reducer_allreduce_and_upcast_hook; torch's own needs an accelerator: on CPU its
+    first forward raises "cpu backend doesn't support events"): a copy of the model in param_dtype
+    (buffers in buffer_dtype) under torch's DDP, each bucket cast to reduce_dtype, summed on gloo,
+    divided by N there, and written as the full-precision master's gradient."""
+    import copy
+
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    model_name, param_dtype, reduce_dtype, buffer_dtype = MIXED_PRECISION_CASES[case]
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
+    config = _MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
+    model = make_model(model_name)
+    ours = gs.DistributedDataParallel(model, mixed_precision=config)
+    opt = ddp_fns.make_optimizer("sgd", model.parameters())
+    master = make_model(model_name)
+    low = copy.deepcopy(master).to(param_dtype)
+    if buffer_dtype is not None:
+        for buffer in low.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(buffer_dtype)
+    reduced = {}
+
+    def upcast_hook(state, bucket):
+        buffer = bucket.buffer().to(reduce_dtype or param_dtype)
+
+        def divided(future):
+            result = future.value()[0].div_(w.world_size)
+            offset = 0
+            for p in bucket.parameters():
+                reduced[id(p)] = result[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            return bucket.buffer()
+        return dist.all_reduce(buffer, async_op=True).get_future().then(divided)
+    oracle = TorchDDP(low)
+    oracle.register_comm_hook(None, upcast_hook)
+    oracle_opt = ddp_fns.make_optimizer("sgd", master.parameters())
+    dtypes_in_forward = []
+    for step in range(steps):
+        x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ours(x), y)
+        dtypes_in_forward.append(str(next(model.parameters()).dtype))
+        loss.backward()
+        opt.step()
+        oracle_opt.zero_grad()
+        _low_precision_oracle_step(low, master, oracle, reduced, x, y, param_dtype)
+        oracle_opt.step()
+    return {"ours": params_of(model), "torch": params_of(master),
+            "ours buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "torch buffers": {n: b.clone() for n, b in low.named_buffers()},
+            "dtypes": {"in forward": dtypes_in_forward, "after": [str(p.dtype) for p in model.parameters()],
+                       "grads": [str(p.grad.dtype) for p in model.parameters()]}}
+
+
+# -- a subgroup as process_group ---------------------------------------------------------------------
+def subgroup_case(members=(0, 2), steps=4, local_batch=4):
+    """torch's DDP and ours over ``dist.new_group(members)``, each member training on its shard of
+    the members' data; a rank outside the group reports what each constructor raised."""
+    w = gs.world()
+    group = dist.new_group(list(members))
+    if w.rank not in members:
+        raised = {}
+        for which, build in (("torch", lambda: TorchDDP(make_model("mlp"), process_group=group)),
+                             ("ours", lambda: gs.DistributedDataParallel(make_model("mlp"), process_group=group))):
+            try:
+                build()
+                raised[which] = None
+            except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+                raised[which] = (type(exc).__name__, str(exc))
+        return {"outside": raised}
+    position = list(members).index(w.rank)
+    xs, ys = ddp_fns.global_data(steps, len(members), local_batch, torch.float64)
+    results = {}
+    for which in ("torch", "ours"):
+        model = make_model("cnn_bn", seed=w.rank)   # different seeds: the group's broadcast must equalise them
+        wrapped = (TorchDDP(model, process_group=group, bucket_cap_mb=0.0006) if which == "torch"
+                   else gs.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.0006))
+        opt = ddp_fns.make_optimizer("sgd", model.parameters())
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = xs[step].chunk(len(members))[position], ys[step].chunk(len(members))[position]
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            opt.step()
+        results[which] = {**params_of(model), **{n: b.clone() for n, b in model.named_buffers()}}
+        if which == "ours":
+            wrapped.check_replicas()
+    return results
+
+
+# -- torch.compile -------------------------------------------------------------------------------------
+def compile_case(order, backend="aot_eager", steps=4, local_batch=4):
+    """Losses per step: torch's DDP (eager) beside ours compiled, ``order`` "compile(DDP(m))" or
+    "DDP(compile(m))"; aot_eager traces the graphs (dynamo, AOTAutograd) without generating code."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
+    torch._dynamo.reset()
+    counters.clear()
+    losses = {}
+    for which in ("torch", "ours"):
+        model = make_model("mlp")
+        if which == "torch":
+            wrapped = TorchDDP(model, bucket_cap_mb=0.0006)
+        elif order == "compile(DDP(m))":
+            wrapped = torch.compile(gs.DistributedDataParallel(model, bucket_cap_mb=0.0006), backend=backend)
+        else:
+            wrapped = gs.DistributedDataParallel(torch.compile(model, backend=backend), bucket_cap_mb=0.0006)
+        opt = ddp_fns.make_optimizer("sgd", model.parameters())
+        losses[which] = []
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+            loss.backward()
+            opt.step()
+            losses[which].append(loss.item())
+        losses[f"{which} params"] = params_of(model)
+    losses["graphs"] = counters["stats"]["unique_graphs"]   # what dynamo compiled: it did compile
+    return losses
