@@ -103,6 +103,7 @@ def hook_case(case, model_name="shuffled", bucket_cap_mb=0.0006, steps=5, local_
                 seen.append(_names(model, bucket.parameters()))
                 return hook(state, bucket)
             wrapped.register_comm_hook(state, recording)
+            initial = [b.names for b in wrapped.buckets] if which == "ours" else None
             opt = ddp_fns.make_optimizer("sgd", model.parameters())
             xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
             for step in range(steps):
@@ -111,7 +112,7 @@ def hook_case(case, model_name="shuffled", bucket_cap_mb=0.0006, steps=5, local_
                 x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
                 nn.functional.cross_entropy(wrapped(x), y).backward()
                 opt.step()
-            results[which] = {"params": params_of(model), "buckets": list(seen)}
+            results[which] = {"params": params_of(model), "buckets": list(seen), "initial": initial}
         return results
     finally:
         powerSGD_hook._orthogonalize = original
@@ -167,8 +168,15 @@ def misuse_errors():
         ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
         ddp(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
 
+    def never_completes():
+        ddp = gs.DistributedDataParallel(make_model("mlp"))
+        ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+        ddp.reducer.wait_limit = 1.0   # a knob for tests: seconds a bucket's Future may take
+        ddp(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+
     return {"twice": error_of(twice), "mixed_precision": error_of(with_mixed_precision),
-            "old_signature": error_of(old_signature), "not_a_future": error_of(not_a_future)}
+            "old_signature": error_of(old_signature), "not_a_future": error_of(not_a_future),
+            "never_completes": error_of(never_completes)}
 
 
 def run_cases(fn, cases):
