@@ -13,8 +13,8 @@ from test_ddp import assert_close
 def assert_equal(ours: dict, oracle: dict, what: str):
     assert ours.keys() == oracle.keys()
     for name in oracle:
-        assert torch.equal(ours[name], oracle[name]), (
-            f"{what}: {name} differs by {(ours[name] - oracle[name]).abs().max():.3g}")
+        same = torch.equal(ours[name], oracle[name])
+        assert same, f"{what}: {name} differs by {(ours[name] - oracle[name]).abs().max():.3g}"
 
 
 # -- communication hooks ---------------------------------------------------------------------------
