@@ -41,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_jobs
 
 import torch
 from torch.autograd import Variable
@@ -200,9 +201,10 @@ class Reducer:
             for b, slot in unready:
                 self._mark_unused(b, slot)
             self._launch_ready()
-            globally_unused = self._globally_unused(unready) if self.find_unused_parameters else []
+            counted = self._count_users(unready) if self.find_unused_parameters else None
             with trace.span("wait for buckets", "wait"):
                 self._wait_all()
+            globally_unused = self._globally_unused(counted) if counted is not None else []
             self.last_wait_seconds = time.perf_counter() - backward_end
             if self.precision is not None:
                 self.precision.write_gradients(self.buckets, self._results)
@@ -241,17 +243,31 @@ class Reducer:
         bucket.ready[slot] = True
         self._pending[bucket.index] -= 1
 
-    def _globally_unused(self, locally_unused: list[tuple[Bucket, int]]) -> list[tuple[Bucket, int]]:
-        """Parameters no rank used: a count of users per parameter, all-reduced after the buckets."""
+    def _count_users(self, locally_unused: list[tuple[Bucket, int]]):
+        """Queue the all-reduce of a count of users per parameter after the buckets; returns what
+        ``_globally_unused`` reads once every job has ended."""
         slots = [(b, slot) for b in self.buckets for slot in range(len(b.params))]
         unused = {(b.index, slot) for b, slot in locally_unused}
         users = torch.tensor([0 if (b.index, slot) in unused else 1 for b, slot in slots], dtype=torch.int64)
-        self._executor.submit(self.group.all_reduce, users, "sum", "ring").result(timeout=self.wait_limit)
+        self._jobs.append(self._executor.submit(self.group.all_reduce, users, "sum", "ring"))
+        return slots, users
+
+    @staticmethod
+    def _globally_unused(counted) -> list[tuple[Bucket, int]]:
+        """Parameters no rank used (their count of users is 0)."""
+        slots, users = counted
         return [(b, slot) for (b, slot), count in zip(slots, users.tolist()) if count == 0]
 
     def _wait_all(self) -> None:
-        for job in self._jobs:
-            job.result(timeout=self.wait_limit)
+        """Wait for every job in launch order. Each hook's Future is bounded by ``wait_limit`` on the
+        communication thread, and a job starts when the one before it ends, so each job here gets
+        ``wait_limit`` and a margin from the moment the one before it has ended."""
+        for number, job in enumerate(self._jobs):
+            if not wait_for_jobs([job], timeout=self.wait_limit + 5.0).done:
+                raise TimeoutError(f"rank {runtime.world().rank}: the communication thread's job {number} (bucket "
+                                   f"reductions in launch order) did not end within {self.wait_limit + 5.0:.0f} s "
+                                   f"of the one before it")
+            job.result()   # raises what the job raised
 
     # -- rebuilding the buckets once ------------------------------------------------------------------
     def rebuild_if_due(self) -> bool:
@@ -289,9 +305,8 @@ class Reducer:
                 if self.precision is None:
                     p.grad = b.grad_view(slot)
             self._jobs.append(self._executor.submit(self._communicate, b))
-        if self.find_unused_parameters:
-            users = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.int64)
-            self._jobs.append(self._executor.submit(self.group.all_reduce, users, "sum", "ring"))
+        if self.find_unused_parameters:   # this rank used none of them
+            self._count_users([(b, slot) for b in self.buckets for slot in range(len(b.params))])
         try:
             self._wait_all()
             if self.precision is not None:
