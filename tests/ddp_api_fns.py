@@ -255,6 +255,7 @@ MIXED_PRECISION_CASES = {
     # model, param_dtype, reduce_dtype, buffer_dtype
     "cnn_bn": ("cnn_bn", torch.float32, None, torch.float32),
     "mlp_reduce_fp16": ("mlp", torch.float32, torch.float16, None),
+    "mlp_bf16_reduce_fp32": ("mlp", torch.bfloat16, torch.float32, None),   # reduced wider than computed
 }
 
 

@@ -87,7 +87,7 @@ def test_mixed_precision_gives_torchs_arithmetic(world_of, case):
     for r in world_of(2).run(ddp_api_fns.mixed_precision_case, case):
         assert_equal(r["ours"], r["torch"], f"mixed precision {case}")
         assert_equal(r["ours buffers"], r["torch buffers"], f"mixed precision {case} buffers")
-        assert set(r["dtypes"]["in forward"]) == {"torch.float32"}       # computed in param_dtype
+        assert set(r["dtypes"]["in forward"]) == {str(ddp_api_fns.MIXED_PRECISION_CASES[case][1])}  # param_dtype
         assert set(r["dtypes"]["after"]) == set(r["dtypes"]["grads"]) == {"torch.float64"}
 
 
