@@ -6,11 +6,11 @@
     group.broadcast(t, src)             src is a rank *of the group* (0 = its first member)
     group.all_gather(t) -> full         the group's 1-D tensors concatenated in group-rank order
                                         (sizes may differ)
-    group.torch_group                   the torch ProcessGroup the group is: what torch's hooks and
-                                        torch's Join context run their own collectives on
+    group.torch_group                   the torch ProcessGroup the program passed, else torch's default
+                                        group: what torch's Join context runs its own collectives on
 
 process_group=None, or any group that holds every rank: gradsync's own collectives (comm/) over its
-world, with ``algorithm`` as the wrapper was given; ``torch_group`` is torch's default group.
+world, with ``algorithm`` as the wrapper was given.
 
 A subgroup (``torch.distributed.new_group(ranks)``, some ranks only): the replicas are the group's
 members, and every collective of the wrapper (start-up checks and broadcast, buffers, gradient
@@ -48,21 +48,24 @@ class ReplicaGroup:
     world: runtime.World
     subgroup: dist.ProcessGroup | None = None
     """The program's subgroup, or None for gradsync's own world."""
+    given: dist.ProcessGroup | None = None
+    """The process_group the program passed, if any (what Join compares across joinables)."""
 
     @staticmethod
     def of(process_group) -> "ReplicaGroup":
         world = runtime.world()
         if _covers_world(process_group, world):
-            return ReplicaGroup(world.rank, world.world_size, world)
+            given = process_group if isinstance(process_group, dist.ProcessGroup) else None
+            return ReplicaGroup(world.rank, world.world_size, world, given=given)
         if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"DistributedDataParallel: rank {world.rank} is not a member of process_group "
                              f"(torch.distributed.new_group() gave it GroupMember.NON_GROUP_MEMBER); build the "
                              f"wrapper only on the group's ranks, as torch's DistributedDataParallel requires")
-        return ReplicaGroup(dist.get_rank(process_group), process_group.size(), world, process_group)
+        return ReplicaGroup(dist.get_rank(process_group), process_group.size(), world, process_group, process_group)
 
     @property
     def torch_group(self) -> dist.ProcessGroup:
-        return self.subgroup if self.subgroup is not None else dist.distributed_c10d._get_default_group()
+        return self.given if self.given is not None else dist.distributed_c10d._get_default_group()
 
     def _wait(self, work, what: str) -> None:
         if not work.wait(timedelta(seconds=self.world.timeout)):

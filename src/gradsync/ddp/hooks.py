@@ -52,8 +52,9 @@ class ReduceState:
     """Where the reduction runs."""
     algorithm: str = "auto"
     """gradsync's all-reduce algorithm (comm/collectives.py ALGORITHMS)."""
-    divisor: int = 0
-    """What the sum is divided by in this backward (set by the reducer; see the module docstring)."""
+    divisor: int | None = None
+    """What the sum is divided by in this backward (the reducer sets it; see the module docstring);
+    None: the number of replicas."""
     reduce_dtype: torch.dtype | None = None
     """reduce_in_dtype's dtype (mixed precision)."""
 
@@ -64,11 +65,15 @@ def _done(value) -> torch.futures.Future:
     return future
 
 
+def _divisor(state: ReduceState) -> int:
+    return state.group.size if state.divisor is None else state.divisor
+
+
 def _average_in_place(state: ReduceState, flat: torch.Tensor) -> None:
-    if state.divisor == state.group.size:
+    if _divisor(state) == state.group.size:
         state.group.all_reduce(flat, op="avg", algorithm=state.algorithm)
     else:
-        state.group.all_reduce(flat, op="sum", algorithm=state.algorithm).div_(state.divisor)
+        state.group.all_reduce(flat, op="sum", algorithm=state.algorithm).div_(_divisor(state))
 
 
 def allreduce_average(state: ReduceState, bucket) -> torch.futures.Future:
@@ -81,7 +86,7 @@ def allreduce_average(state: ReduceState, bucket) -> torch.futures.Future:
 def _compressed(dtype: torch.dtype):
     def hook(state: ReduceState, bucket) -> torch.futures.Future:
         flat = bucket.buffer()
-        compressed = flat.div(state.divisor).to(dtype)
+        compressed = flat.div(_divisor(state)).to(dtype)
         state.group.all_reduce(compressed, op="sum", algorithm=state.algorithm)
         flat.copy_(compressed)
         return _done(flat)
@@ -98,7 +103,7 @@ def reduce_in_dtype(state: ReduceState, bucket) -> torch.futures.Future:
     reduce_dtype tensor, from which the reducer writes full-precision gradients."""
     flat = bucket.buffer()
     reduced = flat.to(state.reduce_dtype) if state.reduce_dtype not in (None, flat.dtype) else flat
-    state.group.all_reduce(reduced, op="sum", algorithm=state.algorithm).div_(state.divisor)
+    state.group.all_reduce(reduced, op="sum", algorithm=state.algorithm).div_(_divisor(state))
     return _done(reduced)
 
 

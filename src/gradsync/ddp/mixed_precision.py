@@ -72,10 +72,6 @@ class MixedPrecisionCasts:
                     p.grad = p.grad.to(self.param_dtype)
         return _cast_forward_inputs(self.param_dtype, *args, **kwargs)
 
-    def full_dtype(self, p: torch.Tensor) -> torch.dtype:
-        full = self._full.get(id(p))
-        return p.dtype if full is None else full.dtype
-
     def restore_params(self) -> None:
         """Every parameter back to its full-precision values."""
         for p in self._params:

@@ -126,7 +126,8 @@ class Reducer:
             view.copy_(param.grad)
             param.grad = view
         bucket.ready[slot] = True
-        self._order_seen.append(bucket.positions[slot])
+        if self._ready_order is None:   # the first synchronised backward: its order rebuilds the buckets
+            self._order_seen.append(bucket.positions[slot])
         self._pending[bucket_index] -= 1
         if self._pending[bucket_index] == 0:
             trace.instant(f"bucket {bucket_index} ready", "comm", bucket=bucket_index)
