@@ -106,12 +106,7 @@ def hook_case(case, model_name="shuffled", bucket_cap_mb=0.0006, steps=5, local_
             initial = [b.names for b in wrapped.buckets] if which == "ours" else None
             opt = ddp_fns.make_optimizer("sgd", model.parameters())
             xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
-            for step in range(steps):
-                seen.clear()
-                opt.zero_grad()
-                x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-                nn.functional.cross_entropy(wrapped(x), y).backward()
-                opt.step()
+            ddp_fns.train_on_shards(wrapped, opt, xs, ys, before_step=lambda step, seen=seen: seen.clear())
             results[which] = {"params": params_of(model), "buckets": list(seen), "initial": initial}
         return results
     finally:
@@ -130,12 +125,7 @@ def builtin_fp16_case(steps=5, local_batch=4):
         else:
             wrapped = gs.DistributedDataParallel(model, comm_hook="fp16")
         opt = ddp_fns.make_optimizer("sgd", model.parameters())
-        xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
-        for step in range(steps):
-            opt.zero_grad()
-            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-            nn.functional.cross_entropy(wrapped(x), y).backward()
-            opt.step()
+        ddp_fns.train_on_shards(wrapped, opt, *ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64))
         results[which] = params_of(model)
     return results
 
@@ -351,11 +341,7 @@ def subgroup_case(members=(0, 2), steps=4, local_batch=4):
         wrapped = (TorchDDP(model, process_group=group, bucket_cap_mb=0.0006) if which == "torch"
                    else gs.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.0006))
         opt = ddp_fns.make_optimizer("sgd", model.parameters())
-        for step in range(steps):
-            opt.zero_grad()
-            x, y = xs[step].chunk(len(members))[position], ys[step].chunk(len(members))[position]
-            nn.functional.cross_entropy(wrapped(x), y).backward()
-            opt.step()
+        ddp_fns.train_on_shards(wrapped, opt, xs, ys, world_size=len(members), rank=position)
         results[which] = {**params_of(model), **{n: b.clone() for n, b in model.named_buffers()}}
         if which == "ours":
             wrapped.check_replicas()
@@ -383,14 +369,7 @@ def compile_case(order, backend="aot_eager", steps=4, local_batch=4):
         else:
             wrapped = gs.DistributedDataParallel(torch.compile(model, backend=backend), bucket_cap_mb=0.0006)
         opt = ddp_fns.make_optimizer("sgd", model.parameters())
-        losses[which] = []
-        for step in range(steps):
-            opt.zero_grad()
-            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-            loss = nn.functional.cross_entropy(wrapped(x), y)
-            loss.backward()
-            opt.step()
-            losses[which].append(loss.item())
+        losses[which] = ddp_fns.train_on_shards(wrapped, opt, xs, ys)
         losses[f"{which} params"] = params_of(model)
     losses["graphs"] = counters["stats"]["unique_graphs"]   # what dynamo compiled: it did compile
     return losses

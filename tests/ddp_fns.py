@@ -97,6 +97,26 @@ def make_optimizer(kind, params):
     return torch.optim.Adam(params, lr=0.01)
 
 
+def train_on_shards(wrapped, opt, xs, ys, before_step=None, world_size=None, rank=None):
+    """Each step: this rank's shard of the global batch (xs[step], ys[step]) through ``wrapped``,
+    cross-entropy, backward, ``opt.step()``; ``before_step(step)`` first, if given. Returns the losses.
+    ``world_size``/``rank`` default to gradsync's world (a subgroup passes its own)."""
+    w = gs.world()
+    world_size = w.world_size if world_size is None else world_size
+    rank = w.rank if rank is None else rank
+    losses = []
+    for step in range(len(xs)):
+        if before_step is not None:
+            before_step(step)
+        opt.zero_grad()
+        x, y = xs[step].chunk(world_size)[rank], ys[step].chunk(world_size)[rank]
+        loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def single_process(model_name, opt_kind, steps, world_size, local_batch, dtype, per_shard_loss):
     """The oracle: one process, global batch N*b. ``per_shard_loss``: the loss is the mean of the N
     shard losses (needed when BatchNorm statistics are per shard, as they are per rank in DDP)."""
@@ -158,12 +178,7 @@ def torch_ddp_vs_ours(steps, local_batch, bucket_cap_mb):
             wrapped.register_comm_hook(None, recording)
         opt = make_optimizer("sgd", model.parameters())
         xs, ys = global_data(steps, w.world_size, local_batch, torch.float32)
-        for step in range(steps):
-            seen.clear()
-            opt.zero_grad()
-            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-            nn.functional.cross_entropy(wrapped(x), y).backward()
-            opt.step()
+        train_on_shards(wrapped, opt, xs, ys, before_step=lambda step: seen.clear())
         results[which] = {n: p.detach().clone() for n, p in model.named_parameters()}
         results[f"{which} buckets"] = seen if which == "torch" else [bucket.names for bucket in wrapped.buckets]
     return results

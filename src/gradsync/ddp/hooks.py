@@ -12,7 +12,11 @@ One mechanism, torch's (``DistributedDataParallel.register_comm_hook``):
 The reducer calls the hook on its communication thread, one bucket at a time in bucket order on
 every rank, and waits (bounded) for the Future before it calls the hook for the next bucket
 (ddp/reducer.py says why). torch's hooks run their own torch.distributed collectives on the
-process group in their state (None: torch's default group).
+process group in their state (None: torch's default group). Those collectives are issued from the
+communication thread, not from backward's: a model whose backward runs collectives of its own on
+that same group (SyncBatchNorm) would interleave with them in an order that can differ between
+ranks, so give such a hook a group of its own (state=torch.distributed.new_group(), made on every
+rank).
 
 gradsync's built-ins are hooks of the same form, run on gradsync's own collectives (or on the
 wrapper's subgroup, ddp/group.py) with the wrapper's ``algorithm``; their Future is already
@@ -38,6 +42,7 @@ the exact average.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -111,7 +116,7 @@ BUILTIN = {"none": allreduce_average, "fp16": fp16_compress, "bf16": bf16_compre
 """comm_hook names the constructor accepts (None means "none")."""
 
 
-def builtin(comm_hook) -> callable:
+def builtin(comm_hook) -> Callable:
     """The built-in hook the constructor's ``comm_hook`` names."""
     if comm_hook is None:
         return allreduce_average
