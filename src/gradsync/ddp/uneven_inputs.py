@@ -13,14 +13,19 @@ join_process_group), and does what torch's DDP does, collective for collective:
     (wrapper.forward)                            (DDPJoinHook.main_hook)
     1. Join.notify_join_context: all_reduce(1)   Join's own all_reduce(0): how many still train
        on join_process_group (torch's)
-    2. buckets rebuilt, if due (reducer.py)      the same
-    3. buffers (broadcast_buffers): from the     candidate -1, then the same broadcast
+    2. vote: all_reduce of (1 if this backward   vote (0, 0); the sums say whether to rebuild,
+       synchronises, 1 if gradients are on)      whether to shadow the backward, and how many
+                                                 contribute
+    3. buckets rebuilt, if due and gradients     the same, if any rank has gradients on
+       are on (reducer.py)
+    4. buffers (broadcast_buffers): from the     candidate -1, then the same broadcast
        highest rank still training: all_reduce
        max of candidate ranks, then broadcast
-    4. vote: all_reduce of 1 if this backward    vote 0; the sum says whether to shadow the
-       synchronises (0 under no_sync)            backward, and how many contribute
     5. backward: every bucket through the hook   reducer.shadow_backward(): every bucket through
                                                  the same hook with zero gradients
+
+torch's DDP votes after its rebuild and its buffers, so a joined rank cannot know whether the
+others rebuild (they do only with gradients on); voting first, it does.
 
 After the last rank has joined (post_hook): every rank agrees on the highest rank among the last
 joiners (all_reduce max) and takes its parameters (and buffers, with broadcast_buffers) in one
@@ -55,11 +60,13 @@ def common_rank(group: ReplicaGroup, candidate: bool) -> int:
     return int(rank)
 
 
-def vote_backward_sync(group: ReplicaGroup, will_sync: bool) -> int:
-    """How many ranks will synchronise gradients in this iteration (every rank must call)."""
-    votes = torch.tensor([1 if will_sync else 0], dtype=torch.int64)
+def vote(group: ReplicaGroup, will_sync: bool, grad_enabled: bool) -> tuple[int, int]:
+    """(how many ranks will synchronise gradients in this iteration, how many run it with gradients
+    on); every rank must call."""
+    votes = torch.tensor([int(will_sync), int(grad_enabled)], dtype=torch.int64)
     group.all_reduce(votes, op="sum")
-    return int(votes)
+    syncing, with_grad = votes.tolist()
+    return syncing, with_grad
 
 
 class DDPJoinHook(JoinHook):
@@ -72,13 +79,14 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp.reducer.rebuild_if_due()
+        syncing, with_grad = vote(ddp.group, will_sync=False, grad_enabled=False)
+        if with_grad:
+            ddp.reducer.rebuild_if_due()
         if ddp._syncs_buffers():
             ddp._sync_buffers(src=common_rank(ddp.group, candidate=False))
-        voters = vote_backward_sync(ddp.group, will_sync=False)
-        if voters == 0:
+        if syncing == 0:
             return
-        ddp.reducer.divisor = ddp._divisor(voters)
+        ddp.reducer.divisor = ddp._divisor(syncing)
         ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:

@@ -49,7 +49,7 @@ from gradsync.ddp.buckets import default_limits
 from gradsync.ddp.group import ReplicaGroup
 from gradsync.ddp.mixed_precision import MixedPrecisionCasts
 from gradsync.ddp.reducer import Reducer
-from gradsync.ddp.uneven_inputs import DDPJoinHook, common_rank, vote_backward_sync
+from gradsync.ddp.uneven_inputs import DDPJoinHook, common_rank, vote
 from gradsync.replicas import ReplicaMismatchError, broadcast_coalesced, first_mismatch, verify_same_model
 
 __all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
@@ -150,18 +150,22 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @torch.compiler.disable
     def _pre_forward(self, *args, **kwargs):
+        """The wrapper's collectives before the module runs, in the order ddp/uneven_inputs.py gives."""
         grad_enabled = torch.is_grad_enabled()
+        will_sync = self.require_backward_grad_sync and grad_enabled
         Join.notify_join_context(self)
+        joining = self._join_config.enable
+        divisor = self.group.size
+        if joining:
+            syncing, _ = vote(self.group, will_sync, grad_enabled)
+            divisor = self._divisor(syncing)
         if grad_enabled:
             self.reducer.rebuild_if_due()
-        joining = self._join_config.enable
         if self._syncs_buffers():
             src = common_rank(self.group, candidate=True) if joining else 0
             with trace.span("broadcast buffers", "comm"):
                 self._sync_buffers(src)
-        will_sync = self.require_backward_grad_sync and grad_enabled
-        self.reducer.divisor = (self._divisor(vote_backward_sync(self.group, will_sync)) if joining
-                                else self.group.size)
+        self.reducer.divisor = divisor
         self.reducer.sync_this_backward = will_sync
         if self.precision is not None:
             args, kwargs = self.precision.cast_for_forward(args, kwargs)
