@@ -44,7 +44,10 @@ DistributedDataParallel as ``model``) lets ranks run out of batches at different
 that has joined takes part in each step of the others (``_JoinHook.main_hook``): it contributes the
 gradients written since its last step, which a DistributedDataParallel joined before it leaves
 there (the others' average), and zeros otherwise (no batch, no gradient), then updates its shards
-and all-gathers like them. The reduce-scatter divides by N, every rank counted.
+and all-gathers like them. The reduce-scatter divides by N, every rank counted. The result is
+torch's DDP + Join with the unsharded optimizer (tests/test_ddp_torch_api.py). torch's own
+ZeroRedundancyOptimizer under Join differs from that: its joined rank steps its shard with the
+gradient left over from its own last step (19% relative on the test's case, 3 ranks).
 """
 
 from __future__ import annotations
