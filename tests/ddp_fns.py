@@ -97,6 +97,26 @@ def make_optimizer(kind, params):
     return torch.optim.Adam(params, lr=0.01)
 
 
+def train_on_shards(wrapped, opt, xs, ys, before_step=None, world_size=None, rank=None):
+    """Each step: this rank's shard of the global batch (xs[step], ys[step]) through ``wrapped``,
+    cross-entropy, backward, ``opt.step()``; ``before_step(step)`` first, if given. Returns the losses.
+    ``world_size``/``rank`` default to gradsync's world (a subgroup passes its own)."""
+    w = gs.world()
+    world_size = w.world_size if world_size is None else world_size
+    rank = w.rank if rank is None else rank
+    losses = []
+    for step in range(len(xs)):
+        if before_step is not None:
+            before_step(step)
+        opt.zero_grad()
+        x, y = xs[step].chunk(world_size)[rank], ys[step].chunk(world_size)[rank]
+        loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def single_process(model_name, opt_kind, steps, world_size, local_batch, dtype, per_shard_loss):
     """The oracle: one process, global batch N*b. ``per_shard_loss``: the loss is the mean of the N
     shard losses (needed when BatchNorm statistics are per shard, as they are per rank in DDP)."""
@@ -138,7 +158,9 @@ def ddp_train(model_name, opt_kind, steps, local_batch, dtype, bucket_cap_mb=25,
 
 
 def torch_ddp_vs_ours(steps, local_batch, bucket_cap_mb):
-    """Same seed, data and optimizer under torch DDP (gloo) and gradsync DDP, float32."""
+    """Same seed, data and optimizer under torch DDP (gloo) and gradsync DDP, float32; each one's
+    buckets in the last step (torch's as torch's own allreduce_hook, which changes nothing, saw them)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     w = gs.world()
@@ -147,16 +169,18 @@ def torch_ddp_vs_ours(steps, local_batch, bucket_cap_mb):
         model = make_model("mlp", torch.float32)
         wrapped = (TorchDDP(model, bucket_cap_mb=bucket_cap_mb) if which == "torch"
                    else gs.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen = []
+        if which == "torch":
+            def recording(state, bucket):
+                seen.append([names[id(p)] for p in bucket.parameters()])
+                return allreduce_hook(state, bucket)
+            wrapped.register_comm_hook(None, recording)
         opt = make_optimizer("sgd", model.parameters())
         xs, ys = global_data(steps, w.world_size, local_batch, torch.float32)
-        for step in range(steps):
-            opt.zero_grad()
-            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
-            nn.functional.cross_entropy(wrapped(x), y).backward()
-            opt.step()
+        train_on_shards(wrapped, opt, xs, ys, before_step=lambda step: seen.clear())
         results[which] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        if which == "ours":
-            results["buckets"] = [bucket.names for bucket in wrapped.buckets]
+        results[f"{which} buckets"] = seen if which == "torch" else [bucket.names for bucket in wrapped.buckets]
     return results
 
 
@@ -199,17 +223,24 @@ def diverged_replicas():
 
 
 def compressed_grads(hook, numel):
-    """One bucket's average through a compression hook, next to the exact float64 average of every
-    rank's local values (each rank draws them all from the same seeds; no collective involved)."""
-    from gradsync.ddp.hooks import BUILTIN
+    """One bucket's average through a built-in compression hook (called as the reducer calls it),
+    next to the exact float64 average of every rank's local values (each rank draws them all from
+    the same seeds; no collective involved)."""
+    from gradsync.ddp.buckets import build_buckets
+    from gradsync.ddp.grad_bucket import GradBucket
+    from gradsync.ddp.group import ReplicaGroup
+    from gradsync.ddp.hooks import BUILTIN, ReduceState
     w = gs.world()
 
     def local_of(rank):
         return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64) * 10
     exact = torch.stack([local_of(r) for r in range(w.world_size)]).mean(dim=0)
-    flat = local_of(w.rank).to(torch.float32)
-    BUILTIN[hook](flat, "ring")
-    return flat.double(), exact
+    param = nn.Parameter(torch.zeros(numel))
+    bucket = build_buckets([param], ["p"], [1 << 30])[0]
+    bucket.flat.copy_(local_of(w.rank))
+    state = ReduceState(ReplicaGroup.of(None), "ring", divisor=w.world_size)
+    reduced = BUILTIN[hook](state, GradBucket(bucket, 1)).wait()
+    return reduced.double(), exact
 
 
 class _HoldBackward(torch.autograd.Function):
@@ -249,16 +280,17 @@ def traced_overlap(steps):
     or backward fails after 30 s."""
     import threading
 
-    from gradsync.ddp.hooks import allreduce_avg
+    from gradsync.ddp.hooks import allreduce_average
     w = gs.world()
     torch.manual_seed(0)
     started = threading.Event()
     model = HeldStack(started)
 
-    def signal_then_average(flat, algorithm):
+    def signal_then_average(state, bucket):
         started.set()
-        allreduce_avg(flat, algorithm)
-    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=1, comm_hook=signal_then_average)
+        return allreduce_average(state, bucket)
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=1)
+    ddp.register_comm_hook(ddp.reducer.hook_state, signal_then_average)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     tracer = trace.enable(w.rank)
     x = torch.randn(256, 512)

@@ -168,11 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
     ddp.add_argument("--steps", type=_positive_int, default=15, help="timed steps per implementation (median)")
     ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ddp.add_argument("--torch-hook", action="store_true",
+                     help="also ours with torch's allreduce_hook registered (its buckets over gloo)")
+    ddp.add_argument("--compile", action="store_true",
+                     help="also torch.compile (inductor) over torch DDP, over ours and under ours; with --backend: "
+                          "torch.compile(DDP(model)) and the compiled floor on each backend")
     ddp.add_argument("--backend", metavar="LIST", help="instead: torch's own DDP on each torch.distributed backend "
                      "listed (e.g. gloo,gradsync), the first one the baseline; plus the torch API layer's cost")
     ddp.add_argument("--rounds", type=_positive_int, default=3, help="with --backend: alternating runs per backend")
-    ddp.add_argument("--compile", action="store_true",
-                     help="with --backend: also torch.compile(DDP(model)) and the compiled floor (inductor)")
     ps = benches.add_parser("ps", help="parameter server (sync, SSP, async) beside ring DDP, with a straggler")
     ps.add_argument("--workers", type=_int_list, default=[2, 3, 4],
                     help="comma-separated worker counts W (the server is extra)")
@@ -436,15 +439,13 @@ def _bench_ddp(args) -> int:
 
     if args.backend:
         return _bench_backends(args)
-    if args.compile:
-        raise ValueError("--compile times torch's DDP compiled on each backend: give --backend too, e.g. "
-                         "--backend gloo,gradsync --compile")
 
     try:
         caps = [float(c) for c in args.bucket_mb.split(",") if c.strip()]
     except ValueError:
         raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
-    rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps)
+    rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps, torch_hook=args.torch_hook,
+                   compiled=args.compile)
     ours = next(r["transport"] for r in rows if r["impl"].startswith("gradsync"))
     table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
                         f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo")

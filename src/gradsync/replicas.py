@@ -6,6 +6,9 @@
     broadcast_coalesced(tensors)     rank 0's values onto every rank, one broadcast per dtype
     first_mismatch(tensors)          (rank, index) of the first tensor whose bytes differ from rank 0
 
+Each runs on gradsync's world; ``gather=`` / ``broadcast=`` run it on other ranks instead (DDP's
+subgroup: ddp/group.py), given functions with the signatures of comm's all_gather and broadcast.
+
 Used by every strategy that starts from one model: DistributedDataParallel, ParameterServer,
 ShardedOptimizer. Hashes are CRC-32 of a text or of raw bytes; the texts themselves travel only to
 explain a mismatch.
@@ -30,15 +33,15 @@ def crc(data: bytes) -> int:
     return zlib.crc32(data) & 0x7FFFFFFF
 
 
-def _gather_uneven(mine: torch.Tensor) -> list[torch.Tensor]:
+def _gather_uneven(mine: torch.Tensor, gather=all_gather) -> list[torch.Tensor]:
     """Every rank's 1-D ``mine``, in rank order (lengths may differ; the dtype must agree)."""
-    counts = all_gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
-    return list(all_gather(mine).split(counts))
+    counts = gather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
+    return list(gather(mine).split(counts))
 
 
-def gather_ints(values: list[int]) -> list[list[int]]:
+def gather_ints(values: list[int], gather=all_gather) -> list[list[int]]:
     """Every rank's list of integers, in rank order (lists may differ in length)."""
-    return [part.tolist() for part in _gather_uneven(torch.tensor(values, dtype=torch.int64))]
+    return [part.tolist() for part in _gather_uneven(torch.tensor(values, dtype=torch.int64), gather)]
 
 
 def gather_bytes(data: bytes) -> list[bytes]:
@@ -47,9 +50,9 @@ def gather_bytes(data: bytes) -> list[bytes]:
     return [part.numpy().tobytes() for part in _gather_uneven(mine)]
 
 
-def gather_strings(lines: list[str]) -> list[list[str]]:
+def gather_strings(lines: list[str], gather=all_gather) -> list[list[str]]:
     """Every rank's list of strings (used only to explain a mismatch, so simplicity beats speed)."""
-    texts = gather_ints([ord(c) for c in "\n".join(lines)])  # any int64 list travels the same way
+    texts = gather_ints([ord(c) for c in "\n".join(lines)], gather)  # any int64 list travels the same way
     return ["".join(map(chr, codes)).split("\n") if codes else [] for codes in texts]
 
 
@@ -72,14 +75,14 @@ def model_signature(module: nn.Module) -> list[str]:
     return params + buffers
 
 
-def verify_same_model(module: nn.Module, who: str) -> None:
+def verify_same_model(module: nn.Module, who: str, gather=all_gather) -> None:
     """Raise ReplicaMismatchError unless every rank built the same model (``who`` names the caller)."""
     lines = model_signature(module)
-    difference = first_difference(gather_ints([crc(line.encode()) for line in lines]))
+    difference = first_difference(gather_ints([crc(line.encode()) for line in lines], gather))
     if difference is None:
         return
     rank, index = difference
-    texts = gather_strings(lines)
+    texts = gather_strings(lines, gather)
     ours = texts[0][index] if index < len(texts[0]) else "(nothing)"
     theirs = texts[rank][index] if index < len(texts[rank]) else "(nothing)"
     raise ReplicaMismatchError(
@@ -89,15 +92,15 @@ def verify_same_model(module: nn.Module, who: str) -> None:
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values of ``tensors`` onto every rank: one broadcast per dtype, not one per tensor."""
+def broadcast_coalesced(tensors: list[torch.Tensor], broadcast=broadcast, src: int = 0) -> None:
+    """Rank ``src``'s values of ``tensors`` onto every rank: one broadcast per dtype, not one per tensor."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() and t.dtype in DTYPES:
             by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
-        broadcast(flat, src=0)
+        broadcast(flat, src=src)
         offset = 0
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -105,7 +108,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def first_mismatch(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+def first_mismatch(tensors: list[torch.Tensor], gather=all_gather) -> tuple[int, int] | None:
     """(rank, index) of the first tensor whose bytes differ between rank 0 and some rank, or None."""
     hashes = [crc(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
-    return first_difference(gather_ints(hashes))
+    return first_difference(gather_ints(hashes, gather))

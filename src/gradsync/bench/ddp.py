@@ -23,6 +23,13 @@ One intra-op thread per rank.
     bytes/step  = payload bytes this rank sent per step, measured by the TrafficMeter
     transport   = what carried our buckets (shm or tcp, GRADSYNC_TRANSPORT's choice); torch DDP: gloo
 
+Options (rows added to the same interleaved run):
+    torch_hook  ours with torch's own allreduce_hook registered (register_comm_hook): the buckets go
+                through torch.distributed's gloo instead of gradsync's collectives, by the same hook
+                mechanism as the built-in average, so its overlap shows what that mechanism keeps
+    compiled    torch.compile (inductor) over torch DDP, over ours (compile(DDP(m))) and under ours
+                (DDP(compile(m))), each at the first bucket cap; compiled before the warm-up steps
+
 The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank.
 """
 
@@ -45,7 +52,8 @@ NO_COMM = "no communication"
 """The same step on the bare model, each rank alone: the floor any implementation's step sits on."""
 ONE_COPY = "+ one gradient copy"
 """The floor plus one copy of every gradient: the least an average adds when no core is free."""
-NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY)
+NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY, "torch DDP compiled")
+TORCH_HOOK = " + torch allreduce_hook"
 
 
 def _model_and_batch(name: str, batch: int):
@@ -93,25 +101,51 @@ def _copy_each_gradient(model: nn.Module) -> torch.Tensor:
     return flat
 
 
-def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int) -> list[dict]:
+def _labels(bucket_mbs: list[float], torch_hook: bool, compiled: bool) -> list[tuple[str, float]]:
+    """(row label, bucket cap in MiB) of every implementation the run times."""
+    labels = [("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]
+    if torch_hook:
+        labels += [(f"gradsync {cap:g} MiB{TORCH_HOOK}", cap) for cap in bucket_mbs]
+    if compiled:
+        labels += [("torch DDP compiled", 25.0), (f"gradsync {bucket_mbs[0]:g} MiB, compile(DDP(m))", bucket_mbs[0]),
+                   (f"gradsync {bucket_mbs[0]:g} MiB, DDP(compile(m))", bucket_mbs[0])]
+    return labels + [(NO_COMM, 0.0), (ONE_COPY, 0.0)]
+
+
+def _wrap(label: str, model: nn.Module, cap: float):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    if label.startswith("torch DDP"):
+        wrapped = TorchDDP(model, bucket_cap_mb=cap)
+        return torch.compile(wrapped) if label.endswith("compiled") else wrapped
+    if label in (NO_COMM, ONE_COPY):
+        if label == ONE_COPY:
+            _copy_each_gradient(model)
+        return model
+    if label.endswith("DDP(compile(m))"):
+        return gs.DistributedDataParallel(torch.compile(model), bucket_cap_mb=cap)
+    wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cap)
+    if label.endswith(TORCH_HOOK):
+        wrapped.register_comm_hook(None, allreduce_hook)
+    return torch.compile(wrapped) if label.endswith("compile(DDP(m))") else wrapped
+
+
+def _ours(wrapped):
+    """gradsync's wrapper inside ``wrapped`` (a compiled module keeps it as _orig_mod), else None."""
+    inner = getattr(wrapped, "_orig_mod", wrapped)
+    return inner if isinstance(inner, gs.DistributedDataParallel) else None
+
+
+def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int,
+                torch_hook: bool = False, compiled: bool = False) -> list[dict]:
     torch.set_num_threads(1)
     w = gs.world()
     runners = {}
-    for label, cap in ([("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]
-                       + [(NO_COMM, 0.0), (ONE_COPY, 0.0)]):
+    for label, cap in _labels(bucket_mbs, torch_hook, compiled):
         torch.manual_seed(0)
         model, x, y = _model_and_batch(model_name, batch)
-        if label == "torch DDP":
-            wrapped = TorchDDP(model, bucket_cap_mb=cap)
-        elif label in (NO_COMM, ONE_COPY):
-            wrapped = model
-            if label == ONE_COPY:
-                _copy_each_gradient(model)
-        else:
-            wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cap)
-        runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
+        runners[label] = (_wrap(label, model, cap), torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
 
     def step(label: str) -> float:
         wrapped, opt, x, y = runners[label]
@@ -129,9 +163,11 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         for label in labels[turn:] + labels[:turn]:
             gs.traffic_reset()
             times[label].append(step(label))
-            if label not in NOT_OURS:
-                bytes_per_step[label] = gs.traffic()["bytes_sent"]
-                overlaps[label].append(runners[label][0].last_overlap or 0.0)
+            wrapper = _ours(runners[label][0])
+            if wrapper is not None:
+                if not label.endswith(TORCH_HOOK):   # torch's hook sends over gloo, which the meter does not see
+                    bytes_per_step[label] = gs.traffic()["bytes_sent"]
+                overlaps[label].append(wrapper.last_overlap or 0.0)
     n_params = sum(p.numel() for p in runners[NO_COMM][0].parameters())
     ours = carrier()
     rows = []
@@ -139,18 +175,20 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
         wrapped = runners[label][0]
         rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
                      "step_s": statistics.median(times[label]), "times_s": times[label],
-                     "buckets": len(wrapped.buckets) if label not in NOT_OURS else None,
+                     "buckets": len(_ours(wrapped).buckets) if _ours(wrapped) is not None else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
                      "bytes_per_step": bytes_per_step.get(label),
-                     "transport": {"torch DDP": "gloo", NO_COMM: None, ONE_COPY: None}.get(label, ours)})
+                     "transport": ("gloo" if label.startswith("torch DDP") or label.endswith(TORCH_HOOK)
+                                   else None if label in (NO_COMM, ONE_COPY) else ours)})
     return rows
 
 
 def run(workers: int, model: str, batch: int = 64, bucket_mbs: list[float] | None = None,
-        steps: int = 15, warmup: int = 3) -> list[dict]:
+        steps: int = 15, warmup: int = 3, torch_hook: bool = False, compiled: bool = False) -> list[dict]:
     if model not in BENCH_MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}")
-    rows = gs.spawn(_bench_rank, nprocs=workers, args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup))[0]
+    rows = gs.spawn(_bench_rank, nprocs=workers,
+                    args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup, torch_hook, compiled))[0]
     baseline = next(r["step_s"] for r in rows if r["impl"] == "torch DDP")
     floor = next(r["step_s"] for r in rows if r["impl"] == NO_COMM)
     for r in rows:
