@@ -15,12 +15,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gradsync"
 
 LEVELS = {
-    # beside everything, importing nothing above: counters, timelines, data, checkpoints, the cost model
-    "gradsync.meter": 0, "gradsync.trace": 0, "gradsync.stall": 0, "gradsync.data": 0,
+    # beside everything, importing nothing above: counters, timelines, checkpoints, the cost model
+    "gradsync.meter": 0, "gradsync.trace": 0, "gradsync.stall": 0,
     "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.display": 0, "gradsync.grad_watch": 0,
     "gradsync.clip": 0,
-    # process group set-up
-    "gradsync.runtime": 1, "gradsync.launch": 1, "gradsync.join": 1,
+    # process group set-up: the World record and host exchange that init() and join share, then
+    # joining a program's world, then init() itself (which may join), then spawn (which inits)
+    "gradsync.world_info": 1.0, "gradsync.join": 1.1, "gradsync.runtime": 1.2, "gradsync.launch": 1.3,
+    # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
+    "gradsync.data": 1.5,
     # collectives: the Transport interface and what needs only it, then the implementations and the
     # algorithms over any Transport, then what picks a transport or an algorithm for a world
     "gradsync.comm": 2.0, "gradsync.comm.transport": 2.0, "gradsync.comm.reduce_ops": 2.0,
@@ -32,10 +35,13 @@ LEVELS = {
     "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.collectives": 2.6,
     # strategies and the torch backend
     "gradsync.replicas": 3, "gradsync.ddp": 3, "gradsync.ps": 3, "gradsync.zero": 3, "gradsync.c10d": 3,
+    # the public names (DESIGN.md): the package gathers the strategies and collectives below it, and
+    # the main job is written with them (``import gradsync as gs``), so it sits between the two
+    "gradsync": 4.5,
     # the main job
-    "gradsync.train": 4, "gradsync.bench": 4, "gradsync.cluster": 4, "gradsync.doctor": 4, "gradsync.cli": 5,
-    # the public names
-    "gradsync": 6,
+    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5, "gradsync.doctor": 5,
+    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train)
+    "gradsync.cli": 6, "gradsync.train.__main__": 6,
 }
 
 
