@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.comm.hold import current_cpu
+from gradsync.comm.shm.hold import current_cpu
 from gradsync.comm.transport import PeerError, default_transport
 
 
@@ -84,7 +84,7 @@ def detect_death(report_dir: str):
     import json
     import threading
 
-    from gradsync.comm import shm
+    from gradsync.comm.shm import transport as shm
 
     w = gs.world()
     if w.rank == 1:

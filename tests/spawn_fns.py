@@ -31,9 +31,19 @@ def die_on_rank(bad_rank):
 
 
 def record_pid_then_hang(path):
-    with open(f"{path}.{gs.world().rank}", "w") as f:
+    """Every rank writes its pid to ``path.RANK``; rank 0 gives up once all have (ranks reach this
+    line at different times: they load gradsync's public names at their first gs.world()), the
+    others hang."""
+    w = gs.world()
+    with open(f"{path}.{w.rank}.tmp", "w") as f:
         f.write(str(os.getpid()))
-    if gs.world().rank == 0:
+    os.replace(f"{path}.{w.rank}.tmp", f"{path}.{w.rank}")
+    if w.rank == 0:
+        deadline = time.monotonic() + 30.0
+        while not all(os.path.exists(f"{path}.{r}") for r in range(w.world_size)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank wrote its pid within 30 s")
+            time.sleep(0.01)
         raise RuntimeError("rank 0 gives up")
     time.sleep(120)
 
@@ -52,6 +62,17 @@ def what_the_launcher_gave(name):
 
     print(f"rank {gs.world().rank} writes to the launcher's stdout", flush=True)
     return os.environ.get(name), int(numpy.random.randint(2**31))
+
+
+def transport_made_at_init():
+    """The class of the world's transport as init() left it, before this rank asked for one (None: not
+    made yet). This module imports nothing of gradsync.comm, and the forkserver only the package: the
+    transport's init hook reaches the rank with the launcher's."""
+    from gradsync import runtime
+    from gradsync.comm import transport as world_transport
+
+    made = world_transport._TRANSPORTS.get(id(runtime.world()))
+    return None if made is None else type(made).__name__
 
 
 def stall_fail_and_wait():

@@ -98,6 +98,17 @@ def test_ranks_take_the_launchers_environment_and_stdout_at_each_call(monkeypatc
     assert all(f"rank {r} writes to the launcher's stdout" in out for r in range(2)), out
 
 
+@pytest.mark.timeout(120)
+def test_ranks_connect_their_transport_at_init_as_the_launcher_would(monkeypatch):
+    """Ranks init through runtime.init() (launch.py sits below the communication layer): the transport
+    still connects there, because the ranks take the launcher's init hooks."""
+    monkeypatch.delenv("GRADSYNC_TRANSPORT", raising=False)
+    from gradsync.comm.shm import doorbell
+
+    expected = "TorchTransport" if doorbell.supported() else "ShmTransport"
+    assert gs.spawn(spawn_fns.transport_made_at_init, nprocs=2) == [expected] * 2
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nprocs must be an integer >= 1"):
         gs.spawn(spawn_fns.identity_and_state, nprocs=0)

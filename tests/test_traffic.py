@@ -91,8 +91,8 @@ def test_receive_from_any_source_names_the_sender(world_of):
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
     from types import SimpleNamespace
 
-    from gradsync.comm import shm
-    from gradsync.comm.allreduce_shared import direct_below
+    from gradsync.comm.shm import transport as shm
+    from gradsync.comm.shm.allreduce_shared import direct_below
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's

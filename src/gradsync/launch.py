@@ -371,7 +371,7 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
 
 def _remove_segments(job: str) -> None:
     """Unlink the job's shared-memory names. Ranks unlink their own once every peer has mapped
-    them (comm/shm.py); this catches a job stopped during that set-up."""
+    them (comm/shm/transport.py); this catches a job stopped during that set-up."""
     for leftover in Path("/dev/shm").glob(f"gradsync-{job}*") if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
 
@@ -413,7 +413,7 @@ def _where(stack_path: Path) -> str | None:
         path = line.split('"')[1]
         if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
                                          "/site-packages/torch/", "<frozen", "<string>",
-                                         "gradsync/comm/shm.py", "gradsync/comm/doorbell.py")):
+                                         "gradsync/comm/shm/transport.py", "gradsync/comm/shm/doorbell.py")):
             continue
         name = line.rsplit(" in ", 1)[-1]
         short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name

@@ -63,11 +63,11 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from gradsync.comm import shm
+from gradsync.comm.shm import transport as shm
 from gradsync.comm.allreduce_ring import ring_bytes_sent
-from gradsync.comm.allreduce_shared import direct_below
+from gradsync.comm.shm.allreduce_shared import direct_below
 from gradsync.comm.collectives import here, resolve_algorithm
-from gradsync.comm.shm import ShmTransport
+from gradsync.comm.shm.transport import ShmTransport
 from gradsync.comm.transport import TRANSPORTS, default_transport, transport_choice
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 

@@ -35,26 +35,27 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime, stall
-from gradsync.comm import select, single_copy
+from gradsync.comm import select
+from gradsync.comm.shm import single_copy
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
                                   gather_control, mismatch_error, next_sequence_of, uses_staged_check)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
-from gradsync.comm.allreduce_shared_direct import DirectAllReduce
-from gradsync.comm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.allreduce_shared import layout_error as shared_layout_error
+from gradsync.comm.shm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
+from gradsync.comm.shm.allreduce_shared_direct import DirectAllReduce
+from gradsync.comm.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
+from gradsync.comm.shm.allreduce_shared import layout_error as shared_layout_error
 from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
-from gradsync.comm.all_gather_in_place import all_gather_in_place as all_gather_region
-from gradsync.comm.all_gather_shared import all_gather_shared
-from gradsync.comm.all_gather_single_copy import all_gather_single_copy
+from gradsync.comm.shm.all_gather_in_place import all_gather_in_place as all_gather_region
+from gradsync.comm.shm.all_gather_shared import all_gather_shared
+from gradsync.comm.shm.all_gather_single_copy import all_gather_single_copy
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.broadcast import broadcast_binomial
-from gradsync.comm.reduce_scatter_in_place import reduce_scatter_in_place
-from gradsync.comm.reduce_scatter_shared import reduce_scatter_shared
-from gradsync.comm.reduce_scatter_single_copy import reduce_scatter_single_copy
+from gradsync.comm.shm.reduce_scatter_in_place import reduce_scatter_in_place
+from gradsync.comm.shm.reduce_scatter_shared import reduce_scatter_shared
+from gradsync.comm.shm.reduce_scatter_single_copy import reduce_scatter_single_copy
 from gradsync.comm.transport import Transport, default_transport
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")

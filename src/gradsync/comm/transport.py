@@ -210,7 +210,8 @@ def transport_choice() -> str:
 
 def build(world: runtime.World) -> Transport:
     """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS)."""
-    from gradsync.comm import doorbell, shm  # shm builds on this module
+    from gradsync.comm.shm import doorbell
+    from gradsync.comm.shm import transport as shm  # shm builds on this module
 
     choice = transport_choice()
     local = world.host_ranks

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gradsync import display, runtime
-from gradsync.comm.shm import ShmTransport
+from gradsync.comm.shm.transport import ShmTransport
 from gradsync.comm.transport import default_transport
 from gradsync.train.config import TrainConfig
 

@@ -78,12 +78,12 @@ from datetime import timedelta
 import torch
 
 from gradsync import runtime
-from gradsync.comm import single_copy
+from gradsync.comm.shm import single_copy
 from gradsync.comm.agree import FINGERPRINT_BYTES
-from gradsync.comm.doorbell import Doorbell
-from gradsync.comm.hold import CoreHold
-from gradsync.comm.shm_regions import SharedRegions
-from gradsync.comm.shm_ring import FRAME, Ring, slot_bytes
+from gradsync.comm.shm.doorbell import Doorbell
+from gradsync.comm.shm.hold import CoreHold
+from gradsync.comm.shm.regions import SharedRegions
+from gradsync.comm.shm.ring import FRAME, Ring, slot_bytes
 from gradsync.comm.transport import Handle, PeerError, TorchTransport, Transport
 from gradsync.meter import METER, TrafficMeter
 
