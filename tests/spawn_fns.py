@@ -69,7 +69,7 @@ def transport_made_at_init():
     made yet). This module imports nothing of gradsync.comm, and the forkserver only the package: the
     transport's init hook reaches the rank with the launcher's."""
     from gradsync import runtime
-    from gradsync.comm import transport as world_transport
+    from gradsync.comm import world_transport
 
     made = world_transport._TRANSPORTS.get(id(runtime.world()))
     return None if made is None else type(made).__name__
@@ -97,7 +97,7 @@ def soak(calls, warmup, seed):
     from collections import Counter
 
     from gradsync.comm.collectives import ALGORITHMS
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     rng = random.Random(seed)
     page = os.sysconf("SC_PAGE_SIZE")

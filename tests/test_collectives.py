@@ -101,7 +101,7 @@ def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
     from types import SimpleNamespace
 
     from gradsync.comm.shm.allreduce_shared import direct_below
-    from gradsync.comm.shm.transport import stage_bytes
+    from gradsync.comm.shm.segment import stage_bytes
 
     env = {} if stage_mb is None else {"GRADSYNC_SHM_STAGE_MB": stage_mb}
     pool = world_of(world_size, **env)

@@ -91,13 +91,13 @@ def test_receive_from_any_source_names_the_sender(world_of):
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
     from types import SimpleNamespace
 
-    from gradsync.comm.shm import transport as shm
+    from gradsync.comm.shm import segment
     from gradsync.comm.shm.allreduce_shared import direct_below
 
     pool = world_of(world_size)
     small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
     # just over where the split one takes over and moves slices
-    large = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=shm.stage_bytes())) // 4 + 3
+    large = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=segment.stage_bytes())) // 4 + 3
     for numel, direct in ((small, True), (large, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes

@@ -113,7 +113,7 @@ def _duration(text: str) -> float:
 
 
 def _transports(text: str) -> list[str]:
-    from gradsync.comm.transport import TRANSPORTS
+    from gradsync.comm.world_transport import TRANSPORTS
 
     chosen = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in chosen if t not in TRANSPORTS]

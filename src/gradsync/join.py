@@ -107,13 +107,14 @@ def world_on_store(store, rank: int, size: int, timeout: float, *, backend: str,
     hosts = ((0,),) if size == 1 else world_info.exchange_hosts(store, rank, size, timeout)
     host = next(group for group in hosts if rank in group)
     world_info.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
-                                                            timedelta(seconds=timeout)))
+                                                               timedelta(seconds=timeout)))
     return World(
         rank=rank, world_size=size, local_rank=host.index(rank) if local_rank is None else local_rank,
         local_world_size=len(host) if local_world_size is None else local_world_size, backend=backend,
         timeout=timeout, master_addr=master_addr, master_port=master_port,
         debug=world_info.debug_from_env() if debug is None else bool(debug), store=store, hosts=hosts,
         generation=generation, group_key=group_key, joined=True)
+
 
 def _env_int(given: int | None, variable: str) -> int | None:
     if given is not None:

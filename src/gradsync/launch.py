@@ -371,7 +371,7 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
 
 def _remove_segments(job: str) -> None:
     """Unlink the job's shared-memory names. Ranks unlink their own once every peer has mapped
-    them (comm/shm/transport.py); this catches a job stopped during that set-up."""
+    them (comm/shm/segment.py); this catches a job stopped during that set-up."""
     for leftover in Path("/dev/shm").glob(f"gradsync-{job}*") if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
 
@@ -393,6 +393,11 @@ def _watch(processes: list, join_timeout: float | None) -> int | None:
     return None
 
 
+_TRANSPORT_INTERNALS = tuple(f"gradsync/comm/shm/{part}.py" for part in
+                             ("transport", "segment", "staging", "progress", "waiting", "doorbell"))
+"""The shared-memory transport's own frames: a stack names the collective that waited, not these."""
+
+
 def _where(stack_path: Path) -> str | None:
     """Where a rank's main thread was, from its faulthandler dump: the innermost frames of gradsync
     and of the user's code (not the launcher, multiprocessing, torch or transport internals),
@@ -412,8 +417,7 @@ def _where(stack_path: Path) -> str | None:
             continue
         path = line.split('"')[1]
         if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
-                                         "/site-packages/torch/", "<frozen", "<string>",
-                                         "gradsync/comm/shm/transport.py", "gradsync/comm/shm/doorbell.py")):
+                                         "/site-packages/torch/", "<frozen", "<string>", *_TRANSPORT_INTERNALS)):
             continue
         name = line.rsplit(" in ", 1)[-1]
         short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name

@@ -49,6 +49,7 @@ GRACE = 5.0
 """Seconds past the timeout an operation may run before the watchdog aborts the group (its own
 waits normally raise at the timeout, naming the rank that did not arrive)."""
 
+
 class GroupAborted(RuntimeError):
     """The watchdog ended the group: a holder made no progress for longer than the timeout."""
 

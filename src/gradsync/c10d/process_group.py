@@ -43,7 +43,7 @@ import torch.distributed as dist
 from gradsync import join, runtime, stall
 from gradsync.c10d.comm_thread import CommThread
 from gradsync.c10d.work import TransferWork, run_eagerly
-from gradsync.comm import transport as transports
+from gradsync.comm import world_transport
 from gradsync.comm.agree import Fingerprint
 from gradsync.comm.collectives import (ALGORITHMS, Place, agree_in, all_gather_in, all_reduce_in, broadcast_in,
                                        next_sequence, reduce_scatter_in)
@@ -56,7 +56,7 @@ _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUC
         dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
 _SUM = dist.ReduceOp.SUM
 P2P_TAG_OFFSET = 1
-"""torch's tag t travels as tag t+1: tagged messages go over TCP (transport.py), tag 0 is the
+"""torch's tag t travels as tag t+1: tagged messages go over TCP (comm/tcp.py), tag 0 is the
 collectives' own, so a program's sends never meet a collective's bytes."""
 
 
@@ -148,7 +148,7 @@ def create(options) -> "GradsyncProcessGroup":
     world = join.world_on_store(store, rank, size, timeout, backend="gradsync",
                                 generation=zlib.crc32(name.encode()) + (1 << 32),
                                 group_key=f"c10d/{name}/{id(options)}")
-    group = GradsyncProcessGroup(world, transports.build(world), options.store, name)
+    group = GradsyncProcessGroup(world, world_transport.build(world), options.store, name)
     if not dist.is_initialized():  # torch's default group: the stall inspector watches its collectives
         stall.start(world)
     return group

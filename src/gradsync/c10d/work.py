@@ -98,7 +98,8 @@ class FutureWork(dist.Work):
     failed when the operation failed (made on first request: a synchronous call never needs it).
     (torch's own _create_work_from_future returns a Work whose wait() succeeds on error.)"""
 
-    def __init__(self, outcome: torch.futures.Future, thread: "CommThread", queued: Operation) -> None:
+    def __init__(self, outcome: torch.futures.Future, thread, queued: Operation) -> None:
+        # thread: the CommThread that runs ``queued`` (comm_thread.py, which imports this module)
         super().__init__()
         self._outcome = outcome
         self._thread, self._queued = thread, queued

@@ -237,7 +237,7 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
                      fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves (direct
     below direct_below, else split); ``fingerprint``: agree on it with the first piece; ``spin``:
-    barriers may spin (shm.py)."""
+    barriers may spin (waiting.py)."""
     if transport.world_size == 1:
         return
     if flat.numel() * flat.element_size() < direct_below(transport):
