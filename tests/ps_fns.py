@@ -120,12 +120,15 @@ def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
     return "worker", w.rank, pull_returned, push_started
 
 
-def in_step(mode, steps, sync_dir, settle_s=0.05):
+def in_step(mode, steps, sync_dir, settle_s=0.05, late_answer_s=0.0):
     """One server (rank 0), the other ranks workers. After each push, and after each pull, a worker
     marks it (a file in ``sync_dir``), waits for every other worker's mark of the same step, then
     ``settle_s`` more before its next message: so every worker's PUSH header reaches the server
     before any worker's next message (what finishes a push on its worker's account), and every
     worker's PULL before any worker's next message (what settles the answer to it).
+    ``late_answer_s``: each worker posts the receive of a pull's answer only that long after sending
+    the PULL; gloo completes a send only once its receive is posted, so every answer the server sends
+    meanwhile stays moving, and how many it sends at once is its own choice, not timing.
     Returns ("server", stats) or ("worker", rank)."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
@@ -134,6 +137,15 @@ def in_step(mode, steps, sync_dir, settle_s=0.05):
         ps.serve()
         return "server", ps.stats()
     others = [r for r in range(1, w.world_size) if r != w.rank]
+    if late_answer_s:
+        post_now = ps._client._post_header
+
+        def post_late(server, op="ps/pull"):
+            if op == "ps/pull":
+                time.sleep(late_answer_s)
+            return post_now(server, op)
+
+        ps._client._post_header = post_late
 
     def together(what):
         Path(sync_dir, f"{w.rank}.{what}").touch()
