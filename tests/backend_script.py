@@ -114,11 +114,18 @@ OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "max": dist.R
        "avg": dist.ReduceOp.AVG}
 
 
+WIDE = {torch.float64: 2 ** 40, torch.float32: 2 ** 14, torch.float16: 2 ** 5, torch.bfloat16: 2 ** 3,
+        torch.int64: 2 ** 33, torch.int32: 2 ** 17, torch.uint8: 4, torch.int8: 4}
+"""Rank r's values are (r+1) x WIDE + 0..4 (as tests/cases.py's WIDE_BASE): every order of sums over 4
+ranks is exact, and the values need more bits than the next narrower dtype has, so a narrowing cast
+anywhere on the path (float64 -> float32, int64 -> int32, float32 -> float16) changes them."""
+
+
 def values(shape, dtype, salt, rank=RANK) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + salt)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
-    return torch.randint(0, 5, shape, generator=g).to(dtype)  # small integers: every order of sums is exact
+    return (torch.randint(0, 5, shape, generator=g) + (rank + 1) * WIDE[dtype]).to(dtype)
 
 
 def both(fn, *tensors):
@@ -150,8 +157,9 @@ def run_case(dtype, shape, op, root, salt) -> None:
     dist.all_gather_into_tensor(gathered[1], flat, group=GLOO)
     check(torch.equal(*gathered), f"all_gather_into_tensor {label}")
     if dtype != torch.bool and op in ("sum", "max", "min"):
-        big = values((N * 3,), dtype, salt + 500)
-        pieces = [torch.empty(3, dtype=dtype) for _ in range(2)]
+        piece = max(3, flat.numel())   # a large case's input is large too: the single-copy reduce-scatter
+        big = values((N * piece,), dtype, salt + 500)
+        pieces = [torch.empty(piece, dtype=dtype) for _ in range(2)]
         dist.reduce_scatter_tensor(pieces[0], big, op=OPS[op])
         dist.reduce_scatter_tensor(pieces[1], big, op=OPS[op], group=GLOO)
         check(torch.equal(*pieces), f"reduce_scatter_tensor {label}")

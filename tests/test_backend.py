@@ -9,6 +9,7 @@ torch DDP job. The registration tests run fresh interpreters, as a user's script
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradsync.runtime import free_port
@@ -50,6 +51,13 @@ def collective_cases(draw) -> dict:
             "op": draw(st.sampled_from(ops)), "root": draw(st.integers(0, 3)), "salt": draw(st.integers(0, 10_000))}
 
 
+LARGE_CASES = [{"dtype": "float32", "shape": [70_000], "op": "sum", "root": 1, "salt": 3},
+               {"dtype": "int64", "shape": [2, 20_000], "op": "bxor", "root": 2, "salt": 4}]
+"""Beside the drawn shapes (at most 125 elements): 280 and 320 KB, past the 256 KiB where the
+shared-memory all-reduce of 4 ranks splits (README) and where reduce-scatter and all-gather read
+each other's tensors in one kernel copy."""
+
+
 def _answer(store: dist.TCPStore, world: subprocess.Popen, key: str, limit: float = 90.0) -> list[str]:
     """The world's answer under ``key``; an error at once if the world has exited, or after ``limit``."""
     deadline = time.monotonic() + limit
@@ -69,6 +77,8 @@ def _serve_cases(store: dist.TCPStore, world: subprocess.Popen, served: list[dic
     @settings(max_examples=CASE_COUNT, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=collective_cases())
+    @example(case=LARGE_CASES[0])
+    @example(case=LARGE_CASES[1])
     def every_collective_matches_gloo(case):
         index = len(served)
         store.set(f"case/{index}", json.dumps(case))
@@ -123,6 +133,10 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
         rank, mismatch = row["rank"], row["mismatch"]
         assert mismatch is not None and "collective mismatch between rank" in mismatch, mismatch
         assert f"rank {rank} called all_reduce" in mismatch and f"of {10 + rank} float32 elements" in mismatch
+        # and the other rank it names, with that rank's own size (every rank passes 10 + its rank)
+        named = re.search(rf"between rank {rank} and rank (\d+): .* rank \1 called all_reduce #\d+ of (\d+) float32",
+                          mismatch)
+        assert named and int(named[1]) != rank and int(named[2]) == 10 + int(named[1]), mismatch
 
 
 @pytest.mark.timeout(120)
@@ -144,9 +158,10 @@ def test_a_killed_rank_of_a_torch_ddp_job_is_named_well_before_the_timeout(tmp_p
     assert [row["rank"] for row in survivors] == list(range(n - 1)), [err[-2000:] for _, err in outputs]
     for row in survivors:
         assert row["error"] is not None and f"rank {n - 1}" in row["error"], row["error"]
-        # gloo would wait out the whole timeout; gradsync sees the process gone (measured in
-        # `gradsync bench faults`; here only "far inside the timeout", robust on a busy machine)
-        assert row["raised_at"] - killed_at < timeout / 3, row
+        # the README says about 0.2 s: a waiting rank checks /proc for its peers every 0.2 s (0.20-0.21 s
+        # here, at load 4.6); gloo notices the reset connection too, but names only an address
+        # (docs/reliability.md, catalogue #29). 2 s leaves a loaded machine 10x that
+        assert row["raised_at"] - killed_at < 2.0, row
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
