@@ -96,6 +96,59 @@ def test_bad_flags_give_clear_errors(argv, message, capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("n, position", [(12, 8), (10, 8)])
+def test_the_epochs_shorter_last_step_averages_over_its_own_samples(world_of, n, position):
+    """An epoch of n samples in steps of G = 8 ends with a shorter step of the n - 8 left: over 3 ranks
+    they fall 2, 1, 1 (n=12) or 1, 1, 0 (n=10: rank 2 has none, its hooks still fire). With the loop's
+    own weighting (train/loop.py, _micro_loss), DDP's averaged gradient must be one process's gradient
+    of the mean loss over exactly those samples (torch autograd, float64, 1e-12)."""
+    import train_fns
+
+    results = world_of(3).run(train_fns.last_step_gradients, n, 8, position)
+    ids = results[0][0]
+    assert len(ids) == n - position and all(r[0] == ids for r in results)
+    x, y = train_fns.last_step_data(n)
+    torch.manual_seed(0)
+    oracle = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    torch.nn.functional.cross_entropy(oracle(x[ids]), y[ids]).backward()
+    for rank, (_, grads) in enumerate(results):
+        for grad, p in zip(grads, oracle.parameters()):
+            assert torch.allclose(grad, p.grad, rtol=1e-12, atol=1e-15), (rank, (grad - p.grad).abs().max())
+
+
+def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(tmp_path):
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    written = TrainConfig(out=str(tmp_path), model="cnn", seed=3)
+    checkpoint.save(tmp_path / resume.CHECKPOINT_NAME, resume.run_record(written, resume.BatchPlan.fresh(written, 2)))
+    resume.read(written)   # the same run reads it
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        resume.read(TrainConfig(out=str(tmp_path), model="mlp", seed=4))
+    assert "the checkpoint belongs to a different run: (checkpoint, now) = " in str(info.value)
+    assert "'model': ('cnn', 'mlp')" in str(info.value) and "'seed': (3, 4)" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_the_checkpoint_another_resumes_from_is_an_error_naming_it(world_of, tmp_path):
+    """Rank 0 resumes and finds checkpoint.pt in its --out; rank 1's --out has none (not a shared
+    directory): every rank raises, naming the resuming rank and the one without the file."""
+    import train_fns
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    for out in outs:
+        out.mkdir()
+    checkpoint.save(outs[0] / resume.CHECKPOINT_NAME, {"step": 1})
+    for rank, (name, message) in enumerate(world_of(2).run(train_fns.resume_where_only_rank_0_has_the_checkpoint,
+                                                            [str(out) for out in outs])):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith(f"rank 0 resumes from {outs[rank] / resume.CHECKPOINT_NAME}, but rank(s) [1] have "
+                                  "no such file: --out must be a directory every node shares"), (rank, message)
+
+
+@pytest.mark.timeout(120)
 def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
     code = main(["train", "--workers", "2", "--batch-size", "1000", "--out", str(tmp_path), "--quiet"])
     assert code == 2 and "fewer than one step" in capsys.readouterr().err
