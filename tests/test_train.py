@@ -15,14 +15,52 @@ from gradsync.train.loop import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def gradient_bytes(bytes_sent: float, steps: int, per_step: float) -> float:
+    """What a rank sent beyond ``per_step`` bytes of gradients a step: the per-step 16-byte all-reduce
+    that agrees on checkpoints and preemption, the evaluation's sums and the replica check (a few
+    hundred bytes in all); asserted between 0 and 32 bytes a step + 1 KiB."""
+    extra = bytes_sent - steps * per_step
+    assert 0 <= extra <= 32 * steps + 1024, (bytes_sent, steps, per_step, extra)
+    return extra
+
+
 @pytest.mark.timeout(300)
 def test_default_job_reaches_95_percent_on_digits(tmp_path):
+    from gradsync.train.models import DigitsCNN
+
     results = run(TrainConfig(out=str(tmp_path), quiet=True))
     summary = results[0]["summary"]
     assert summary["accuracy"] >= 0.95
     assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.pt").exists()
-    assert summary["bytes_sent_per_rank"][0] > 0
+    # the README's bytes sent per rank: 2(N-1)/N x M per step for M bytes of gradients (N=2: M)
+    m_bytes = sum(p.numel() for p in DigitsCNN().parameters()) * 4
+    for sent in summary["bytes_sent_per_rank"]:
+        gradient_bytes(sent, summary["steps"], m_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_grad_accum_and_bf16_compression_equal_one_process_with_the_global_batch(tmp_path, monkeypatch):
+    """--grad-accum 2 --compress bf16 on 2 workers (16 x 2 x 2 = 64 a step): one all-reduce a step, of
+    the gradients in bf16 (M/2 bytes: the accumulation's first micro-batch under no_sync), and the
+    update of one process taking the same 64 samples a step (replay.py) up to bf16's rounding (0.18%
+    of the update in one run; a gradient twice too large is 100%)."""
+    import replay
+    from gradsync.train.models import DigitsCNN
+
+    (tmp_path / "ids").mkdir()
+    monkeypatch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path / "ids"))
+    steps, lr = 6, 0.05
+    results = run(TrainConfig(workers=2, steps=steps, batch_size=16, grad_accum=2, compress="bf16", lr=lr,
+                              lr_scaling="none", warmup_steps=0, out=str(tmp_path), quiet=True))
+    assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
+    m_bytes = sum(p.numel() for p in DigitsCNN().parameters()) * 4
+    for sent in results[0]["summary"]["bytes_sent_per_rank"]:
+        gradient_bytes(sent, steps, m_bytes // 2)
+    logged = replay.steps_logged(tmp_path / "ids")
+    assert [len(ids) for ids in logged] == [64] * steps
+    initial, oracle = replay.replay([(ids, lr) for ids in logged])
+    assert replay.update_error(results[0]["params"], initial, oracle) < 2e-2
 
 
 @pytest.mark.timeout(300)
