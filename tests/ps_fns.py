@@ -168,17 +168,22 @@ def in_step(mode, steps, sync_dir, settle_s=0.05, late_answer_s=0.0):
     return "worker", w.rank
 
 
-def dead_worker(victim, steps_before_death):
-    """The victim SIGKILLs itself after some steps; the others report what they saw."""
+def dead_worker(victim, steps_before_death, mode="sync"):
+    """The victim SIGKILLs itself after some steps; the others report what they saw. sync: after its
+    backward (the server waits for its push, the other worker for the version). async and ssp: right
+    after sending a PULL, so the server's answer to it is moving in the outbox (ps/outbox.py) when it
+    dies; the other worker trains on until the server stops the job."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
-    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode)
     if ps.is_server:
         ps.serve()
         return "served without noticing"
     x = torch.randn(4, 8, dtype=torch.float64)
     y = torch.zeros(4, dtype=torch.long)
-    for step in range(100):
+    for step in range(100 if mode == "sync" else 10**6):
+        if w.rank == victim and step == steps_before_death and mode != "sync":
+            ps._client._post_header = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
         ps.pull()
         nn.functional.cross_entropy(model(x), y).backward()
         if w.rank == victim and step == steps_before_death:

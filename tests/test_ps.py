@@ -218,14 +218,17 @@ def test_async_records_staleness(world_of, tmp_path):
 
 # -- failures --------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-def test_dead_worker_is_named_and_nothing_hangs():
-    pool = WorldPool(3, timeout=8.0)   # a world of its own: the server names the dead worker after this timeout
+@pytest.mark.parametrize("mode", ["sync", "async", pytest.param("ssp", marks=pytest.mark.slow)])   # ssp: as async
+def test_dead_worker_is_named_and_nothing_hangs(mode):
+    # a world of its own: the server names the dead worker after this timeout at the latest; under
+    # async and ssp the worker dies with the server's answer to it moving in the outbox
+    pool = WorldPool(3, timeout=8.0)
     with pytest.raises(RankFailure) as info:
-        pool.run(ps_fns.dead_worker, 2, 1, case_timeout=60)
+        pool.run(ps_fns.dead_worker, 2, 1, mode, case_timeout=60)
     errors = info.value.errors
     assert errors[2][0] == "died"
-    assert errors[0][0] == "WorkerLostError" and "worker rank 2" in errors[0][1]
-    assert errors[1][0] == "ServerAbortedError" and "rank 2" in errors[1][1]
+    assert errors[0][0] == "WorkerLostError" and "worker rank 2" in errors[0][1], errors[0]
+    assert errors[1][0] == "ServerAbortedError" and "rank 2" in errors[1][1], errors[1]
 
 
 @pytest.mark.timeout(300)
