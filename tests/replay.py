@@ -1,7 +1,9 @@
 """The oracle for `gradsync train`'s arithmetic on digits: one process and torch alone replay a job's
 steps, each the mean cross-entropy over exactly the samples the job's ranks logged for that step
 (GRADSYNC_SAMPLE_LOG), SGD with momentum 0.9 at the step's learning rate, from the CNN's initial
-weights. Equivalence (DESIGN.md, contract 2) says N ranks with local batch b equal one process with
+weights or from one of the job's checkpoints. Float32 differences grow as training goes on (two
+orders of summation drift apart by about 1.2x a step late in a digits run), so a long job is
+replayed leg by leg, each from the checkpoint it resumed from. Equivalence (DESIGN.md, contract 2) says N ranks with local batch b equal one process with
 the global batch, up to float32 reassociation; a wrong loss weighting, learning rate, lost momentum
 or a lost or repeated sample moves the weights far more than that."""
 
@@ -15,17 +17,17 @@ from gradsync.train.datasets import digits
 from gradsync.train.models import DigitsCNN
 
 
-def steps_logged(log_dir: Path, pids: set[int] | None = None) -> list[list[int]]:
-    """The sample ids of every step of one run (its rank processes: ``pids``, or every log in the
-    directory), in step order: line k of each rank's log is that rank's share of step k."""
+def steps_logged(log_dir: Path, names: set[str] | None = None) -> list[list[int]]:
+    """The sample ids of every step of one run (its ranks' logs: ``names`` in ``log_dir``, or every log
+    there), in step order: line k of each rank's log (samples.PID.rRANK) is that rank's share of step k."""
     per_rank = {}
     for path in log_dir.glob("samples.*"):
-        pid, rank = path.name.split(".")[1:]
-        if pids is None or int(pid) in pids:
-            per_rank[int(rank[1:])] = [list(map(int, line.split()))[1:] for line in path.read_text().splitlines()]
+        if names is None or path.name in names:
+            rank = int(path.name.rsplit(".r", 1)[1])
+            per_rank[rank] = [list(map(int, line.split()))[1:] for line in path.read_text().splitlines()]
     lengths = {len(lines) for lines in per_rank.values()}
     assert len(lengths) == 1, f"the ranks logged different numbers of steps: {lengths}"
-    return [sorted(i for lines in per_rank.values() for i in lines[k]) for k in range(lengths.pop())]
+    return [[i for rank in sorted(per_rank) for i in per_rank[rank][k]] for k in range(lengths.pop())]
 
 
 def warmed_up(step: int, peak: float, warmup_steps: int) -> float:
@@ -33,13 +35,18 @@ def warmed_up(step: int, peak: float, warmup_steps: int) -> float:
     return peak * (step + 1) / warmup_steps if step < warmup_steps else peak
 
 
-def replay(steps: list[tuple[list[int], float]], seed: int = 0) -> tuple[dict, dict]:
-    """(initial, final) parameters of the digits CNN after ``steps`` of (sample ids, learning rate)."""
+def replay(steps: list[tuple[list[int], float]], seed: int = 0, start: dict | None = None) -> tuple[dict, dict]:
+    """(initial, final) parameters of the digits CNN after ``steps`` of (sample ids, learning rate),
+    from its initial weights or from ``start``, a checkpoint of the job (its weights and its SGD's
+    momentum, torch's own state_dict formats)."""
     x, y = digits(seed)[0].tensors
     torch.manual_seed(seed)   # the job's own first draw: gradsync train seeds, then builds the model
     model = DigitsCNN()
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    if start is not None:
+        model.load_state_dict(start["model"])
+        optimizer.load_state_dict(start["optimizer"])
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     for ids, lr in steps:
         optimizer.param_groups[0]["lr"] = lr
         optimizer.zero_grad()
