@@ -364,3 +364,42 @@ def test_ps_sync_preempted_at_a_worker_resumes_on_two_servers_bit_identical(tmp_
     for name, value in reference["state"]["model"].items():
         assert torch.equal(value, final["model"][name]), name
     assert _ids_per_epoch(tmp_path / "ids") == reference["ids"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ps-async", pytest.param("ssp", marks=pytest.mark.slow)])   # ssp: as async
+def test_async_ps_preempted_at_a_worker_resumes_every_worker_at_its_own_clock(tmp_path, strategy):
+    """1 server + 2 workers, SIGTERM to worker rank 2 alone: from then on every answer carries the stop
+    flag and each worker stops at its own clock with its last push applied (the checkpoint's clocks
+    are the steps each worker logged: nothing trained is lost). A resume on 3 workers is refused,
+    naming both numbers; on 2, each worker goes on at its own clock, and over both runs every worker
+    trained exactly its own shard's batches, in order, as torch's own DistributedSampler deals them
+    (seed 0, the epoch's reshuffle), 60 steps each."""
+    job = ["--strategy", strategy, "--steps", "60", "--batch-size", "16", "--seed", "0", "--timeout", "30", "--quiet"]
+    before, after = tmp_path / "ids-before", tmp_path / "ids-after"
+    before.mkdir()
+    after.mkdir()
+    stop = _preempt([*job, "--workers", "3"], tmp_path, steps_in=8, target="rank2",
+                    env={"GRADSYNC_SAMPLE_LOG": str(before)})
+    clocks = stop["state"]["ps"]["clocks"]
+    assert all(0 < clock < 60 for clock in clocks), clocks
+    refused = _run_command(f"gradsync train {' '.join(job)} --workers 4 --out {tmp_path} --resume")
+    assert refused.returncode != 0 and ("the checkpoint was written by 2 parameter-server workers, this job has 3 "
+                                        "(--workers 4 - --servers 1)") in refused.stderr, refused.stderr[-3000:]
+    assert stop["command"].endswith(f"--workers 3 --out {tmp_path} --resume"), stop["command"]
+    done = _run_command(stop["command"], {"GRADSYNC_SAMPLE_LOG": str(after)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["ps"]["clocks"] == [60, 60]
+    train_set = digits()[0]
+    for worker, clock in enumerate(clocks):
+        runs = [[line.split() for line in path.read_text().splitlines()]
+                for logs in (before, after) for path in logs.glob(f"samples.*.r{worker + 1}")]
+        assert len(runs) == 2 and len(runs[0]) == clock, (worker, clock, [len(run) for run in runs])
+        sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=2, rank=worker, shuffle=True, seed=0)
+        per_epoch = len(sampler) // 16
+        expected = []
+        for step in range(60):
+            epoch, batch = divmod(step, per_epoch)
+            sampler.set_epoch(epoch)
+            expected.append([str(epoch), *map(str, list(sampler)[batch * 16:(batch + 1) * 16])])
+        assert runs[0] + runs[1] == expected, f"worker {worker}: not its shard's batches in order across the cut"
