@@ -267,6 +267,7 @@ def test_a_sigterm_during_start_up_stops_after_the_first_step(tmp_path):
     assert checkpoint.load(tmp_path / "checkpoint.pt")["step"] == 1
 
 
+@pytest.mark.slow   # a second trial: the elastic restart test ends the same way, after a restart
 @pytest.mark.timeout(200)
 def test_sigterm_to_the_torchrun_agent_checkpoints_and_prints_the_torchrun_command(tmp_path):
     """Under torchrun the agent relays SIGTERM to its workers: they stop after the same step with a
@@ -301,34 +302,72 @@ def _worker_of_rank(agent_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
-@pytest.mark.slow   # torchrun's agent restarts workers that go on from the last periodic checkpoint: the elastic test
+@pytest.mark.slow   # a second trial: the default run's restart test, here to the end of 3 epochs
 @pytest.mark.timeout(400)
 def test_a_torchrun_restart_continues_from_the_last_checkpoint(tmp_path):
     """Elastic torchrun on one host (--nnodes 1:2, c10d rendezvous, --max-restarts 1), no --resume: a
     worker is SIGKILLed mid-training; the agent restarts both workers with the same command, and they
     continue from the job's last --checkpoint-every checkpoint (TORCHELASTIC_RESTART_COUNT) and finish."""
+    job = _elastic_torchrun(tmp_path)
+    killed_at, resumed_at = _kill_a_worker_and_wait_for_the_restart(job, tmp_path)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    summary = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"summary"' in x][-1]
+    assert summary["steps"] == 135 and summary["accuracy"] >= 0.9, summary
+
+
+@pytest.mark.timeout(300)
+def test_a_torchrun_restart_continues_from_the_last_checkpoint_then_sigterm_to_the_agent_checkpoints(tmp_path):
+    """The elastic torchrun job above, one worker SIGKILLed and both restarted from the last periodic
+    checkpoint (not step 0); two steps later SIGTERM to the agent, which relays it: the workers stop
+    after the same step with a checkpoint and print the agent's own command line with --resume."""
+    job = _elastic_torchrun(tmp_path)
+    killed_at, resumed_at = _kill_a_worker_and_wait_for_the_restart(job, tmp_path, then=2)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    line = [x for x in stdout.splitlines() if x.startswith("preempted at step ")]
+    assert len(line) == 1, (stdout, stderr[-3000:])
+    command = line[0].split("resume with: ", 1)[1]
+    assert "-m torch.distributed.run --nnodes 1:2 --nproc-per-node 2 --max-restarts 1" in command, command
+    assert command.endswith(f"-m gradsync.train {' '.join(JOB)} --checkpoint-every 5 --out {tmp_path} --resume"), command
+    state = checkpoint.load(tmp_path / "checkpoint.pt")
+    assert resumed_at + 2 <= state["step"] == int(line[0].split()[3].rstrip(";")) == _last_step(tmp_path)
+
+
+def _elastic_torchrun(out: Path) -> subprocess.Popen:
+    """2 digits workers under elastic torchrun on one host, a checkpoint every 5 steps, no --resume."""
     from gradsync.runtime import free_port
 
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                            f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1", "-m", "gradsync.train",
-                            *JOB, "--checkpoint-every", "5", "--out", str(tmp_path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                             f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1", "-m", "gradsync.train",
+                             *JOB, "--checkpoint-every", "5", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_a_worker_and_wait_for_the_restart(job: subprocess.Popen, out: Path, then: int = 0) -> tuple[int, int]:
+    """SIGKILL worker RANK=1 after step 12; once the agent has restarted the workers and they have
+    trained ``then`` steps, return (the last step before the kill, the step the restart resumed at),
+    the latter a multiple of 5 of at least 10: the last periodic checkpoint, not step 0 (without the
+    automatic resume the test fails with "(0, 13)")."""
     deadline = time.monotonic() + 200
-    while (_last_step(tmp_path) or 0) < 12:
+    while (_last_step(out) or 0) < 12:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.005)
     os.kill(_worker_of_rank(job.pid, 1), signal.SIGKILL)
-    stdout, stderr = job.communicate(timeout=300)
-    assert job.returncode == 0, stderr[-3000:]
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+    while True:
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+        restarted = [r["step"] for r in records[starts[-1]:] if r["event"] == "step"] if len(starts) == 2 else []
+        if len(restarted) > then:
+            break
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.005)
     assert len(starts) == 2, "one start, one restart"
     killed_at = max(r["step"] for r in records[:starts[1]] if r["event"] == "step")
-    resumed_at = next(r["step"] for r in records[starts[1]:] if r["event"] == "step") - 1
-    assert resumed_at % 5 == 0 and 10 <= resumed_at <= killed_at, (resumed_at, killed_at)   # not from step 0
-    summary = [r for r in records if r["event"] == "summary"][-1]
-    assert summary["steps"] == 135 and summary["accuracy"] >= 0.9, summary
+    resumed_at = restarted[0] - 1
+    assert resumed_at % 5 == 0 and 10 <= resumed_at <= killed_at, (resumed_at, killed_at)
+    return killed_at, resumed_at
 
 
 def _ps_reference(args: list[str], out: Path) -> dict:
