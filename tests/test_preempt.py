@@ -144,7 +144,7 @@ def test_sigterm_to_the_launcher_then_resume_is_bit_identical_ddp(straight, tmp_
     _each_id_once_per_epoch(_ids_per_epoch(tmp_path / "ids"), 3)
 
 
-@pytest.mark.slow   # one rank signalled: the parameter-server test; zero1 resumes exactly: test_zero.py
+@pytest.mark.slow   # a second trial: the default regrouping test sends SIGUSR1 to one ddp rank
 @pytest.mark.timeout(400)
 def test_sigusr1_to_one_rank_then_resume_is_bit_identical_zero1(tmp_path):
     """--preempt-signal SIGUSR1 sent to rank 1 only: every rank stops after the same step (zero1's
