@@ -165,13 +165,14 @@ def test_sigusr1_to_one_rank_then_resume_is_bit_identical_zero1(tmp_path):
 
 @pytest.mark.timeout(500)
 def test_preempted_on_2_3_2_then_1_worker_sees_every_sample_once(tmp_path):
-    """One job cut three times and regrouped 2 -> 3 -> 2 -> 1 workers: each resume says what it changed
+    """One 2-epoch job cut three times and regrouped 2 -> 3 -> 2 -> 1 workers: each resume says what it changed
     in the batch, every epoch trains every sample id exactly once, and the weights at every cut and at
     the end are one process's replaying the logged steps at the printed learning rates (replay.py). The
     second cut is SIGUSR1 (--preempt-signal SIGUSR1) to rank 2 alone: the stop reaches ranks 0 and 1
     through the per-step all-reduce, and the printed command keeps the flag."""
     import replay
 
+    job = [*JOB, "--epochs", "2"]   # the last --epochs wins: the one-process leg trains about 26 steps, not 60
     logs = tmp_path / "ids"
     logs.mkdir()
     env = {"GRADSYNC_SAMPLE_LOG": str(logs)}
@@ -182,28 +183,28 @@ def test_preempted_on_2_3_2_then_1_worker_sees_every_sample_once(tmp_path):
         seen.update(new)
         return new
 
-    first = _preempt(["--workers", "2", *JOB], tmp_path, steps_in=10, env=env)
+    first = _preempt(["--workers", "2", *job], tmp_path, steps_in=10, env=env)
     legs.append((leg_logs(), 0.04))
     # G=32 does not divide over 3: the per-worker batch stays, G=48, lr x 1.5
-    second = _preempt(["--workers", "3", *JOB, "--preempt-signal", "SIGUSR1", "--resume"], tmp_path, steps_in=10,
+    second = _preempt(["--workers", "3", *job, "--preempt-signal", "SIGUSR1", "--resume"], tmp_path, steps_in=10,
                       target="rank2", signum=signal.SIGUSR1, env=env)
     assert "global batch 32 does not divide over 3 workers" in second["stdout"]
     assert "lr 0.04 -> 0.06 (linear scaling)" in second["stdout"], second["stdout"]
     assert "--preempt-signal SIGUSR1" in second["command"] and "--workers 3" in second["command"]
     legs.append((leg_logs(), 0.06))
     # G=48 over 2 workers: 24 each, lr kept
-    third = _preempt(["--workers", "2", *JOB, "--resume"], tmp_path, steps_in=10, env=env)
+    third = _preempt(["--workers", "2", *job, "--resume"], tmp_path, steps_in=10, env=env)
     assert "global batch 48 kept: 24 per worker" in third["stdout"], third["stdout"]
     legs.append((leg_logs(), 0.06))
     done = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--strategy", "local", "--workers", "1",
-                           *JOB, "--resume", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                           *job, "--resume", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "global batch 48 kept: 48 per worker" in done.stdout, done.stdout
     legs.append((leg_logs(), 0.06))
     n = len(digits()[0])
     assert any(0 < cut["state"]["position"] < n for cut in (first, second, third)), "no cut fell mid-epoch"
-    _each_id_once_per_epoch(_ids_per_epoch(logs), 3)
+    _each_id_once_per_epoch(_ids_per_epoch(logs), 2)
     # the oracle: one process replays each leg's logged steps from the checkpoint the leg resumed from
     # (the first from the initial weights), at the printed peak lr with the 20-step warm-up, and must
     # end where the leg's own checkpoint is
@@ -410,10 +411,10 @@ def test_ps_sync_preempted_at_a_worker_resumes_on_two_servers_bit_identical(tmp_
 def test_async_ps_preempted_at_a_worker_resumes_every_worker_at_its_own_clock(tmp_path, strategy):
     """1 server + 2 workers, SIGTERM to worker rank 2 alone: from then on every answer carries the stop
     flag and each worker stops at its own clock with its last push applied (the checkpoint's clocks
-    are the steps each worker logged: nothing trained is lost). A resume on 3 workers is refused,
-    naming both numbers; on 2, each worker goes on at its own clock, and over both runs every worker
-    trained exactly its own shard's batches, in order, as torch's own DistributedSampler deals them
-    (seed 0, the epoch's reshuffle), 60 steps each."""
+    are the steps each worker logged: nothing trained is lost). Resumed, each worker goes on at its
+    own clock, and over both runs every worker trained exactly its own shard's batches, in order, as
+    torch's own DistributedSampler deals them (seed 0, the epoch's reshuffle), 60 steps each. (A
+    resume on another number of workers: test_train.py.)"""
     job = ["--strategy", strategy, "--steps", "60", "--batch-size", "16", "--seed", "0", "--timeout", "30", "--quiet"]
     before, after = tmp_path / "ids-before", tmp_path / "ids-after"
     before.mkdir()
@@ -422,9 +423,6 @@ def test_async_ps_preempted_at_a_worker_resumes_every_worker_at_its_own_clock(tm
                     env={"GRADSYNC_SAMPLE_LOG": str(before)})
     clocks = stop["state"]["ps"]["clocks"]
     assert all(0 < clock < 60 for clock in clocks), clocks
-    refused = _run_command(f"gradsync train {' '.join(job)} --workers 4 --out {tmp_path} --resume")
-    assert refused.returncode != 0 and ("the checkpoint was written by 2 parameter-server workers, this job has 3 "
-                                        "(--workers 4 - --servers 1)") in refused.stderr, refused.stderr[-3000:]
     assert stop["command"].endswith(f"--workers 3 --out {tmp_path} --resume"), stop["command"]
     done = _run_command(stop["command"], {"GRADSYNC_SAMPLE_LOG": str(after)})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -187,6 +187,23 @@ def test_a_rank_without_the_checkpoint_another_resumes_from_is_an_error_naming_i
 
 
 @pytest.mark.timeout(120)
+def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world_of, tmp_path):
+    """A ps-async checkpoint of 2 workers, resumed by 4 ranks with 1 server (3 workers): every rank
+    refuses before it builds anything, naming both numbers (each worker's shard and clock are its own)."""
+    import train_fns
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    written = TrainConfig(strategy="ps-async", workers=3, batch_size=16, out=str(tmp_path))
+    checkpoint.save(tmp_path / resume.CHECKPOINT_NAME, {**resume.run_record(written, resume.BatchPlan.fresh(written, 2)),
+                                                        "step": 5})
+    for rank, (name, message) in enumerate(world_of(4).run(train_fns.ps_resume, str(tmp_path))):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith("the checkpoint was written by 2 parameter-server workers, this job has 3 "
+                                  "(--workers 4 - --servers 1)"), (rank, message)
+
+
+@pytest.mark.timeout(120)
 def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
     code = main(["train", "--workers", "2", "--batch-size", "1000", "--out", str(tmp_path), "--quiet"])
     assert code == 2 and "fewer than one step" in capsys.readouterr().err

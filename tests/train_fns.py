@@ -48,3 +48,17 @@ def last_step_gradients(n: int, global_batch: int, position: int, seed: int = 0)
 def last_step_data(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randn(n, 5, dtype=torch.float64, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def ps_resume(out: str):
+    """This world's ranks resume the parameter-server job in ``out`` (ps-async, 1 server); returns the
+    error each rank got (type, message)."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop_ps import train_ps_rank
+
+    try:
+        train_ps_rank(TrainConfig(strategy="ps-async", workers=gs.world().world_size, servers=1, batch_size=16,
+                                  steps=60, out=out, resume=True, quiet=True))
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return type(exc).__name__, str(exc)
+    return "no error", ""
