@@ -127,8 +127,8 @@ def builtin(comm_hook) -> Callable:
             raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {', '.join(BUILTIN)} or None, "
                              f"or register any hook with model.register_comm_hook(state, hook)")
         return BUILTIN[comm_hook]
-    raise TypeError(f"comm_hook={comm_hook!r}: the constructor takes None, 'fp16', 'bf16', 'powersgd' or 'none'. Register a "
-                    f"hook of your own with model.register_comm_hook(state, hook), torch's contract: "
+    raise TypeError(f"comm_hook={comm_hook!r}: the constructor takes None, 'fp16', 'bf16', 'powersgd' or 'none'. "
+                    f"Register a hook of your own with model.register_comm_hook(state, hook), torch's contract: "
                     f"hook(state, bucket) -> torch.futures.Future of the reduced bucket.buffer(). (The old "
                     f"hook(flat, algorithm) signature is no longer called: reduce bucket.buffer() in place and "
                     f"return a completed Future holding it.)")
