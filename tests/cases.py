@@ -178,21 +178,28 @@ NATIVE = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "max": "MAX", "min":
           "bor": "BOR", "bxor": "BXOR"}
 
 
-def wide_contribution(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def wide_contribution(rank: int, numel: int, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:
     """Rank r contributes (r+1)*B + (1 + i mod 3) at element i (B: WIDE_BASE); bool: (i + r) mod 3 == 0.
-    Integers wrap around in int8/uint8 sums and products, identically in every implementation."""
+    Integers wrap around in int8/uint8 sums and products, identically in every implementation. A
+    float16 product takes 1 + (r+1)/8 + (i mod 3)/32 instead: 32 x 64 x 96 is past float16's 65504
+    already at N = 3, where every path would give inf and compare equal; these stay below 43 at N = 8."""
     i = torch.arange(numel)
     if dtype == torch.bool:
         return (i + rank) % 3 == 0
+    if op == "product" and dtype == torch.float16:
+        return (1 + (rank + 1) / 8 + (i % 3) / 32).to(dtype)
     return ((rank + 1) * WIDE_BASE[dtype] + 1 + i % 3).to(dtype)
 
 
 def folded(world_size: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
-    """The reduction over every rank's wide_contribution, folded in rank order in one process."""
-    acc = wide_contribution(0, numel, dtype)
+    """The reduction over every rank's wide_contribution, folded in rank order in one process; finite
+    (an oracle of inf would pass any path that overflows too)."""
+    acc = wide_contribution(0, numel, dtype, op)
     for rank in range(1, world_size):
-        acc = FOLD[op](acc, wide_contribution(rank, numel, dtype))
-    return acc.div(world_size) if op == "avg" else acc
+        acc = FOLD[op](acc, wide_contribution(rank, numel, dtype, op))
+    acc = acc.div(world_size) if op == "avg" else acc
+    assert not dtype.is_floating_point or bool(torch.isfinite(acc).all()), f"{dtype} {op}: the fold overflowed"
+    return acc
 
 
 def product_rtol(dtype: torch.dtype, world_size: int) -> float:
@@ -224,14 +231,14 @@ def op_dtype_algorithm_cases(cases: list) -> list:
     for algorithm, dtype, op, numel in cases:
         exact = not (op == "product" and dtype.is_floating_point)
         closed = folded(w.world_size, numel, dtype, op)
-        native = wide_contribution(w.rank, numel, dtype)
+        native = wide_contribution(w.rank, numel, dtype, op)
         if w.world_size > 1 and numel > 0:
             dist.all_reduce(native, op=getattr(dist.ReduceOp, NATIVE[op]))
         else:
             native = closed
         problem, results = None, []
         for call in range(2):  # twice in a row: both calls right
-            t = wide_contribution(w.rank, numel, dtype)
+            t = wide_contribution(w.rank, numel, dtype, op)
             gs.all_reduce(t, op=op, algorithm=algorithm)
             results.append(t)
             if not _agrees(t, closed, exact, w.world_size):
@@ -271,9 +278,9 @@ def segmented_case(numel: int, dtype: torch.dtype, op: str, segment_bytes: int):
 
     w, transport = gs.world(), default_transport()
     reduction = REDUCTIONS[op]
-    t = wide_contribution(w.rank, numel, dtype)
+    t = wide_contribution(w.rank, numel, dtype, op)
     allreduce_ring(t, transport, reduction=reduction, segment_bytes=segment_bytes)
-    halves = wide_contribution(w.rank, numel, dtype)
+    halves = wide_contribution(w.rank, numel, dtype, op)
     chunks = reduce_scatter_ring(halves, transport, "test/segmented", segment_bytes, reduction.combine)
     reduction.finish(chunks.view(halves, w.rank), w.world_size)
     shard = chunks.view(halves, w.rank).clone()
@@ -297,9 +304,9 @@ def scatter_gather_closed_cases(cases: list) -> list:
     w = gs.world()
     answers = []
     for dtype, op, numel in cases:
-        shard = gs.reduce_scatter(wide_contribution(w.rank, numel, dtype), op=op)
+        shard = gs.reduce_scatter(wide_contribution(w.rank, numel, dtype, op), op=op)
         full = gs.all_gather(shard)
-        native = wide_contribution(w.rank, numel, dtype)
+        native = wide_contribution(w.rank, numel, dtype, op)
         if w.world_size > 1 and numel > 0:
             dist.all_reduce(native, op=getattr(dist.ReduceOp, NATIVE[op]))
         answers.append((shard, full, native))
@@ -335,3 +342,44 @@ def repeated_small_traffic(numel: int, calls: int, counters_full: bool = False):
         right = right and torch.equal(t, expected)
     meter.MAX_TALLIES = kept
     return reads, again, gs.traffic(), right and torch.equal(t, expected)
+
+
+# --- the hierarchical all-reduce's cross-host phase on one host (test_collectives.py) ---------------
+
+class PretendHosts:
+    """This rank's transport with ``hosts`` replaced: the hierarchical all-reduce then runs its rails
+    (the cross-host all-reduce) between ranks that in fact share this host, so every op and dtype
+    goes through that phase, which on one real host (a single group) is skipped."""
+
+    def __init__(self, base, hosts: tuple) -> None:
+        self._base, self.hosts = base, hosts
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def hierarchical_over_pretend_hosts(hosts: tuple, cases: list) -> list:
+    """gs.all_reduce's own path (collectives.all_reduce_in) with algorithm="hierarchical" over ``hosts``
+    (a grouping of this world's ranks) for each (dtype, op, numel), against folded(); per case,
+    (problem or None, digest). A grouping with unequal hosts gives its error as the problem."""
+    import dataclasses
+    import hashlib
+
+    from gradsync.comm.collectives import Place, all_reduce_in
+    from gradsync.comm.world_transport import default_transport
+
+    w = gs.world()
+    place = Place(dataclasses.replace(w, hosts=hosts), PretendHosts(default_transport(), hosts))
+    answers = []
+    for dtype, op, numel in cases:
+        exact = not (op == "product" and dtype.is_floating_point)
+        t = wide_contribution(w.rank, numel, dtype, op)
+        try:
+            all_reduce_in(place, t, op, "hierarchical")
+        except RuntimeError as exc:
+            answers.append((f"{type(exc).__name__}: {exc}", None))
+            continue
+        good = _agrees(t, folded(w.world_size, numel, dtype, op), exact, w.world_size)
+        answers.append((None if good else "differs from the single-process fold",
+                        hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()))
+    return answers

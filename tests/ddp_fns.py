@@ -216,9 +216,9 @@ def mismatched_models():
 def diverged_replicas():
     model = make_model("mlp", torch.float32)
     ddp = gs.DistributedDataParallel(model)
-    if gs.world().rank == 1:
+    if gs.world().rank == 1:   # one ulp: the next float32 after the value, towards +inf
         with torch.no_grad():
-            model.net[2].bias[0] += 1e-6
+            model.net[2].bias[0] = torch.nextafter(model.net[2].bias[0], torch.tensor(float("inf")))
     ddp.check_replicas()
 
 

@@ -138,12 +138,15 @@ def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
     return "worker", w.rank, pull_returned, push_started
 
 
-def in_step(mode, steps, sync_dir, settle_s=0.05):
+def in_step(mode, steps, sync_dir, settle_s=0.05, late_answer_s=0.0):
     """One server (rank 0), the other ranks workers. After each push, and after each pull, a worker
     marks it (a file in ``sync_dir``), waits for every other worker's mark of the same step, then
     ``settle_s`` more before its next message: so every worker's PUSH header reaches the server
     before any worker's next message (what finishes a push on its worker's account), and every
     worker's PULL before any worker's next message (what settles the answer to it).
+    ``late_answer_s``: each worker posts the receive of a pull's answer only that long after sending
+    the PULL; gloo completes a send only once its receive is posted, so every answer the server sends
+    meanwhile stays moving, and how many it sends at once is its own choice, not timing.
     Returns ("server", stats) or ("worker", rank)."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
@@ -152,6 +155,15 @@ def in_step(mode, steps, sync_dir, settle_s=0.05):
         ps.serve()
         return "server", ps.stats()
     others = [r for r in range(1, w.world_size) if r != w.rank]
+    if late_answer_s:
+        post_now = ps._client._post_header
+
+        def post_late(server, op="ps/pull"):
+            if op == "ps/pull":
+                time.sleep(late_answer_s)
+            return post_now(server, op)
+
+        ps._client._post_header = post_late
 
     def together(what):
         Path(sync_dir, f"{w.rank}.{what}").touch()
@@ -174,15 +186,19 @@ def in_step(mode, steps, sync_dir, settle_s=0.05):
     return "worker", w.rank
 
 
-def _serve_or_work(ps, model, kill_at_step=None):
-    """A server serves; a worker pulls, computes on a fixed batch and pushes, up to 100 steps, and
-    SIGKILLs itself at step ``kill_at_step`` (None: never). Returns what the rank saw."""
+def _serve_or_work(ps, model, kill_at_step=None, kill_at_pull=None):
+    """A server serves; a worker pulls, computes on a fixed batch and pushes (sync: up to 100 steps;
+    async and ssp: until the server stops the job), and SIGKILLs itself after its backward at step
+    ``kill_at_step``, or right after sending its PULL at step ``kill_at_pull`` (so the server's answer
+    to it is moving in the outbox, ps/outbox.py, when it dies); None: never. Returns what the rank saw."""
     if ps.is_server:
         ps.serve()
         return "served without noticing"
     x = torch.randn(4, 8, dtype=torch.float64)
     y = torch.zeros(4, dtype=torch.long)
-    for step in range(100):
+    for step in range(100 if ps.mode == "sync" else 10**6):
+        if step == kill_at_pull:
+            ps._client._post_header = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
         ps.pull()
         nn.functional.cross_entropy(model(x), y).backward()
         if step == kill_at_step:
@@ -192,12 +208,17 @@ def _serve_or_work(ps, model, kill_at_step=None):
     return "worker finished"
 
 
-def dead_worker(victim, steps_before_death):
-    """The victim SIGKILLs itself after some steps; the others report what they saw."""
+def dead_worker(victim, steps_before_death, mode="sync"):
+    """The victim SIGKILLs itself after some steps; the others report what they saw. sync: after its
+    backward (the server waits for its push, the other worker for the version). async and ssp: right
+    after sending a PULL (_serve_or_work); the other worker trains on until the server stops the job."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
-    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
-    return _serve_or_work(ps, model, steps_before_death if w.rank == victim else None)
+    ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode)
+    victim_step = steps_before_death if w.rank == victim else None
+    if mode == "sync":
+        return _serve_or_work(ps, model, kill_at_step=victim_step)
+    return _serve_or_work(ps, model, kill_at_pull=victim_step)
 
 
 def dead_server_while_clipping(victim, version):

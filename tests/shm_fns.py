@@ -378,3 +378,21 @@ def plan_then_region(numel: int):
         calls.append((gs.traffic()["bytes_received"], torch.equal(tensor, expected)))
     kept = ("all_reduce", "sum", "auto", torch.float32, numel) in transport.plans
     return calls, kept
+
+
+def all_reduce_traffic_and_barriers(numel: int):
+    """One shared-memory all-reduce (sum, float32) of a fresh tensor: the meter's counts and how many
+    shared-memory barriers this rank entered during it (the direct all-reduce enters one, the split
+    one two per piece: which path ran, seen from outside the choice)."""
+    transport = default_transport()
+    t = torch.ones(numel)
+    gs.traffic_reset()
+    before = transport._barriers
+    gs.all_reduce(t, algorithm="shared_memory")
+    return gs.traffic(), transport._barriers - before
+
+
+def single_copy_state():
+    """(whether this rank's transport reads peers' tensors where they lie, why not)."""
+    transport = default_transport()
+    return transport.single_copy, transport.single_copy_problem

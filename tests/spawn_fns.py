@@ -156,3 +156,34 @@ def late_rank(late, seconds):
     t = torch.ones(10)
     gs.all_reduce(t, algorithm="ring")
     return float(t[0])
+
+
+def absent_rank(absent: int):
+    """Every rank but ``absent`` all-reduces 10 floats; ``absent`` stays alive but never calls it: it
+    waits (in the rendezvous store, up to 60 s) until the others have given up. The others return
+    (error type, message, seconds from the call to the error)."""
+    from datetime import timedelta
+
+    w = gs.world()
+    others = [f"test/absent/{rank}" for rank in range(w.world_size) if rank != absent]
+    if w.rank == absent:
+        w.store.wait(others, timedelta(seconds=60))
+        return None
+    started = time.monotonic()
+    try:
+        gs.all_reduce(torch.ones(10))
+        result = "no error", "", time.monotonic() - started
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        result = type(exc).__name__, str(exc), time.monotonic() - started
+    w.store.set(f"test/absent/{w.rank}", "gave up")
+    return result
+
+
+def odd_rank_out(odd: int):
+    """Rank ``odd`` all-reduces 13 floats where the others all-reduce 12; every rank returns the
+    error it got (type, message)."""
+    try:
+        gs.all_reduce(torch.ones(13 if gs.world().rank == odd else 12))
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return type(exc).__name__, str(exc)
+    return "no error", ""

@@ -9,6 +9,7 @@ torch DDP job. The registration tests run fresh interpreters, as a user's script
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -157,6 +158,10 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
         rank, mismatch = row["rank"], row["mismatch"]
         assert mismatch is not None and "collective mismatch between rank" in mismatch, mismatch
         assert f"rank {rank} called all_reduce" in mismatch and f"of {10 + rank} float32 elements" in mismatch
+        # and the other rank it names, with that rank's own size (every rank passes 10 + its rank)
+        named = re.search(rf"between rank {rank} and rank (\d+): .* rank \1 called all_reduce #\d+ of (\d+) float32",
+                          mismatch)
+        assert named and int(named[1]) != rank and int(named[2]) == 10 + int(named[1]), mismatch
         if rank != 3:  # rank 3 never called the all-reduce ranks 0-2 waited in, on a group of 3 s timeout
             never_called = row["never_called"]
             assert "all_reduce" in never_called["error"] and "not arrived: rank 3" in never_called["error"], never_called
@@ -182,9 +187,10 @@ def test_a_killed_rank_of_a_torch_ddp_job_is_named_well_before_the_timeout(tmp_p
     assert [row["rank"] for row in survivors] == list(range(n - 1)), [err[-2000:] for _, err in outputs]
     for row in survivors:
         assert row["error"] is not None and f"rank {n - 1}" in row["error"], row["error"]
-        # gloo would wait out the whole timeout; gradsync sees the process gone (measured in
-        # `gradsync bench faults`; here only "far inside the timeout", robust on a busy machine)
-        assert row["raised_at"] - killed_at < timeout / 3, row
+        # the README says about 0.2 s: a waiting rank checks /proc for its peers every 0.2 s (0.20-0.21 s
+        # here, at load 4.6); gloo notices the reset connection too, but names only an address
+        # (docs/reliability.md, catalogue #29). 2 s leaves a loaded machine 10x that
+        assert row["raised_at"] - killed_at < 2.0, row
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

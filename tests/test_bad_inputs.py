@@ -31,6 +31,29 @@ def test_ddp_of_something_that_is_not_a_module(world):
         gs.DistributedDataParallel(torch.ones(3))
 
 
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"device_ids": [0, 1]}, ValueError, "device_ids=[0, 1]: give None or exactly one device, the one the module is on (cpu)"),
+    ({"device_ids": [0]}, ValueError, "device_ids=[0] but the module is on cpu; move the module there first"),
+    ({"output_device": "cuda:1"}, ValueError, "output_device='cuda:1' but the module is on cpu"),
+    ({"mixed_precision": object()}, RuntimeError, "mixed_precision is not supported by gradsync's wrapper; use "
+                                                  "comm_hook='fp16' or 'bf16'"),
+    ({"device_mesh": object()}, RuntimeError, "device_mesh is not supported by gradsync's wrapper"),
+    ({"bucket_view": True}, TypeError, "unexpected keyword arguments bucket_view"),
+])
+def test_torch_ddp_arguments_gradsync_cannot_honour_are_refused_by_name(world, kwargs, error, words):
+    """docs/reliability.md's catalogue #27 (ddp/torch_arguments.py): each one named, with what to do."""
+    with pytest.raises(error) as info:
+        gs.DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+    assert words in str(info.value), str(info.value)
+
+
+def test_torch_ddp_arguments_that_mean_the_same_here_are_accepted(world):
+    model = gs.DistributedDataParallel(nn.Linear(2, 2), device_ids=["cpu"], output_device="cpu", dim=0,
+                                       gradient_as_bucket_view=True, static_graph=True, check_reduction=True,
+                                       mixed_precision=None)
+    model(torch.ones(3, 2)).sum().backward()
+
+
 def test_nan_gradients_are_caught_in_debug_mode(debug_world):
     model = gs.DistributedDataParallel(nn.Linear(4, 2))
     loss = model(torch.full((3, 4), float("nan"))).sum()

@@ -29,16 +29,28 @@ def test_bench_collectives_rows(tmp_path, capsys, monkeypatch):
                             "shm": {"ring", "halving_doubling", "tree", "naive", "shared_memory", "auto"}}
     # auto shows what it picked: on one host over shared memory, the shared-memory all-reduce
     assert {r["picked"] for r in rows if r["algorithm"] == "auto" and r["transport"] == "shm"} == {"shared_memory"}
+    n_ranks = 3
     for r in rows:
         # the same untimed warm-up on both sides; each call reduces fresh ones, so the last result is N
         assert r["warmup_calls"] == 1 and r["result_correct"], r
         if r["algorithm"] == "native":
             assert r["bytes_per_rank"] is None and r["ratio_vs_native"] == 1.0
-        elif r["algorithm"] in ("ring", "naive"):  # exact for sizes divisible by N
-            assert r["bytes_per_rank"] == r["formula_bytes"]
+            continue
+        # the busiest rank's bytes, in closed form (the meter's, and the formula column the bench prints)
+        n = r["size"] // 4
+        if r["algorithm"] == "ring":
+            # each rank sends every chunk but one in the reduce-scatter and every chunk but one in the
+            # all-gather; with 3 ranks one rank leaves out both other ranks' chunks: 2n - c1 - c2 floats
+            chunks = [n // n_ranks + (1 if i < n % n_ranks else 0) for i in range(n_ranks)]
+            expected = 4 * max(2 * n - chunks[(k + 1) % n_ranks] - chunks[(k - 1) % n_ranks] for k in range(n_ranks))
+        elif r["algorithm"] == "naive":   # rank 0 sends the result to each of the others
+            expected = (n_ranks - 1) * r["size"]
         elif "shared_memory" in (r["algorithm"], r["picked"]):
-            # 4K and 96K are below direct_below: the direct all-reduce reads all of both others'
-            assert r["bytes_per_rank"] == r["formula_bytes"] == 2 * r["size"]
+            # 4K and 96K are below the README's bound: the direct all-reduce reads all of both others'
+            expected = (n_ranks - 1) * r["size"]
+        else:
+            continue
+        assert r["bytes_per_rank"] == r["formula_bytes"] == expected, r
     printed = capsys.readouterr().out
     assert "native" in printed and "ring" in printed and "memory copy on this host" in printed
     assert "ours/MPI" not in printed   # without --peers gloo,mpi the table is as it always was
@@ -84,6 +96,27 @@ def test_simulate_check_refuses_a_calibration_of_another_transport(tmp_path, mon
     assert "fitted over shm but this check measures tcp" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backends", ["gradsync", pytest.param("gloo,gradsync", marks=pytest.mark.slow)])
+def test_bench_ddp_of_torch_ddp_on_each_backend(tmp_path, capsys, backends):
+    """`gradsync bench ddp --backend gloo,gradsync` (README): torch's own DDP in a torchrun of its own per
+    backend, the first one the baseline, and on gradsync the API layer beside gs.all_reduce. The
+    default run takes the gradsync backend alone (one torchrun; gloo's side is torch's own code), -m
+    slow both, as the README's command does."""
+    out = tmp_path / "backends.json"
+    assert main(["bench", "ddp", "--backend", backends, "--workers", "2", "--model", "mlp", "--steps", "1",
+                 "--rounds", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    steps = {r["backend"]: r for r in result["steps"]}
+    first = backends.split(",")[0]
+    assert list(steps) == backends.split(",") and steps[first]["ratio"] == 1.0
+    assert steps["gradsync"]["ratio"] == pytest.approx(steps["gradsync"]["step_ms"] / steps[first]["step_ms"])
+    assert all(r["step_ms"] > 0 and len(r["runs_ms"]) == 1 for r in steps.values())
+    assert [r["bytes"] for r in result["api"]] == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+    assert all(r["api_us"] > 0 and r["direct_us"] > 0 for r in result["api"])
+    assert "api/direct" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(180)
 def test_bench_ddp_rows(tmp_path):
     out = tmp_path / "ddp.json"
@@ -108,25 +141,53 @@ def test_the_one_copy_reference_copies_every_gradient_of_each_backward():
         assert torch.equal(flat, torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
 
 
-@pytest.mark.slow   # the parameter server's exact bytes per link: test_ps.py's traffic tests
 @pytest.mark.timeout(180)
-def test_bench_ps_rows_and_exact_link_bytes(tmp_path):
+@pytest.mark.parametrize("workers, steps", [(2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])   # slow: a larger world
+def test_bench_ps_rows_and_exact_link_bytes(tmp_path, workers, steps):
     out = tmp_path / "ps.json"
-    assert main(["bench", "ps", "--workers", "2", "--steps", "2", "--batch-size", "8", "--json", str(out)]) == 0
+    assert main(["bench", "ps", "--workers", str(workers), "--steps", str(steps), "--batch-size", "8",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["impl"], r["straggler"]) for r in rows] == [
         (impl, straggler) for straggler in (False, True) for impl in ("ps-sync", "ssp s=2", "ps-async", "ring DDP")]
     delays = {r["delay_s"] for r in rows if r["straggler"]}
     assert len(delays) == 1 and delays.pop() > 0   # every strategy's straggler is delayed the same
     assert {r["delay_s"] for r in rows if not r["straggler"]} == {0.0}
+    # the bench's MLP, 256 -> 1024 -> 1024 -> 10 in float32: M bytes
+    m_bytes = 4 * (256 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
     for r in rows:
-        # measured by the meter on the server (PS: pushes in + pulls out) or the rank (ring: sent)
-        assert r["link_bytes_per_step"] == pytest.approx(r["formula_bytes"], rel=1e-12), r
+        # measured by the meter on the server (PS: W pushes in + W pulls out a step: 2 W M) or the
+        # rank (ring: sent, 2(W-1)/W M), against the closed forms and the bench's formula column
+        expected = 2 * workers * m_bytes if r["impl"] != "ring DDP" else 2 * (workers - 1) / workers * m_bytes
+        assert r["link_bytes_per_step"] == pytest.approx(expected, rel=1e-12) == r["formula_bytes"], r
         assert r["samples_per_s"] > 0
         assert r["transport"] == "tcp" if r["impl"] != "ring DDP" else r["transport"] in ("tcp", "shm")
-    server_link = rows[0]["link_bytes_per_step"]
-    ring_rank = rows[3]["link_bytes_per_step"]
-    assert server_link == 4 * ring_rank   # W=2: 2*W*M = 4M against 2(W-1)/W*M = M
+
+
+@pytest.mark.timeout(300)
+def test_bench_ps_word2vec_rows(tmp_path, monkeypatch):
+    """`gradsync bench ps --model word2vec` on a small corpus (the bench reads 4M tokens; here the first
+    100,000): every implementation trains the same samples from the same tables with Adagrad, so the
+    synchronous ones end on the same held-out loss; the dense ring's busiest link carries
+    2 x 2(W-1)/W x 2 V D x 4 bytes a step (sent and received), the sparse PS's a small part of it."""
+    from gradsync.bench import ps_sparse
+
+    monkeypatch.setattr(ps_sparse, "BENCH_TOKENS", 100_000)
+    monkeypatch.setattr(ps_sparse, "HELD_OUT_SAMPLES", 2_000)
+    out = tmp_path / "w2v.json"
+    assert main(["bench", "ps", "--model", "word2vec", "--workers", "2", "--steps", "2", "--rounds", "1",
+                 "--batch-size", "16", "--json", str(out)]) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"sparse PS S=1 sync", "sparse PS S=1 async", "sparse PS S=2 sync", "sparse PS S=2 async",
+                         "ring DDP (dense)", "torch DDP (sparse, gloo)"}
+    ring = rows["ring DDP (dense)"]
+    v, d = ring["table_rows"], ring["dim"]
+    assert ring["busiest_link_bytes"] == 2 * 2 * (2 - 1) / 2 * 2 * v * d * 4
+    sync = [rows[name]["held_out_loss"] for name in ("sparse PS S=1 sync", "sparse PS S=2 sync", "ring DDP (dense)",
+                                                      "torch DDP (sparse, gloo)")]
+    assert max(sync) - min(sync) <= 1e-5 * abs(sync[0]), sync
+    for name in ("sparse PS S=1 sync", "sparse PS S=2 sync"):
+        assert 0 < rows[name]["busiest_link_bytes"] < ring["busiest_link_bytes"] / 10, rows[name]   # 33x here
 
 
 @pytest.mark.timeout(180)
@@ -138,6 +199,20 @@ def test_bench_zero1_rows(tmp_path):
     assert ddp["state_bytes"] == 8 * ddp["params"]              # AdamW m and v in float32
     assert abs(zero["state_bytes"] - ddp["state_bytes"] / 2) <= 8 * 2   # 1/N, up to one element per bucket
     assert zero["bytes_sent_per_step"] == ddp["params"] * 4     # N=2: 2(N-1)/N*M = M
+
+
+@pytest.mark.timeout(300)
+def test_bench_faults_preempt_trial(tmp_path):
+    """`gradsync bench faults --preempt` (docs/reliability.md), one trial of the one-process strategy:
+    SIGTERM, exit 75 with the checkpoint at the last trained step, the printed resume command run, and
+    the interrupted epoch's samples each trained once over both runs."""
+    out = tmp_path / "preempt.json"
+    assert main(["bench", "faults", "--preempt", "--strategies", "local", "--trials", "1", "--workers", "1",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["strategy"] == "local" and row["clean"] and row["exit_code"] == 75, row
+    assert row["steps_lost"] == 0 and row["samples_missing"] == 0 and row["samples_repeated"] == 0, row
+    assert 0 < row["signal_to_exit_s"] and 0 < row["restart_to_first_step_s"], row
 
 
 def test_mpi_launch_sets_root_variables_and_oversubscribe_only_when_needed(monkeypatch):

@@ -86,9 +86,9 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
     check()
 
 
-# From direct_below up (allreduce_shared.py: a bound per world size, at most one staging half)
-# a tensor outside a shared region is staged slice by slice (allreduce_shared.py); the
-# direct all-reduce takes everything below. With staging halves of 256 KiB (N=3): every dtype and op
+# From the README's direct/split bound up (readme_claims.py: a bound per world size, and at most
+# one staging half) a tensor outside a shared region is staged slice by slice (allreduce_shared.py);
+# the direct all-reduce takes everything below (test_traffic.py checks which path runs on each side). With staging halves of 256 KiB (N=3): every dtype and op
 # just over the bound, sizes not divisible by N, and one that spans 2.5 halves (its last piece short).
 # With the default halves: float32 just over the bound and over 2.5 halves. Against the fold, gloo and
 # across ranks bit for bit. Then sizes on both sides of the bound back to back, with nothing between
@@ -98,9 +98,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 @pytest.mark.parametrize("world_size,stage_mb", [(2, None), (3, None), pytest.param(4, None, marks=pytest.mark.slow),
                                                  (3, "0.25")])
 def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
-    from types import SimpleNamespace
-
-    from gradsync.comm.shm.allreduce_shared import direct_below
+    import readme_claims
     from gradsync.comm.shm.segment import stage_bytes
 
     env = {} if stage_mb is None else {"GRADSYNC_SHM_STAGE_MB": stage_mb}
@@ -109,7 +107,7 @@ def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
         for name, value in env.items():
             patch.setenv(name, value)
         half = stage_bytes()
-    bound = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=half))
+    bound = min(readme_claims.direct_below(world_size), half + 1)
     dtypes = DTYPES if stage_mb is not None else (torch.float32,)
     batch = [("shared_memory", dtype, op, -(-bound // dtype.itemsize) + 2 * world_size + 1)
              for dtype in dtypes for op in (applicable_ops(dtype) if stage_mb is not None else ["sum"])]
@@ -137,9 +135,16 @@ def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (4, "1"), (3, "0")])
 def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, world_size, single_copy):
+    import shm_fns
     from gradsync.comm.shm.single_copy import FROM_BYTES
 
     pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
+    states = pool.run(shm_fns.single_copy_state)
+    refused = [why for on, why in states if not on and why and any(
+        words in why for words in ("Operation not permitted", "Function not implemented", "not available"))]
+    if single_copy == "1" and refused:   # the documented fallback: the set-up probe found the kernel refusing
+        pytest.skip(f"the kernel refuses process_vm_readv here, so the ranks stage: {refused[0]}")
+    assert [on for on, _ in states] == [single_copy == "1"] * world_size, states
     batch = []
     for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
         elements = FROM_BYTES // dtype.itemsize
@@ -167,6 +172,32 @@ def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, wo
     for rank, (first, second, small) in enumerate(pool.run(cases.uneven_all_gather_case, sizes)):
         assert torch.equal(first, expected) and torch.equal(second, expected * 2), f"uneven shards, rank {rank}"
         assert torch.equal(small, torch.arange(world_size, dtype=torch.float64).repeat_interleave(5)), rank
+
+
+# On one host "hierarchical" is one group: its cross-host phase (an all-reduce along each rail, one
+# rank per host) does nothing, and only test_multihost.py, with namespaces, crosses real hosts. Here
+# each rank's transport pretends the ranks sit on several hosts (cases.PretendHosts), so every op
+# and dtype goes through the rails: 2 hosts x 2 ranks, 3 hosts x 1, and 2 x 2 interleaved.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,hosts", [(4, ((0, 1), (2, 3))), (4, ((0, 2), (1, 3))), (3, ((0,), (1,), (2,)))])
+def test_hierarchical_cross_host_phase_for_every_op_and_dtype(world_of, world_size, hosts):
+    pool = world_of(world_size)
+    batch = [(dtype, op, numel) for dtype in DTYPES for op in applicable_ops(dtype) for numel in (0, 1, 2 * world_size + 1,
+                                                                                                  1001)]
+    answers = pool.run(cases.hierarchical_over_pretend_hosts, hosts, batch)
+    for index, (dtype, op, numel) in enumerate(batch):
+        label = f"{dtype} op={op} n={numel} hosts={hosts}"
+        problems = [answers[rank][index][0] for rank in range(world_size) if answers[rank][index][0]]
+        assert not problems, f"{label}: {problems[0]}"
+        assert len({answers[rank][index][1] for rank in range(world_size)}) == 1, f"{label}: ranks disagree"
+
+
+def test_hierarchical_refuses_hosts_of_unequal_size(world_of):
+    """docs/reliability.md's catalogue #23: the same number of ranks on every host, or an error."""
+    answers = world_of(3).run(cases.hierarchical_over_pretend_hosts, ((0, 1), (2,)), [(torch.float32, "sum", 10)])
+    for (problem, _), in answers:
+        assert problem.startswith("RuntimeError: all_reduce: hierarchical all-reduce needs the same number of ranks "
+                                  "on every host; this job has 2, 1 ranks on its 2 hosts"), problem
 
 
 @pytest.mark.timeout(300)

@@ -18,9 +18,58 @@ def verdicts(run_dir):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("doctor")
     common = dict(workers=2, steps=6, quiet=True, trace=True)
-    run(TrainConfig(out=str(base / "tiny"), bucket_mb=0.001, **common))
+    run(TrainConfig(out=str(base / "tiny"), bucket_mb=0.001, compress="bf16", **common))
     run(TrainConfig(out=str(base / "giant"), **common))   # the digits CNN fits one 25 MiB bucket
     return base
+
+
+def planted(run_dir, into, change=None, trace=None):
+    """A copy of ``run_dir``'s metrics.jsonl in ``into`` with ``change(records)`` applied, and
+    ``trace`` (a list of trace events) as its trace.json (none when None)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = change(records) if change else records
+    (into / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    if trace is not None:
+        (into / "trace.json").write_text(json.dumps({"traceEvents": trace}))
+    return into
+
+
+def test_placement_precision_and_unused_parameters_of_real_runs(runs):
+    import socket
+
+    tiny, giant = verdicts(runs / "tiny"), verdicts(runs / "giant")
+    for found in (tiny, giant):   # both ranks of each run on this host; both runs finished
+        assert (found["placement"].verdict, found["placement"].detail) == ("OK", f"{socket.gethostname()}: 2 rank(s)")
+        assert found["unused parameters"].verdict == "OK" and found["unused parameters"].detail.startswith("none")
+    assert tiny["precision"].detail == "parameters float32; gradients on the wire: bf16 (2^-8 relative rounding)"
+    assert giant["precision"].detail == "parameters float32; gradients on the wire: the parameters' own dtype"
+
+
+def test_uneven_hosts_and_an_unfinished_run_are_flagged(runs, tmp_path):
+    def three_ranks_on_two_hosts_and_no_summary(records):
+        for record in records:
+            if record["event"] == "setup":
+                record["hosts"] = ["a", "a", "b"]
+        return [r for r in records if r["event"] != "summary"]
+
+    found = verdicts(planted(runs / "giant", tmp_path, three_ranks_on_two_hosts_and_no_summary))
+    assert (found["placement"].verdict, found["placement"].detail) == ("WARN", "a: 2 rank(s), b: 1 rank(s); uneven hosts")
+    assert (found["unused parameters"].verdict, found["unused parameters"].detail) == (
+        "INFO", "the run did not finish; look at its error")
+
+
+@pytest.mark.parametrize("buckets, expected", [
+    ([(50, 100), (90, 10)], ("OK", "55% of bucket all-reduce time ran before backward ended (1 steps, trace.json)")),
+    ([(100, 40), (95, 60)], ("WARN", "5% of bucket all-reduce time ran before backward ended (1 steps, trace.json)")),
+])
+def test_overlap_is_the_share_of_bucket_time_before_backward_ended(runs, tmp_path, buckets, expected):
+    """A planted timeline: backward from 0 to 100 us, buckets (start, duration): (50, 100) hides 50 of
+    its 100, (90, 10) all 10: 60 / 110 = 55%; (100, 40) none, (95, 60) 5 of 60: 5 / 100 = 5%, under
+    the 10% that is a WARN."""
+    trace = [{"name": "backward start", "ph": "i", "pid": 0, "ts": 0}, {"name": "backward end", "ph": "i", "pid": 0, "ts": 100}]
+    trace += [{"name": f"all_reduce bucket {k}", "ph": "X", "pid": 0, "ts": ts, "dur": dur} for k, (ts, dur) in enumerate(buckets)]
+    found = verdicts(planted(runs / "giant", tmp_path, trace=trace))
+    assert (found["overlap"].verdict, found["overlap"].detail) == expected
 
 
 @pytest.mark.timeout(300)

@@ -20,6 +20,30 @@ def test_row_striping_example_from_the_docstring():
     assert row_sharding.to_local(torch.tensor([9, 0, 3]), 3).tolist() == [3, 0, 1]
 
 
+def test_the_whole_table_flag_is_refused_anywhere_but_on_a_pull_for_every_row_held():
+    """A whole-table request section (FLAG_WHOLE_TABLE) is accepted only as a pull request for all the
+    rows the server holds, with no bytes; on a push, on a PULL header itself, or for fewer rows it is a
+    ProtocolError naming the sender (no processes: the wire functions on headers made here)."""
+    from gradsync.ps import protocol as wire
+    from gradsync.ps import sparse_wire
+    from gradsync.ps.protocol import Header, ProtocolError
+    from gradsync.ps.sparse_tables import TableSpec
+
+    spec = TableSpec(0, "emb.weight", 10, 4, 8)
+    ids = row_sharding.global_rows(1, 10, 3)   # rows 1, 4, 7: server 1 of 3
+    request = sparse_wire.section_header(sparse_wire.REQUEST_SECTION, 5, 1, spec, ids, None, whole=True)
+    assert (request.numel, request.nbytes, request.flags) == (3, 0, wire.FLAG_WHOLE_TABLE)
+    assert wire.decode(request.encode(), 5) == request
+    sparse_wire.check_section_header(request, sparse_wire.REQUEST_SECTION, spec, 1, 3, 5, "server rank 1")
+    for section, header in [(sparse_wire.PUSH_SECTION, request), (sparse_wire.REQUEST_SECTION,
+                            Header(wire.ROWS, 5, 0, 1, 2, 0, 0, wire.FLAG_WHOLE_TABLE))]:
+        with pytest.raises(ProtocolError, match="whole-table flag belongs only on a pull request") as info:
+            sparse_wire.check_section_header(header, section, spec, 1, 3, 5, "server rank 1")
+        assert info.value.sender == 5
+    with pytest.raises(ProtocolError, match="only ROWS carries FLAG_WHOLE_TABLE"):
+        wire.decode(Header(wire.PULL, 5, 0, 1, flags=wire.FLAG_WHOLE_TABLE).encode(), 5)
+
+
 def _sparse_steps(rows_per_step, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.tensor(rows), torch.randn(len(rows), 3, dtype=torch.float64, generator=g))
@@ -139,6 +163,16 @@ def test_sparse_bytes_are_the_touched_and_requested_rows(world_of, world_size, s
         assert traffic["per_op"]["ps/pull"]["received"] == sum(u * row_bytes + dense_bytes for u in unique)
         assert traffic["per_op"]["ps/pull/ids"]["sent"] == sum(u * 8 for u in unique)
         assert untouched_ok, "rows the worker never asked for were written"
+    # each server receives 8 bytes per row a worker asked it for by name and nothing more: the final
+    # whole-table pull (rows=None) names no row (FLAG_WHOLE_TABLE), so it costs its header alone; the
+    # headers are every worker's steps PULLs, steps PUSHes, the final PULL and the CLOSE, each one
+    # message of 1 + 2 headers (a header and one ROWS section per table) of 8 int64 words
+    for server, (_, _, traffic) in enumerate(servers_of(results)):
+        named = sum(int((torch.unique(ids[s].chunk(workers)[w]) % servers == server).sum())
+                    + int((torch.unique(bags[s].chunk(workers)[w]) % servers == server).sum())
+                    for s in range(steps) for w in range(workers))
+        assert traffic["per_op"]["ps/pull/ids"]["received"] == named * 8, (server, named)
+        assert traffic["control_bytes_received"] == workers * (2 * steps + 2) * 3 * 8 * 8, server
     touched = {int(r) for r in ids.reshape(-1)} | {fns.EMB_ROWS + int(r) for r in bags.reshape(-1)}
     rows_in = sum(stats["rows_in"] for _, stats, _ in servers_of(results))
     per_worker_unique = sum(torch.unique(ids[s].chunk(workers)[w]).numel() + torch.unique(bags[s].chunk(workers)[w]).numel()

@@ -1,6 +1,11 @@
 """Faults for real: a rank SIGKILLed in the middle of `gradsync train`, for every strategy; what the
 launcher reports about the other ranks; a long soak of collectives without growth."""
 
+import os
+import re
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from gradsync.bench import faults
@@ -22,11 +27,33 @@ SEED_DRAWING = {0: 1, 1: 0, 2: 3}
                                       for s in faults.STRATEGIES])
 def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
     victim = VICTIMS[strategy]
+    before = _entries()
     result = faults.kill_trial(strategy, seed=SEED_DRAWING[victim], workers=3, timeout=10.0)
     assert result.get("victim") == victim, f"the trial killed rank {result.get('victim')}, not rank {victim}"
     assert result["clean"], f"{result.get('why')}\n{result.get('stderr')}"
     assert result["detection_s"] < 10.0, "every other rank must be gone within the configured timeout"
     assert result["exit_code"] != 0
+    # "clean" checked here too, without the trial's own test (faults._leftovers): no process of the
+    # job is alive, and nothing that appeared in /dev/shm or the temp directory during the trial
+    # names one of the job's processes (the launcher's spawn directory, the segments named after it)
+    launcher, *ranks = result["pids"]
+    assert len(ranks) == 3 and not [pid for pid in [launcher, *ranks] if _alive(pid)], result["pids"]
+    appeared = _entries() - before
+    ours = {name for name in appeared if set(map(int, re.findall(r"\d+", name))) & set(result["pids"])}
+    assert not ours, f"left behind by the job: {sorted(ours)}"
+
+
+def _entries() -> set[str]:
+    """What /dev/shm and the temporary directory hold now."""
+    return {f"{where}/{name}" for where in ("/dev/shm", tempfile.gettempdir()) for name in os.listdir(where)}
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (/proc/PID/stat's state)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.mark.timeout(600)

@@ -105,3 +105,23 @@ def test_the_async_closed_loop_against_its_closed_forms(service, think):
         assert max(w * s, z + s) <= step * (1 + 1e-12) and step <= (z + w * s) * (1 + 1e-12), w
     assert cost.closed_loop_step(2000, s, z) == pytest.approx(2000 * s, rel=0.01)   # server-bound at last
     assert cost.closed_loop_step(3, s * 1e-6, z) == pytest.approx(z, rel=1e-3)        # no queue
+
+
+def test_powersgd_and_diloco_rows_follow_their_closed_forms():
+    from gradsync.sim.cost import Link, strategy_cost
+
+    link = Link(alpha=1e-5, beta=1e-9, gamma=2e-10)
+    m, n, c = 4e9, 16, 0.25
+    ring = 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * m * 1e-9 + (n - 1) / n * m * 2e-10
+    diloco = strategy_cost("diloco", m, n, link, c, sync_every=8)
+    assert diloco.step_s == pytest.approx(c + ring / 8) and diloco.busiest_link_bytes == pytest.approx(
+        2 * 15 / 16 * m / 8)
+    sent = 0.01 * m   # P, Q and the uncompressed tensors: three all-reduces, 1% of the bytes
+    powersgd = strategy_cost("powersgd", m, n, link, c, powersgd_ratio=0.01)
+    expected = 3 * 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * sent * 1e-9 + (n - 1) / n * sent * 2e-10
+    assert powersgd.comm_s == pytest.approx(expected) and powersgd.busiest_link_bytes == pytest.approx(
+        2 * 15 / 16 * sent)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        strategy_cost("diloco", m, n, link, c, sync_every=0)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        strategy_cost("powersgd", m, n, link, c, powersgd_ratio=0.0)

@@ -136,6 +136,36 @@ def test_the_error_says_where_the_stopped_ranks_were():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_live_rank_that_never_arrives_is_a_timeout_naming_it(monkeypatch, transport):
+    """Rank 2 is alive but never calls the all-reduce: ranks 0 and 1 give up after the world's timeout
+    (2 s), each with an error that says it timed out, after how long, and which rank it waited for
+    (shared memory: the barrier's "not arrived"; TCP: the transfer from rank 2), instead of waiting
+    for ever; a dead rank, by contrast, is noticed in a fraction of a second (test_shm.py)."""
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", transport)
+    monkeypatch.setenv("GRADSYNC_STALL_SECONDS", "0")
+    results = gs.spawn(spawn_fns.absent_rank, nprocs=3, args=(2,), timeout=2.0)
+    assert results[2] is None
+    for rank, (name, message, seconds) in enumerate(results[:2]):
+        assert name == "PeerError" and f"rank {rank}: " in message and "timed out after" in message, (rank, message)
+        assert "(timeout 2 s)" in message and "all_reduce" in message, (rank, message)
+        assert ("not arrived: rank 2" if transport == "shm" else "from rank 2") in message, (rank, message)
+        assert 2.0 <= seconds < 5.0, (rank, seconds)
+
+
+@pytest.mark.timeout(120)
+def test_debug_mode_compares_fingerprints_across_all_ranks_not_only_neighbours(monkeypatch):
+    """GRADSYNC_DEBUG=1 over TCP (where, without it, ranks compare fingerprints with their ring
+    neighbours only): rank 2 of 4 passes 13 elements where the others pass 12, and rank 0, which is
+    not its neighbour, raises the mismatch naming rank 2 too, as every rank does."""
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    monkeypatch.setenv("GRADSYNC_DEBUG", "1")
+    results = gs.spawn(spawn_fns.odd_rank_out, nprocs=4, args=(2,), timeout=10.0)
+    for rank, (name, message) in enumerate(results):
+        assert name == "CollectiveMismatchError" and "rank 2" in message and "13 float32" in message, (rank, message)
+
+
+@pytest.mark.timeout(120)
 def test_stall_inspector_names_the_rank_that_has_not_joined(capfd, monkeypatch):
     monkeypatch.setenv("GRADSYNC_STALL_SECONDS", "1.5")
     assert gs.spawn(spawn_fns.late_rank, nprocs=3, args=(2, 5.0), timeout=30) == [3.0, 3.0, 3.0]

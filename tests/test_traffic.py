@@ -89,19 +89,20 @@ def test_receive_from_any_source_names_the_sender(world_of):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
-    from types import SimpleNamespace
-
-    from gradsync.comm.shm import segment
-    from gradsync.comm.shm.allreduce_shared import direct_below
+    # the bound between the two is the README's (readme_claims.py; the default 4 MiB staging halves
+    # are above it): one float32 below it the direct all-reduce reads all of every other rank's
+    # tensor after a single barrier, from it up the split one moves slices, two barriers a piece
+    # (with two ranks both read M bytes: only the barriers tell them apart). 4 KB is far below it.
+    import readme_claims
+    import shm_fns
 
     pool = world_of(world_size)
-    small = 1000                              # 4 KB: the direct all-reduce reads all of every other rank's
-    # just over where the split one takes over and moves slices
-    large = direct_below(SimpleNamespace(world_size=world_size, stage_bytes=segment.stage_bytes())) // 4 + 3
-    for numel, direct in ((small, True), (large, False)):
+    bound = readme_claims.direct_below(world_size)
+    for numel, direct in ((1000, True), (bound // 4 - 1, True), (bound // 4, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes
-        for rank, t in enumerate(pool.run(cases.traffic_case, numel, torch.float32, "shared_memory")):
+        for rank, (t, barriers) in enumerate(pool.run(shm_fns.all_reduce_traffic_and_barriers, numel)):
+            assert (barriers == 1) if direct else (barriers >= 2 and barriers % 2 == 0), (numel, rank, barriers)
             if direct:
                 expected = (world_size - 1) * m_bytes
                 per_peer = {peer: m_bytes for peer in range(world_size) if peer != rank}

@@ -16,14 +16,52 @@ from gradsync.train.loop import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def gradient_bytes(bytes_sent: float, steps: int, per_step: float) -> float:
+    """What a rank sent beyond ``per_step`` bytes of gradients a step: the per-step 16-byte all-reduce
+    that agrees on checkpoints and preemption, the evaluation's sums and the replica check (a few
+    hundred bytes in all); asserted between 0 and 32 bytes a step + 1 KiB."""
+    extra = bytes_sent - steps * per_step
+    assert 0 <= extra <= 32 * steps + 1024, (bytes_sent, steps, per_step, extra)
+    return extra
+
+
 @pytest.mark.timeout(300)
 def test_default_job_reaches_95_percent_on_digits(tmp_path):
+    from gradsync.train.models import DigitsCNN
+
     results = run(TrainConfig(out=str(tmp_path), quiet=True))
     summary = results[0]["summary"]
     assert summary["accuracy"] >= 0.95
     assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.pt").exists()
-    assert summary["bytes_sent_per_rank"][0] > 0
+    # the README's bytes sent per rank: 2(N-1)/N x M per step for M bytes of gradients (N=2: M)
+    m_bytes = sum(p.numel() for p in DigitsCNN().parameters()) * 4
+    for sent in summary["bytes_sent_per_rank"]:
+        gradient_bytes(sent, summary["steps"], m_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_grad_accum_and_bf16_compression_equal_one_process_with_the_global_batch(tmp_path, monkeypatch):
+    """--grad-accum 2 --compress bf16 on 2 workers (16 x 2 x 2 = 64 a step): one all-reduce a step, of
+    the gradients in bf16 (M/2 bytes: the accumulation's first micro-batch under no_sync), and the
+    update of one process taking the same 64 samples a step (replay.py) up to bf16's rounding (0.18%
+    of the update in one run; a gradient twice too large is 100%)."""
+    import replay
+    from gradsync.train.models import DigitsCNN
+
+    (tmp_path / "ids").mkdir()
+    monkeypatch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path / "ids"))
+    steps, lr = 6, 0.05
+    results = run(TrainConfig(workers=2, steps=steps, batch_size=16, grad_accum=2, compress="bf16", lr=lr,
+                              lr_scaling="none", warmup_steps=0, out=str(tmp_path), quiet=True))
+    assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
+    m_bytes = sum(p.numel() for p in DigitsCNN().parameters()) * 4
+    for sent in results[0]["summary"]["bytes_sent_per_rank"]:
+        gradient_bytes(sent, steps, m_bytes // 2)
+    logged = replay.steps_logged(tmp_path / "ids")
+    assert [len(ids) for ids in logged] == [64] * steps
+    initial, oracle = replay.replay([(ids, lr) for ids in logged])
+    assert replay.update_error(results[0]["params"], initial, oracle) < 2e-2
 
 
 @pytest.mark.timeout(300)
@@ -98,6 +136,76 @@ def test_bad_flags_give_clear_errors(argv, message, capsys):
         code = exit_.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n, position", [(12, 8), (10, 8)])
+def test_the_epochs_shorter_last_step_averages_over_its_own_samples(world_of, n, position):
+    """An epoch of n samples in steps of G = 8 ends with a shorter step of the n - 8 left: over 3 ranks
+    they fall 2, 1, 1 (n=12) or 1, 1, 0 (n=10: rank 2 has none, its hooks still fire). With the loop's
+    own weighting (train/loop.py, _micro_loss), DDP's averaged gradient must be one process's gradient
+    of the mean loss over exactly those samples (torch autograd, float64, 1e-12)."""
+    import train_fns
+
+    results = world_of(3).run(train_fns.last_step_gradients, n, 8, position)
+    ids = results[0][0]
+    assert len(ids) == n - position and all(r[0] == ids for r in results)
+    x, y = train_fns.last_step_data(n)
+    torch.manual_seed(0)
+    oracle = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    torch.nn.functional.cross_entropy(oracle(x[ids]), y[ids]).backward()
+    for rank, (_, grads) in enumerate(results):
+        for grad, p in zip(grads, oracle.parameters()):
+            assert torch.allclose(grad, p.grad, rtol=1e-12, atol=1e-15), (rank, (grad - p.grad).abs().max())
+
+
+def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(tmp_path):
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    written = TrainConfig(out=str(tmp_path), model="cnn", seed=3)
+    checkpoint.save(tmp_path / resume.CHECKPOINT_NAME, resume.run_record(written, resume.BatchPlan.fresh(written, 2)))
+    resume.read(written)   # the same run reads it
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        resume.read(TrainConfig(out=str(tmp_path), model="mlp", seed=4))
+    assert "the checkpoint belongs to a different run: (checkpoint, now) = " in str(info.value)
+    assert "'model': ('cnn', 'mlp')" in str(info.value) and "'seed': (3, 4)" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_the_checkpoint_another_resumes_from_is_an_error_naming_it(world_of, tmp_path):
+    """Rank 0 resumes and finds checkpoint.pt in its --out; rank 1's --out has none (not a shared
+    directory): every rank raises, naming the resuming rank and the one without the file."""
+    import train_fns
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    for out in outs:
+        out.mkdir()
+    checkpoint.save(outs[0] / resume.CHECKPOINT_NAME, {"step": 1})
+    for rank, (name, message) in enumerate(world_of(2).run(train_fns.resume_where_only_rank_0_has_the_checkpoint,
+                                                            [str(out) for out in outs])):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith(f"rank 0 resumes from {outs[rank] / resume.CHECKPOINT_NAME}, but rank(s) [1] have "
+                                  "no such file: --out must be a directory every node shares"), (rank, message)
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world_of, tmp_path):
+    """A ps-async checkpoint of 2 workers, resumed by 4 ranks with 1 server (3 workers): every rank
+    refuses before it builds anything, naming both numbers (each worker's shard and clock are its own)."""
+    import train_fns
+    from gradsync import checkpoint
+    from gradsync.train import resume
+
+    written = TrainConfig(strategy="ps-async", workers=3, batch_size=16, out=str(tmp_path))
+    checkpoint.save(tmp_path / resume.CHECKPOINT_NAME, {**resume.run_record(written, resume.BatchPlan.fresh(written, 2)),
+                                                        "step": 5})
+    for rank, (name, message) in enumerate(world_of(4).run(train_fns.ps_resume, str(tmp_path))):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith("the checkpoint was written by 2 parameter-server workers, this job has 3 "
+                                  "(--workers 4 - --servers 1)"), (rank, message)
 
 
 @pytest.mark.timeout(120)

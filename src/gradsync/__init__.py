@@ -18,6 +18,7 @@ _SOURCES = {
     "World": "gradsync.runtime", "spawn": "gradsync.launch", "SpawnError": "gradsync.launch",
     "DistributedDataParallel": "gradsync.ddp.wrapper", "ReplicaMismatchError": "gradsync.ddp.wrapper",
     "DistributedSampler": "gradsync.data", "ParameterServer": "gradsync.ps", "ShardedOptimizer": "gradsync.zero",
+    "DiLoCo": "gradsync.diloco",
     "all_reduce": "gradsync.comm.collectives", "reduce_scatter": "gradsync.comm.collectives",
     "all_gather": "gradsync.comm.collectives", "broadcast": "gradsync.comm.collectives",
     "traffic": "gradsync.meter", "traffic_reset": "gradsync.meter",

@@ -118,7 +118,8 @@ def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> 
     why = [] if clean else [w for w, bad in (("exit code 0", job.returncode == 0), ("error does not name the rank", not named),
                                              (f"orphans {orphans}", bool(orphans)), (f"leaked {leaked}", bool(leaked))) if bad]
     return {"strategy": strategy, "seed": seed, "victim": victim, "ranks": len(ranks), "exit_code": job.returncode,
-            "detection_s": detection_s, "clean": clean, "why": "; ".join(why), "stderr": err_text[-2000:]}
+            "detection_s": detection_s, "clean": clean, "why": "; ".join(why), "stderr": err_text[-2000:],
+            "pids": [job.pid, *ranks.values()]}
 
 
 def run(strategies: list[str], trials: int, workers: int = 3, timeout: float = 10.0) -> list[dict]:

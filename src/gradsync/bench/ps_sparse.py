@@ -143,8 +143,9 @@ def _ring_rank(data: tuple) -> dict:
         optimizer.zero_grad()
         negative_sampling_loss(ddp(x)).backward()
         optimizer.step()
-    wall = _slowest(time.perf_counter() - started)
-    link = float(gs.all_gather(torch.tensor([_link_bytes(gs.traffic())], dtype=torch.float64)).max())
+    elapsed, link = time.perf_counter() - started, _link_bytes(gs.traffic())   # before the gathers below
+    wall = _slowest(elapsed)
+    link = float(gs.all_gather(torch.tensor([link], dtype=torch.float64)).max())
     return {"impl": "ring DDP (dense)", "workers": w.world_size, "servers": 0, "step_ms": wall / steps * 1e3,
             "busiest_link_bytes": link / steps, "held_out_loss": _held_out_loss(model, held_out),
             "staleness_max": 0, "metered": True, "table_rows": vocab, "dim": DIM}

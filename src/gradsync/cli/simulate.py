@@ -26,6 +26,9 @@ def add_parser(commands) -> None:
     sim.add_argument("--ranks-per-host", type=positive_int, default=8, help="hierarchical: ranks per host")
     sim.add_argument("--intra-bandwidth", type=bandwidth, default=None, help="hierarchical: intra-host link (default: --bandwidth)")
     sim.add_argument("--bucket-mb", type=float, default=25.0, help="ddp bucket size in MiB")
+    sim.add_argument("--powersgd-ratio", type=float, default=0.01,
+                     help="powersgd: the share of the gradient sent (sum of (n+m)r / (n m) over the matrices)")
+    sim.add_argument("--sync-every", type=positive_int, default=8, help="diloco: steps between outer steps (H)")
     sim.add_argument("--calibrated", action="store_true",
                      help="use this machine's measured alpha/beta/gamma (gradsync bench collectives --fit)")
     sim.add_argument("--check", metavar="N,N,...", type=int_list, default=None,
@@ -71,7 +74,8 @@ def run(args) -> int:
     for name in strategies:
         r = cost.strategy_cost(name, nbytes, args.workers, link, args.compute, servers=args.servers,
                                ranks_per_host=args.ranks_per_host, intra=intra,
-                               bucket_bytes=args.bucket_mb * 2**20)
+                               bucket_bytes=args.bucket_mb * 2**20, powersgd_ratio=args.powersgd_ratio,
+                               sync_every=args.sync_every)
         table.add_row(name, human(r.busiest_link_bytes), f"{r.comm_s:.3f}", f"{r.step_s:.3f}",
                       f"{r.comm_s / args.compute:.1f}:1", f"{r.efficiency:.1%}", r.note)
     show(table, None, None, 140)

@@ -29,7 +29,14 @@ def add_parser(commands) -> None:
     train.add_argument("--lr-scaling", choices=LR_SCALING, default="linear")
     train.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
     train.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB")
-    train.add_argument("--compress", choices=COMPRESSION, default="none", help="gradient compression on the wire")
+    train.add_argument("--compress", choices=COMPRESSION, default="none",
+                       help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
+    train.add_argument("--powersgd-rank", type=positive_int, default=2, metavar="R",
+                       help="PowerSGD's approximation rank (--compress powersgd)")
+    train.add_argument("--sync-every", type=positive_int, default=8, metavar="H",
+                       help="--strategy diloco: inner steps each worker takes alone between outer steps")
+    train.add_argument("--outer-lr", type=float, default=0.7, help="--strategy diloco: the outer Nesterov SGD's lr")
+    train.add_argument("--outer-momentum", type=float, default=0.9, help="--strategy diloco: its momentum")
     train.add_argument("--clip-grad", type=float, default=None, metavar="X",
                        help="clip the averaged gradient to total 2-norm X before each optimizer step, as torch's "
                             "clip_grad_norm_ on one process (ps-sync: on the servers; ps-async, ssp: each push)")

@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.powersgd import powersgd_hook
 
 
 @dataclass
@@ -112,8 +113,9 @@ def reduce_in_dtype(state: ReduceState, bucket) -> torch.futures.Future:
     return _done(reduced)
 
 
-BUILTIN = {"none": allreduce_average, "fp16": fp16_compress, "bf16": bf16_compress}
-"""comm_hook names the constructor accepts (None means "none")."""
+BUILTIN = {"none": allreduce_average, "fp16": fp16_compress, "bf16": bf16_compress, "powersgd": powersgd_hook}
+"""comm_hook names the constructor accepts (None means "none"; "powersgd": ddp/powersgd.py at rank 2,
+its defaults; register PowerSGDState(rank=R, ...) with powersgd_hook for other settings)."""
 
 
 def builtin(comm_hook) -> Callable:
@@ -125,8 +127,8 @@ def builtin(comm_hook) -> Callable:
             raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {', '.join(BUILTIN)} or None, "
                              f"or register any hook with model.register_comm_hook(state, hook)")
         return BUILTIN[comm_hook]
-    raise TypeError(f"comm_hook={comm_hook!r}: the constructor takes None, 'fp16', 'bf16' or 'none'. Register a "
-                    f"hook of your own with model.register_comm_hook(state, hook), torch's contract: "
+    raise TypeError(f"comm_hook={comm_hook!r}: the constructor takes None, 'fp16', 'bf16', 'powersgd' or 'none'. "
+                    f"Register a hook of your own with model.register_comm_hook(state, hook), torch's contract: "
                     f"hook(state, bucket) -> torch.futures.Future of the reduced bucket.buffer(). (The old "
                     f"hook(flat, algorithm) signature is no longer called: reduce bucket.buffer() in place and "
                     f"return a completed Future holding it.)")

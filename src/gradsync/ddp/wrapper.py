@@ -48,13 +48,15 @@ from gradsync.ddp import hooks, torch_arguments
 from gradsync.ddp.buckets import default_limits
 from gradsync.ddp.group import ReplicaGroup
 from gradsync.ddp.mixed_precision import MixedPrecisionCasts
+from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.uneven_inputs import DDPJoinHook, common_rank, vote
 from gradsync.replicas import ReplicaMismatchError, broadcast_coalesced, first_mismatch, verify_same_model
 
 __all__ = ["DistributedDataParallel", "ReplicaMismatchError"]
 
-_OWN_HOOKS = (hooks.allreduce_average, hooks.fp16_compress, hooks.bf16_compress, hooks.reduce_in_dtype)
+_OWN_HOOKS = (hooks.allreduce_average, hooks.fp16_compress, hooks.bf16_compress, hooks.reduce_in_dtype,
+              powersgd_hook)
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -102,6 +104,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._broadcast_state(src=0, buffers=True)
         self.precision = None
         state = hooks.ReduceState(self.group, algorithm)
+        if hook is powersgd_hook:
+            state = PowerSGDState(group=self.group, algorithm=algorithm)
+            state.check_rank_fits([p for _, p in named])
         if mixed_precision is not None:
             if hook is not hooks.allreduce_average:
                 raise RuntimeError(f"DistributedDataParallel: mixed_precision reduces through its own hook, so "

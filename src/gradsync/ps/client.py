@@ -6,7 +6,8 @@
               Sparse tables: ``rows`` maps a table's name to the row ids wanted (deduplicated here);
               each server gets a ROWS section naming its rows (r mod S == s) and answers with exactly
               those rows, written into the local table; other rows keep whatever they held. A table
-              left out of ``rows`` fetches nothing; ``rows=None`` fetches every table whole.
+              left out of ``rows`` fetches nothing; ``rows=None`` fetches every table whole, each
+              section flagged FLAG_WHOLE_TABLE instead of listing the rows (a header's worth).
     push()    from each server's pieces of the gradients: PUSH header (the version the gradient was
               computed on, a checksum) + payload, then per sparse table the server's share of the
               gradient's unique touched rows (ids + values; sparse_wire.py). Then the gradients are
@@ -66,14 +67,16 @@ class Client:
     def pull(self, rows: dict | None = None) -> None:
         self._check_open("pull")
         wanted = self._split_rows(self._wanted_rows(rows))
+        whole = rows is None
         started = time.monotonic()
         sends = []
         for server in self.servers:
-            sections = [sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None)
+            sections = [sparse_wire.section_header(sparse_wire.REQUEST_SECTION, self.rank, server, spec, ids, None,
+                                                   whole=whole)
                         for (spec, _), ids in zip(self.tables, wanted[server])]
             sends.append((self._send_header(server, Header(wire.PULL, self.rank, self.clock, server), sections),
                           server))
-            body = sparse_wire.pack(wanted[server], [])
+            body = sparse_wire.pack([] if whole else wanted[server], [])
             if body.numel():
                 sends.append((self.transport.isend(body, server, "ps/pull/ids", tag=self.channel.payload_tag), server))
         # Every server's answer is received at once: a receive posted only after the previous server's

@@ -282,13 +282,18 @@ class Server(Applying, Answering):
         """Per table, (local row ids, gradient rows or None for a pull request) out of a received body,
         once its checksums and ids are checked."""
         where = f"server rank {self.rank}"
-        parts = sparse_wire.unpack(body, section, [t.spec for t in self.tables], [h.numel for h in headers],
-                                   self.shard.dtype)
+        parts = sparse_wire.unpack(body, section, [t.spec for t in self.tables],
+                                   [sparse_wire.listed_rows(h) for h in headers], self.shard.dtype)
+        checked = []
         for table, header, (ids, values) in zip(self.tables, headers, parts):
             sparse_wire.check_section_payload(header, ids, values, sender, where)
+            if sparse_wire.whole_table(header):   # every row held, in local order
+                checked.append((torch.arange(table.rows_held, dtype=torch.int64), values))
+                continue
             sparse_wire.check_ids(ids, table.spec, self.rank, self.num_servers, sender, where,
                                   unique=values is not None)
-        return [(table.local(ids), values) for table, (ids, values) in zip(self.tables, parts)]
+            checked.append((table.local(ids), values))
+        return checked
 
     def _pull_request(self, sender: int, message: torch.Tensor) -> list[torch.Tensor]:
         """The local rows a PULL asks for, per table (its ids body read at once)."""

@@ -14,7 +14,13 @@ one buffer (pack, unpack):
     section            direction          parts in the body               bytes per row   meter op
     push               worker -> server   ids (k int64), values (k x D)   8 + D*esize     ps/push
     pull request       worker -> server   ids (k int64)                   8               ps/pull/ids
+    whole-table pull   worker -> server   nothing (FLAG_WHOLE_TABLE)      0               -
     pull answer        server -> worker   values (k x D), in request order D*esize        ps/pull
+
+A pull of a whole table (``pull()``, rows=None) names no rows: its section carries FLAG_WHOLE_TABLE
+(protocol.py), k = every row the server holds and nbytes 0, and the server answers its block in
+local order (global ids s, s+S, ...). Listing them would cost 8 bytes a row per pull for nothing:
+160 kB per worker per pull of a 20,000-row table, all received by the server.
 
 Section headers inside the header message and one body for all tables, rather than a message per
 header and per part: every message of the transport costs a round of its own (on
@@ -43,10 +49,24 @@ def bytes_per_row(section: str, spec: TableSpec) -> int:
 
 
 def section_header(section: str, sender: int, server: int, spec: TableSpec, ids: torch.Tensor | None,
-                   values: torch.Tensor | None) -> Header:
+                   values: torch.Tensor | None, whole: bool = False) -> Header:
+    """The ROWS header of one table's section; ``whole``: a pull request for every row ``server`` holds
+    (``ids`` are those rows: only their count travels)."""
     k = (ids if ids is not None else values).shape[0]
+    if whole:
+        return Header(wire.ROWS, sender, spec.index, server, k, 0, 0, wire.FLAG_WHOLE_TABLE)
     total = (wire.checksum(ids) if ids is not None else 0) + (wire.checksum(values) if values is not None else 0)
     return Header(wire.ROWS, sender, spec.index, server, k, k * bytes_per_row(section, spec), total)
+
+
+def whole_table(header: Header) -> bool:
+    """A pull request for every row the server holds (its ids do not travel)."""
+    return bool(header.flags & wire.FLAG_WHOLE_TABLE)
+
+
+def listed_rows(header: Header) -> int:
+    """Rows of the section whose ids travel in the body: none for a whole-table request."""
+    return 0 if whole_table(header) else header.numel
 
 
 def decode_sections(message: torch.Tensor, tables: int, seen_from: int) -> list[Header]:
@@ -82,6 +102,12 @@ def check_section_header(header: Header, section: str, spec: TableSpec, server: 
     if header.kind != wire.ROWS or header.version != spec.index or header.shard != server:
         raise ProtocolError(f"{where}: expected the ROWS section of table {spec.name} (#{spec.index}) for shard "
                             f"{server}, got {header.describe()}; refused", seen_from)
+    if whole_table(header):
+        if section != REQUEST_SECTION or header.numel != rows_held or header.nbytes or header.checksum:
+            raise ProtocolError(f"{where}: {header.describe()}: a whole-table flag belongs only on a pull request, "
+                                f"for all {rows_held} rows shard {server} holds of table {spec.name}, with no bytes "
+                                f"and no checksum; refused", seen_from)
+        return
     if header.numel > rows_held or header.nbytes != header.numel * bytes_per_row(section, spec):
         raise ProtocolError(
             f"{where}: {header.describe()}: a {section} section of table {spec.name} carries at most {rows_held} "

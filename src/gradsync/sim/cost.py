@@ -48,6 +48,14 @@ backward pass takes b = backward_share * c):
                   wire, moves the bytes): ps-async's server wire time is W*M/S*beta*D
     ring, halving_doubling, tree, naive, hierarchical
                   step = c + T_allreduce(M)                  (no overlap with backward)
+    powersgd      ddp/powersgd.py: each step three ring all-reduces one after another, the factors
+                  P and Q and the uncompressed tensors, rho*M bytes in all (rho: the compressed share
+                  of the gradient, ``powersgd_ratio``; sum over matrices of (n + m) r / (n m)):
+                  T_comm = 3 * 2(N-1)*alpha + 2(N-1)/N*rho*M*beta + (N-1)/N*rho*M*gamma;
+                  step = c + T_comm (no overlap; the factorisation's own flops, 4 n m r a matrix,
+                  are left out). Busiest link: 2(N-1)/N*rho*M
+    diloco        diloco.py: one ring all-reduce of M every H steps (``sync_every``):
+                  step = c + T_ring(M)/H; busiest link: 2(N-1)/(N H)*M a step
     ddp           ring all-reduce per bucket of B bytes, overlapped with backward. Bucket k of K
                   (reverse order) is ready when backward has produced its bytes:
                   ready_k = (c - b) + b * (k+1)*B/M;  start_k = max(ready_k, end_{k-1});
@@ -80,7 +88,8 @@ import math
 from dataclasses import dataclass
 
 ALGORITHMS = ("ring", "halving_doubling", "tree", "naive")
-STRATEGIES = ("ps", "ps-async", "ring", "halving_doubling", "tree", "naive", "hierarchical", "ddp")
+STRATEGIES = ("ps", "ps-async", "ring", "halving_doubling", "tree", "naive", "hierarchical", "ddp", "powersgd",
+              "diloco")
 
 
 @dataclass(frozen=True)
@@ -196,11 +205,12 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
                   ranks_per_host: int = 8, intra: Link | None = None, bucket_bytes: float = 25 * 2**20,
                   backward_share: float = 2 / 3, ps_server: str = "pipelined",
                   host_s_per_byte: float = 0.0, server_update_s: float = 0.0,
-                  duplex: float = 1.0) -> StrategyCost:
+                  duplex: float = 1.0, powersgd_ratio: float = 0.01, sync_every: int = 8) -> StrategyCost:
     """One strategy's cost per training step (formulas in the module docstring). ``ps_server``
     (strategy "ps"): "pipelined" overlaps pulls with pushes, "serial" (gradsync's server) does not.
     ``host_s_per_byte``: the host term; ``server_update_s``: a PS server's update seconds per step;
-    ``duplex``: the server link's duplex factor (module docstring)."""
+    ``duplex``: the server link's duplex factor; ``powersgd_ratio``: the share of the gradient
+    PowerSGD sends; ``sync_every``: DiLoCo's H (module docstring)."""
     if workers < 1 or servers < 1 or compute_s <= 0 or nbytes <= 0:
         raise ValueError(f"need workers >= 1, servers >= 1, compute > 0, bytes > 0; got workers={workers}, "
                          f"servers={servers}, compute={compute_s}, bytes={nbytes}")
@@ -242,4 +252,17 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
         return StrategyCost(strategy, allreduce_bytes_per_rank("ring", m, w), exposed, step, c / step,
                             f"{math.ceil(nbytes / bucket_bytes)} buckets of {bucket_bytes / 2**20:g} MiB, overlapped "
                             f"with backward")
+    if strategy == "powersgd":
+        if not 0 < powersgd_ratio <= 1:
+            raise ValueError(f"powersgd_ratio is the share of the gradient sent, in (0, 1]; got {powersgd_ratio}")
+        sent = powersgd_ratio * m
+        comm = allreduce_time("ring", sent, w, link) + 2 * 2 * (w - 1) * link.alpha   # + the P and Q phases' messages
+        return StrategyCost(strategy, allreduce_bytes_per_rank("ring", sent, w), comm, c + comm, c / (c + comm),
+                            f"{powersgd_ratio:.3g} of the gradient, three all-reduces a step")
+    if strategy == "diloco":
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every (DiLoCo's H) must be an integer >= 1, got {sync_every!r}")
+        comm = allreduce_time("ring", m, w, link) / sync_every
+        return StrategyCost(strategy, allreduce_bytes_per_rank("ring", m, w) / sync_every, comm, c + comm,
+                            c / (c + comm), f"one all-reduce of M every {sync_every} steps")
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")

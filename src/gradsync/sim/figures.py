@@ -1,10 +1,12 @@
 """gradsync figures: what the cost model (cost.py) says at cluster scale, as PNG figures plus the CSV behind each.
 
     traffic_vs_ranks.png     bytes per step through the parameter server's link (W*M in, W*M out)
-                             against one ring rank (2(N-1)/N*M sent), N = 2 .. 1024, M = 14 GB
-                             (7B parameters, bf16 gradients)
-    step_time_vs_ranks.png   step time of sync PS, ring all-reduce and DDP (25 MiB buckets) at
-                             10, 100 and 400 Gbit/s, 250 ms of compute, N = 2 .. 1024
+                             against one ring rank (2(N-1)/N*M sent), a PowerSGD rank (1% of M)
+                             and a DiLoCo rank (H = 8), N = 2 .. 1024, M = 14 GB (7B parameters,
+                             bf16 gradients)
+    step_time_vs_ranks.png   step time of sync PS, ring all-reduce, DDP (25 MiB buckets), PowerSGD
+                             (1% of the gradient sent) and DiLoCo (H = 8) at 10, 100 and 400
+                             Gbit/s, 250 ms of compute, N = 2 .. 1024
     bucket_size.png          DDP step time against bucket size: many tiny buckets pay 2(N-1)*alpha
                              each, one giant bucket cannot start before backward ends (100M fp32
                              parameters, N = 64, 100 Gbit/s, alpha 20 us)
@@ -44,12 +46,18 @@ def _plt():
 
 
 def traffic_vs_ranks(out: Path) -> Path:
-    rows = [[n, n * GRADIENT_BYTES, 2 * (n - 1) / n * GRADIENT_BYTES] for n in RANKS]
-    _write_csv(out / "traffic_vs_ranks.csv", ["ranks", "ps_server_link_bytes_each_way", "ring_rank_bytes_sent"], rows)
+    link = Link()
+    rows = [[n, n * GRADIENT_BYTES, 2 * (n - 1) / n * GRADIENT_BYTES,
+             strategy_cost("powersgd", GRADIENT_BYTES, n, link, COMPUTE_S).busiest_link_bytes,
+             strategy_cost("diloco", GRADIENT_BYTES, n, link, COMPUTE_S).busiest_link_bytes] for n in RANKS]
+    _write_csv(out / "traffic_vs_ranks.csv", ["ranks", "ps_server_link_bytes_each_way", "ring_rank_bytes_sent",
+                                              "powersgd_rank_bytes_sent", "diloco_rank_bytes_sent_per_step"], rows)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.loglog(RANKS, [r[1] / 1e9 for r in rows], "o-", label="parameter server link: W x M each way")
     ax.loglog(RANKS, [r[2] / 1e9 for r in rows], "s-", label="ring all-reduce, per rank: 2(N-1)/N x M")
+    ax.loglog(RANKS, [r[3] / 1e9 for r in rows], "v-", label="PowerSGD (1% of M sent), per rank")
+    ax.loglog(RANKS, [r[4] / 1e9 for r in rows], "D-", label="DiLoCo (H = 8), per rank and step")
     ax.set(title="Bytes per step, 7B model, bf16 gradients (M = 14 GB)", xlabel="workers N",
            ylabel="GB per step (log)")
     ax.grid(True, which="both", alpha=0.3)
@@ -63,7 +71,7 @@ def step_time_vs_ranks(out: Path) -> Path:
     rows = []
     for gbit, style in ((10, ":"), (100, "--"), (400, "-")):
         link = Link(alpha=5e-6, beta=8 / (gbit * 1e9), gamma=0.0)
-        for strategy, marker in (("ps", "o"), ("ring", "s"), ("ddp", "^")):
+        for strategy, marker in (("ps", "o"), ("ring", "s"), ("ddp", "^"), ("powersgd", "v"), ("diloco", "D")):
             times = [strategy_cost(strategy, GRADIENT_BYTES, n, link, COMPUTE_S).step_s for n in RANKS]
             rows += [[gbit, strategy, n, t] for n, t in zip(RANKS, times)]
             ax.loglog(RANKS, times, style, marker=marker, markersize=3, label=f"{strategy}, {gbit} Gbit/s")

@@ -12,8 +12,8 @@ from gradsync.comm.collectives import ALGORITHMS
 from gradsync.train.datasets import DATASETS
 from gradsync.train.models import MODELS
 
-STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local")
-COMPRESSION = ("none", "fp16", "bf16")
+STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local", "diloco")
+COMPRESSION = ("none", "fp16", "bf16", "powersgd")
 LR_SCALING = ("none", "linear")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "none")
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
@@ -26,8 +26,9 @@ SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
 class TrainConfig:
     workers: int = 2
     """Local worker processes (ignored under torchrun, which sets the world)."""
-    strategy: Literal["ddp", "ps-sync", "ps-async", "ssp", "zero1", "local"] = "ddp"
-    """How gradients become one update; 'local' is one process, no communication."""
+    strategy: Literal["ddp", "ps-sync", "ps-async", "ssp", "zero1", "local", "diloco"] = "ddp"
+    """How gradients become one update; 'local' is one process, no communication; 'diloco': each
+    worker trains alone and the parameters are averaged every ``sync_every`` steps (diloco.py)."""
     algorithm: Literal["auto", "ring", "halving_doubling", "tree", "naive", "native"] = "auto"
     """All-reduce algorithm for ddp."""
     servers: int = 1
@@ -54,8 +55,17 @@ class TrainConfig:
     """Steps of linear learning-rate warm-up from 0 (0: none)."""
     bucket_mb: float = 25.0
     """DDP bucket cap in MiB."""
-    compress: Literal["none", "fp16", "bf16"] = "none"
-    """Gradient compression on the wire (ddp)."""
+    compress: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """Gradient compression on the wire (ddp): fp16 / bf16 casts, or PowerSGD's rank-r factors
+    (ddp/powersgd.py; uncompressed for the first 10 steps)."""
+    powersgd_rank: int = 2
+    """PowerSGD's approximation rank r (--compress powersgd)."""
+    sync_every: int = 8
+    """DiLoCo's H: inner steps each worker takes alone between outer steps (--strategy diloco)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (Nesterov SGD on the averaged pseudo-gradient; the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer momentum (the paper's 0.9)."""
     clip_grad: float | None = None
     """Largest total 2-norm of the averaged gradient a step applies (torch.nn.utils.clip_grad_norm_ on one
     process with the global batch; where each strategy takes the norm: clip_site()); None: no clipping."""
@@ -155,6 +165,19 @@ class TrainConfig:
             raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: a parameter-server "
                                f"job checkpoints on preemption and at its end only (its servers and workers reach a "
                                f"common point only when they stop); use ddp, zero1 or local")
+        for name in ("powersgd_rank", "sync_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} and "
+                             f"{self.outer_momentum}")
+        if self.compress == "powersgd" and self.strategy != "ddp":
+            raise RuntimeError(f"--compress powersgd compresses the gradients DDP all-reduces; --strategy "
+                               f"{self.strategy} sends none that way (use --strategy ddp)")
+        if self.strategy == "diloco" and self.compress != "none":
+            raise RuntimeError(f"--strategy diloco averages parameters every --sync-every steps, not gradients: "
+                               f"--compress {self.compress} does not apply (use --compress none)")
         if self.strategy == "local" and self.workers != 1:
             raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()
@@ -177,7 +200,8 @@ class TrainConfig:
                 "zero1": "ShardedOptimizer.clip_grad_norm_: shard norms, 1 scalar all-reduce",
                 "ps-sync": "on the servers, the version's averaged gradient, norm over all shards",
                 "ps-async": "on each worker, its own push",
-                "ssp": "on each worker, its own push"}[self.strategy]
+                "ssp": "on each worker, its own push",
+                "diloco": "torch's clip_grad_norm_ on each worker's own gradient, every inner step"}[self.strategy]
 
     def default_lr(self) -> float:
         return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3, "word2vec": 0.2}[self.model]

@@ -41,7 +41,9 @@ from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.common import build_optimizer, clip_gradients, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
+from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.train.datasets import build_dataset
+from gradsync.train.diloco_job import DiLoCoJob
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
 from gradsync.train.models import build_model
 from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, signal_number
@@ -128,11 +130,18 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if cfg.strategy == "zero1":
         optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
         wrapped = _Unwrapped(model, optimizer)
+    elif cfg.strategy == "diloco":
+        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
+        wrapped = DiLoCoJob(cfg, model, optimizer)
     else:
         wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
-                                             comm_hook=None if cfg.compress == "none" else cfg.compress)
+                                             comm_hook=None if cfg.compress in ("none", "powersgd") else cfg.compress)
+        if cfg.compress == "powersgd":
+            wrapped.register_comm_hook(PowerSGDState(rank=cfg.powersgd_rank, algorithm=cfg.algorithm), powersgd_hook)
         optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
     step, epoch, position = resume.apply(saved, model, optimizer) if saved else (0, 0, 0)
+    if saved and cfg.strategy == "diloco":
+        wrapped.load_replica(cfg.out, saved)
     if cfg.steps is not None:
         total_steps = cfg.steps
     elif epoch < cfg.epochs:
@@ -162,6 +171,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         on; ``background`` False (preemption: the job exits next) writes it before returning."""
         written = time.perf_counter()
         state = resume.state_of(cfg, plan, model, optimizer, step, epoch, position, w.world_size)  # collective for zero1
+        if cfg.strategy == "diloco":   # the replicas differ between outer steps: each rank saves its own
+            state["diloco"] = wrapped.diloco.state_dict()
+            wrapped.save_replica(cfg.out, step)
         if w.rank == 0 and background:
             writer.submit(Path(cfg.out) / CHECKPOINT_NAME, checkpoint.snapshot(state))
         elif w.rank == 0:
@@ -192,6 +204,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             grad_norm = clip_gradients(cfg, model, optimizer)
             with trace.span("optimizer step", "compute"):
                 optimizer.step()
+            if cfg.strategy == "diloco":
+                wrapped.after_step()
             step += 1
             position += step_size
             elapsed = time.perf_counter() - step_started
@@ -208,6 +222,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             if due and step < total_steps and position < cursor.n:  # at an epoch's end the epoch's save follows
                 save(step, epoch, position)
         finished_epoch = position >= cursor.n
+        if cfg.strategy == "diloco":
+            wrapped.end_epoch()
         evaluation = evaluate(cfg, model, test_set)
         report.epoch(epoch, step, evaluation)
         if finished_epoch:

@@ -53,7 +53,9 @@ class BatchPlan:
     def fresh(cls, cfg: TrainConfig, workers: int) -> "BatchPlan":
         base_lr = cfg.lr or cfg.default_lr()
         global_batch = cfg.batch_size * cfg.grad_accum * workers
-        peak_lr = base_lr * (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
+        # DiLoCo's workers each step alone, on their own batch: their learning rate is not scaled
+        scaled = cfg.lr_scaling == "linear" and cfg.strategy != "diloco"
+        peak_lr = base_lr * (global_batch / cfg.batch_size if scaled else 1.0)
         return cls(cfg.batch_size, cfg.grad_accum, workers, base_lr, peak_lr)
 
     @classmethod
