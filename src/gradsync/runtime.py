@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import join, stall
-from gradsync.world_info import (DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts,  # noqa: F401 - re-exported
-                                 register_group, release_group, transfer_group)
+from gradsync.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
+from gradsync.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
