@@ -31,9 +31,8 @@ def die_on_rank(bad_rank):
 
 
 def record_pid_then_hang(path):
-    """Every rank writes its pid to ``path.RANK``; rank 0 gives up once all have (ranks reach this
-    line at different times: they load gradsync's public names at their first gs.world()), the
-    others hang."""
+    """Every rank writes its pid to ``path.RANK``; rank 0 gives up once all have (were it to give up
+    at once, the launcher could stop a rank that has not written its pid yet), the others hang."""
     w = gs.world()
     with open(f"{path}.{w.rank}.tmp", "w") as f:
         f.write(str(os.getpid()))
@@ -64,15 +63,19 @@ def what_the_launcher_gave(name):
     return os.environ.get(name), int(numpy.random.randint(2**31))
 
 
-def transport_made_at_init():
-    """The class of the world's transport as init() left it, before this rank asked for one (None: not
-    made yet). This module imports nothing of gradsync.comm, and the forkserver only the package: the
-    transport's init hook reaches the rank with the launcher's."""
+def what_init_did():
+    """Whether the package's public names were loaded before this function ran (this module imports
+    only the package, and the forkserver preloads only that), and the class of the world's transport
+    as init() left it, before this rank asked for one (None: not made yet). Both reach the rank with
+    the launcher's init hooks."""
+    import sys
+
+    loaded = all(module in sys.modules for module in ("gradsync.ddp.wrapper", "gradsync.ps", "gradsync.zero"))
     from gradsync import runtime
     from gradsync.comm import world_transport
 
     made = world_transport._TRANSPORTS.get(id(runtime.world()))
-    return None if made is None else type(made).__name__
+    return loaded, None if made is None else type(made).__name__
 
 
 def stall_fail_and_wait():

@@ -34,9 +34,9 @@ and gradsync once (START_PRELOAD), so a rank starts in a fraction of a second in
 importing torch again (about 2 s of CPU each); elsewhere they are spawned. A forked rank takes
 the launcher's environment, working directory, sys.path, stdout and stderr as they are at the
 call (as a spawned one would), not as they were when the forkserver started, and the launcher's
-init hooks (runtime.on_init: the communication layer's transport connects there; passed by
-reference, so their modules are imported in the rank), so runtime.init() connects it in every rank
-as it did in the launcher. Its parent is the
+init hooks (passed by reference, so their modules are imported in the rank): runtime.init() then
+loads the package's public names before the ranks meet (runtime.before_init) and connects the
+world's transport (runtime.on_init) in every rank, as in the launcher. Its parent is the
 forkserver, which exits when the launcher does, so PR_SET_PDEATHSIG still leaves no orphans.
 """
 

@@ -45,12 +45,20 @@ BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
 _WORLD: World | None = None
+_BEFORE_INIT: list[Callable[[], None]] = []
 _ON_INIT: list[Callable[[World], None]] = []
 _ON_SHUTDOWN: list[Callable[[], None]] = []
 
 
 _JOINED = [0]
 """id() of the torch default group gradsync joined: world() notices when the program replaced it."""
+
+
+def before_init(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` at the start of every init(), before the ranks meet (the package loads its public
+    names there, so a spawned rank has them before the rendezvous, as its launcher had). Once per hook."""
+    if hook not in _BEFORE_INIT:
+        _BEFORE_INIT.append(hook)
 
 
 def on_init(hook: Callable[[World], None]) -> None:
@@ -63,14 +71,16 @@ def on_shutdown(hook: Callable[[], None]) -> None:
     _ON_SHUTDOWN.append(hook)
 
 
-def hooks() -> tuple[list, list]:
-    """The init and shutdown hooks of this process, for a launcher to hand to its ranks (launch.py)."""
-    return list(_ON_INIT), list(_ON_SHUTDOWN)
+def hooks() -> tuple[list, list, list]:
+    """The before-init, init and shutdown hooks of this process, for a launcher to hand to its ranks
+    (launch.py)."""
+    return list(_BEFORE_INIT), list(_ON_INIT), list(_ON_SHUTDOWN)
 
 
-def add_hooks(init_hooks: list, shutdown_hooks: list) -> None:
+def add_hooks(before_hooks: list, init_hooks: list, shutdown_hooks: list) -> None:
     """Register those of ``hooks()``'s lists that are not registered here yet (a module that registers its
     own when imported has already done so when they were unpickled)."""
+    _BEFORE_INIT.extend(h for h in before_hooks if h not in _BEFORE_INIT)
     _ON_INIT.extend(h for h in init_hooks if h not in _ON_INIT)
     _ON_SHUTDOWN.extend(h for h in shutdown_hooks if h not in _ON_SHUTDOWN)
 
@@ -154,6 +164,8 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     raises, because two process groups with different shapes cannot both be right.
     """
     global _WORLD
+    for hook in list(_BEFORE_INIT):
+        hook()
     if _WORLD is None and dist.is_initialized():
         _WORLD = join.join_default_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size,
                                          local_rank=local_rank, local_world_size=local_world_size, debug=debug)
