@@ -35,8 +35,6 @@ def test_ddp_of_something_that_is_not_a_module(world):
     ({"device_ids": [0, 1]}, ValueError, "device_ids=[0, 1]: give None or exactly one device, the one the module is on (cpu)"),
     ({"device_ids": [0]}, ValueError, "device_ids=[0] but the module is on cpu; move the module there first"),
     ({"output_device": "cuda:1"}, ValueError, "output_device='cuda:1' but the module is on cpu"),
-    ({"mixed_precision": object()}, RuntimeError, "mixed_precision is not supported by gradsync's wrapper; use "
-                                                  "comm_hook='fp16' or 'bf16'"),
     ({"device_mesh": object()}, RuntimeError, "device_mesh is not supported by gradsync's wrapper"),
     ({"bucket_view": True}, TypeError, "unexpected keyword arguments bucket_view"),
 ])

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from gradsync.sim.cost import STRATEGIES
+
 
 def _piped(args: list[str], columns: str | None = None, cwd=None) -> list[str]:
     """stdout lines of ``gradsync ARGS`` run with stdout a pipe (not a terminal)."""
@@ -21,11 +23,11 @@ def _piped(args: list[str], columns: str | None = None, cwd=None) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_a_table_in_a_pipe_keeps_each_row_on_one_line():
-    # 8 strategies, 8 rows; the ps row's note ("1 server(s), each ... in and out; push-then-pull server: ...")
+    # one row per strategy of the cost model; the ps row's note ("1 server(s), each ... in and out; push-then-pull server: ...")
     # is longer than 80 columns leave it, so a wrapped table splits it over two lines
     lines = _piped(["simulate", "--params", "7B", "--workers", "64"])
     rows = [line for line in lines if line.startswith("│")]
-    assert len(rows) == 8, "\n".join(lines)
+    assert len(rows) == len(STRATEGIES), "\n".join(lines)
     ps_row = next(row for row in rows if row.split("│")[1].strip() == "ps")
     assert "server(s)" in ps_row and "push-then-pull server" in ps_row, ps_row
     assert len({len(line) for line in lines[1:]}) == 1   # every line below the title is the table's width

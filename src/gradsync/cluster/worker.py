@@ -8,7 +8,8 @@ Run by torchrun inside each emulated host (cluster/jobs.py starts it; not meant 
 Vocabulary
     model     two Linear(d, d) layers, d = round(sqrt(P/2)) rounded to even (P = --params), batch 8:
               little compute per byte of gradient, so the network sets the pace
-    rep       ``steps`` training steps between two barriers; rep 0 is an untimed warm-up of one step
+    rep       ``steps`` training steps between two barriers; rep 0 is an untimed warm-up of one step (two
+              for DDP, whose second step rebuilds its buckets once)
     wall      a rep's time on the slowest rank, from the barrier to its last step (PS workers: to
               close(), which returns once the server has taken every push)
     update    a server's seconds in its optimizer steps during a rep (Server.stats()["update_seconds"]:
@@ -172,7 +173,9 @@ def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
             _loss(ddp, x, y).backward()
             optimizer.step()
 
-    reps = [_window(run_steps, 1 if rep == 0 else args.steps) for rep in range(args.reps + 1)]
+    # warm-up of two steps: the second one's forward rebuilds the buckets in the ready order (once,
+    # a broadcast of the order, as torch's DDP does), so the timed reps hold only the steady state
+    reps = [_window(run_steps, 2 if rep == 0 else args.steps) for rep in range(args.reps + 1)]
     return reps[1:], "rank"
 
 
