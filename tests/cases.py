@@ -143,7 +143,7 @@ def all_reduce_against_broadcast(numel: int):
 
 def any_source_case():
     """Rank 0 receives one message from every other rank without naming the sender."""
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
     w, transport = gs.world(), default_transport()
     if w.rank != 0:
         transport.isend(torch.full((3,), float(w.rank)), 0, "test/any").wait()
@@ -158,7 +158,7 @@ def any_source_case():
 
 def transport_kind() -> str:
     """The class of the transport this rank's collectives use."""
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
     return type(default_transport()).__name__
 
 
@@ -274,7 +274,7 @@ def segmented_case(numel: int, dtype: torch.dtype, op: str, segment_bytes: int):
     chunk crosses many segments (the pipelined path), against folded()."""
     from gradsync.comm.allreduce_ring import all_gather_ring, allreduce_ring, reduce_scatter_ring
     from gradsync.comm.reduce_ops import REDUCTIONS
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     w, transport = gs.world(), default_transport()
     reduction = REDUCTIONS[op]
@@ -366,7 +366,7 @@ def hierarchical_over_pretend_hosts(hosts: tuple, cases: list) -> list:
     import hashlib
 
     from gradsync.comm.collectives import Place, all_reduce_in
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     w = gs.world()
     place = Place(dataclasses.replace(w, hosts=hosts), PretendHosts(default_transport(), hosts))

@@ -307,7 +307,7 @@ def traced_overlap(steps):
 def zero_copy_train(steps, local_batch, bucket_cap_mb):
     """big_mlp in float64 on this rank's shard; per bucket: whether it lives in a shared region, its
     bytes; per step: the payload bytes this rank received; and the final parameters."""
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     w = gs.world()
     model = make_model("big_mlp", torch.float64, seed=w.rank)
@@ -331,7 +331,7 @@ def zero_copy_train(steps, local_batch, bucket_cap_mb):
 
 def region_against_plain(numel):
     """Every rank allocates a shared region; rank 1 then all-reduces a plain copy instead of it."""
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     region = default_transport().regions.allocate(numel, torch.float32)
     region.fill_(1.0)

@@ -145,7 +145,7 @@ def bad_inputs() -> dict:
 subgroup = dist.new_group([0])  # collective: every rank makes it, only rank 0 is in it
 result = {"rank": RANK, "world_size": N,
           "joined": gs.world().rank == RANK and gs.world().world_size == N,
-          "transport": type(__import__("gradsync.comm.transport", fromlist=["x"]).default_transport()).__name__,
+          "transport": type(__import__("gradsync.comm.world_transport", fromlist=["x"]).default_transport()).__name__,
           "ddp_no_sync": compare_ddp("no_sync"), "ddp_flag": compare_ddp("flag"), "zero1": compare_zero1(),
           "collectives": compare_collectives(), "ps": compare_parameter_server(), "errors": bad_inputs()}
 gs.shutdown()

@@ -7,7 +7,7 @@ import os
 import torch
 
 import gradsync as gs
-from gradsync.comm.transport import default_transport
+from gradsync.comm.world_transport import default_transport
 
 w = gs.init(timeout=60)
 n = 1 << 20  # 8 MiB of float64: exact sums

@@ -10,7 +10,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.ps import protocol as wire
-from gradsync.comm.transport import default_transport
+from gradsync.comm.world_transport import default_transport
 from gradsync.ps.sharding import gather_shard
 
 import ddp_fns

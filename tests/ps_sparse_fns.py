@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.comm.transport import default_transport
+from gradsync.comm.world_transport import default_transport
 from gradsync.ps import protocol as wire
 from gradsync.ps import sparse_wire
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.comm.hold import current_cpu
-from gradsync.comm.transport import PeerError, default_transport
+from gradsync.comm.shm.hold import current_cpu
+from gradsync.comm.transport import PeerError
+from gradsync.comm.world_transport import default_transport
 
 
 def job_names() -> list[str]:
@@ -84,7 +85,7 @@ def detect_death(report_dir: str):
     import json
     import threading
 
-    from gradsync.comm import shm
+    from gradsync.comm.shm import waiting
 
     w = gs.world()
     if w.rank == 1:
@@ -98,7 +99,7 @@ def detect_death(report_dir: str):
         time.sleep(0.01)
     victim = int(pid_file.read_text())
     checks, observable = [], []
-    real_alive = shm._alive
+    real_alive = waiting.alive
 
     def recorded_alive(pid):
         started = time.monotonic()
@@ -117,7 +118,7 @@ def detect_death(report_dir: str):
             time.sleep(0.001)
         observable.append(time.monotonic())
 
-    shm._alive = recorded_alive
+    waiting.alive = recorded_alive
     killer = threading.Thread(target=kill_once_waiting, daemon=True)
     killer.start()
     try:
@@ -126,7 +127,7 @@ def detect_death(report_dir: str):
     except PeerError as exc:
         error, error_at = str(exc), time.monotonic()
     finally:
-        shm._alive = real_alive
+        waiting.alive = real_alive
     killer.join(10)
     Path(report_dir, "report.json").write_text(json.dumps(
         {"pid": victim, "checks": checks, "observable": observable[0] if observable else None,

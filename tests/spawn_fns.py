@@ -31,9 +31,18 @@ def die_on_rank(bad_rank):
 
 
 def record_pid_then_hang(path):
-    with open(f"{path}.{gs.world().rank}", "w") as f:
+    """Every rank writes its pid to ``path.RANK``; rank 0 gives up once all have (were it to give up
+    at once, the launcher could stop a rank that has not written its pid yet), the others hang."""
+    w = gs.world()
+    with open(f"{path}.{w.rank}.tmp", "w") as f:
         f.write(str(os.getpid()))
-    if gs.world().rank == 0:
+    os.replace(f"{path}.{w.rank}.tmp", f"{path}.{w.rank}")
+    if w.rank == 0:
+        deadline = time.monotonic() + 30.0
+        while not all(os.path.exists(f"{path}.{r}") for r in range(w.world_size)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank wrote its pid within 30 s")
+            time.sleep(0.01)
         raise RuntimeError("rank 0 gives up")
     time.sleep(120)
 
@@ -52,6 +61,21 @@ def what_the_launcher_gave(name):
 
     print(f"rank {gs.world().rank} writes to the launcher's stdout", flush=True)
     return os.environ.get(name), int(numpy.random.randint(2**31))
+
+
+def what_init_did():
+    """Whether the package's public names were loaded before this function ran (this module imports
+    only the package, and the forkserver preloads only that), and the class of the world's transport
+    as init() left it, before this rank asked for one (None: not made yet). Both reach the rank with
+    the launcher's init hooks."""
+    import sys
+
+    loaded = all(module in sys.modules for module in ("gradsync.ddp.wrapper", "gradsync.ps", "gradsync.zero"))
+    from gradsync import runtime
+    from gradsync.comm import world_transport
+
+    made = world_transport._TRANSPORTS.get(id(runtime.world()))
+    return loaded, None if made is None else type(made).__name__
 
 
 def stall_fail_and_wait():
@@ -76,7 +100,7 @@ def soak(calls, warmup, seed):
     from collections import Counter
 
     from gradsync.comm.collectives import ALGORITHMS
-    from gradsync.comm.transport import default_transport
+    from gradsync.comm.world_transport import default_transport
 
     rng = random.Random(seed)
     page = os.sysconf("SC_PAGE_SIZE")

@@ -218,9 +218,9 @@ def test_init_without_a_store_or_environment_is_a_clear_error():
 
 
 def test_unsupported_reduce_op_names_the_alternatives():
-    from gradsync.c10d.process_group import _op_name
+    from gradsync.c10d.arguments import op_name
 
     premul = dist._make_nccl_premul_sum(2.0)
     with pytest.raises(ValueError, match="not supported on CPU; choose one of SUM, AVG"):
-        _op_name(premul)
-    assert _op_name(dist.ReduceOp.BXOR) == "bxor" and _op_name(dist.ReduceOp.AVG) == "avg"
+        op_name(premul)
+    assert op_name(dist.ReduceOp.BXOR) == "bxor" and op_name(dist.ReduceOp.AVG) == "avg"

@@ -82,7 +82,7 @@ def test_shared_memory_all_reduce_refuses_tcp(monkeypatch):
 def test_a_dead_peer_is_noticed_by_its_liveness_check_without_a_launcher(tmp_path):
     import json
 
-    from gradsync.comm.shm import LIVENESS_SLICE
+    from gradsync.comm.shm.waiting import LIVENESS_SLICE
     from world_pool import RankFailure, WorldPool
 
     pool = WorldPool(2, timeout=30.0)
@@ -263,7 +263,7 @@ def test_a_wait_polls_long_only_on_the_main_thread_and_yields_where_ranks_outnum
     # every thread polls YIELD_SECONDS, yielding the core between polls
     import threading
 
-    from gradsync.comm import shm
+    from gradsync.comm.shm import waiting as shm
 
     assert shm.BACKGROUND_SPIN_SECONDS < shm.SPIN_SECONDS
     assert shm.poll_seconds(True) == shm.SPIN_SECONDS

@@ -98,6 +98,18 @@ def test_ranks_take_the_launchers_environment_and_stdout_at_each_call(monkeypatc
     assert all(f"rank {r} writes to the launcher's stdout" in out for r in range(2)), out
 
 
+@pytest.mark.timeout(120)
+def test_ranks_load_the_public_names_and_connect_their_transport_at_init(monkeypatch):
+    """Ranks init through runtime.init() (launch.py sits below the package and the communication
+    layer): they still load the public names before the ranks meet, so they start their work
+    together, and connect the transport there, because they take the launcher's init hooks."""
+    monkeypatch.delenv("GRADSYNC_TRANSPORT", raising=False)
+    from gradsync.comm.shm import doorbell
+
+    expected = "TorchTransport" if doorbell.supported() else "ShmTransport"
+    assert gs.spawn(spawn_fns.what_init_did, nprocs=2) == [(True, expected)] * 2
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nprocs must be an integer >= 1"):
         gs.spawn(spawn_fns.identity_and_state, nprocs=0)

@@ -28,8 +28,12 @@ __all__ = list(_SOURCES)
 
 
 def _load_public_names() -> None:
+    from gradsync import runtime
+
     for name, module in _SOURCES.items():
         globals()[name] = getattr(importlib.import_module(module), name)
+    # the ranks a launcher holding them spawns load them too, before they meet (runtime.before_init)
+    runtime.before_init(_load_public_names)
 
 
 def __getattr__(name: str):

@@ -36,7 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import world_info
+from gradsync.world_info import World
 
 CPU = torch.device("cpu")
 
@@ -65,7 +66,7 @@ def _check_explicit(*, backend, rank, world_size, existing_backend: str, existin
         raise _contradiction("backend", backend, existing_backend)
 
 
-def check_same(existing: runtime.World, *, backend, timeout, rank, world_size) -> None:
+def check_same(existing: World, *, backend, timeout, rank, world_size) -> None:
     """A repeated init() in a joined world: explicit settings must agree with the first."""
     _check_explicit(backend=backend, rank=rank, world_size=world_size, existing_backend=existing.backend,
                     existing_rank=existing.rank, existing_size=existing.world_size)
@@ -74,7 +75,7 @@ def check_same(existing: runtime.World, *, backend, timeout, rank, world_size) -
                            f"call gradsync.shutdown() first")
 
 
-def join_default_group(*, backend, timeout, rank, world_size, local_rank, local_world_size, debug) -> runtime.World:
+def join_default_group(*, backend, timeout, rank, world_size, local_rank, local_world_size, debug) -> World:
     """The World of this rank inside torch's default group (see the module docstring)."""
     default = dist.distributed_c10d._get_default_group()
     existing_backend = str(dist.get_backend())
@@ -82,7 +83,7 @@ def join_default_group(*, backend, timeout, rank, world_size, local_rank, local_
     _check_explicit(backend=backend, rank=rank, world_size=world_size, existing_backend=existing_backend,
                     existing_rank=my_rank, existing_size=n_ranks)
     if timeout is None:
-        timeout = group_timeout(default) or runtime.DEFAULT_TIMEOUT
+        timeout = group_timeout(default) or world_info.DEFAULT_TIMEOUT
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     timeout = float(timeout)
@@ -98,21 +99,22 @@ def join_default_group(*, backend, timeout, rank, world_size, local_rank, local_
 
 def world_on_store(store, rank: int, size: int, timeout: float, *, backend: str, generation: int, group_key: str,
                    local_rank: int | None = None, local_world_size: int | None = None, debug: bool | None = None,
-                   master_addr: str = "", master_port: int = 0) -> runtime.World:
+                   master_addr: str = "", master_port: int = 0) -> World:
     """A World of ``size`` ranks met through ``store`` (already private to it) in a program's
     torch.distributed: hosts exchanged, a private gloo group registered under ``group_key`` for
     transfers between hosts. local_rank / local_world_size default to this rank's place on its host.
     Used by join_default_group and by the backend's process groups (c10d/)."""
-    hosts = ((0,),) if size == 1 else runtime.exchange_hosts(store, rank, size, timeout)
+    hosts = ((0,),) if size == 1 else world_info.exchange_hosts(store, rank, size, timeout)
     host = next(group for group in hosts if rank in group)
-    runtime.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
-                                                            timedelta(seconds=timeout)))
-    return runtime.World(
+    world_info.register_group(group_key, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size,
+                                                               timedelta(seconds=timeout)))
+    return World(
         rank=rank, world_size=size, local_rank=host.index(rank) if local_rank is None else local_rank,
         local_world_size=len(host) if local_world_size is None else local_world_size, backend=backend,
         timeout=timeout, master_addr=master_addr, master_port=master_port,
-        debug=runtime.debug_from_env() if debug is None else bool(debug), store=store, hosts=hosts,
+        debug=world_info.debug_from_env() if debug is None else bool(debug), store=store, hosts=hosts,
         generation=generation, group_key=group_key, joined=True)
+
 
 def _env_int(given: int | None, variable: str) -> int | None:
     if given is not None:

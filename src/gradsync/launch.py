@@ -5,8 +5,8 @@ Recipe
        race between choosing a port and binding it);
     2. start N processes; each sets its rank's environment exactly as torchrun would (RANK,
        WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), asks the kernel to
-       kill it if its parent dies (PR_SET_PDEATHSIG: no orphans), runs gradsync.init(), then
-       fn(*args);
+       kill it if its parent dies (PR_SET_PDEATHSIG: no orphans), runs runtime.init()
+       (gradsync.init), then fn(*args);
     3. each rank saves its return value with torch.save into a private temporary directory
        (tensors and state dicts arrive intact after the rank exits) or, if fn raised, its
        traceback;
@@ -33,7 +33,10 @@ Start-up: on Linux the ranks are forked from a multiprocessing forkserver that h
 and gradsync once (START_PRELOAD), so a rank starts in a fraction of a second instead of
 importing torch again (about 2 s of CPU each); elsewhere they are spawned. A forked rank takes
 the launcher's environment, working directory, sys.path, stdout and stderr as they are at the
-call (as a spawned one would), not as they were when the forkserver started. Its parent is the
+call (as a spawned one would), not as they were when the forkserver started, and the launcher's
+init hooks (passed by reference, so their modules are imported in the rank): runtime.init() then
+loads the package's public names before the ranks meet (runtime.before_init) and connects the
+world's transport (runtime.on_init) in every rank, as in the launcher. Its parent is the
 forkserver, which exits when the launcher does, so PR_SET_PDEATHSIG still leaves no orphans.
 """
 
@@ -60,6 +63,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from gradsync import runtime
 
 GRACE_SECONDS = 5.0
 """How long a stopped rank gets between STOP_SIGNAL and SIGKILL."""
@@ -124,9 +129,11 @@ class _InheritedFd:
 
 
 def _launcher_state() -> dict:
-    """What a rank takes from the launcher at the call: its environment, stdout and stderr."""
+    """What a rank takes from the launcher at the call: its environment, stdout, stderr and init hooks
+    (pickled apart: they are unpickled, importing their modules, once the environment is taken)."""
     _flush_stdio()
-    return {"environ": dict(os.environ), "stdio": (_InheritedFd(1), _InheritedFd(2))}
+    return {"environ": dict(os.environ), "stdio": (_InheritedFd(1), _InheritedFd(2)),
+            "hooks": pickle.dumps(runtime.hooks())}
 
 
 def _take_launcher_state(state: dict) -> None:
@@ -140,6 +147,7 @@ def _take_launcher_state(state: dict) -> None:
         forkserver._forkserver_alive_fd = forkserver._forkserver_address = forkserver._forkserver_pid = None
     os.environ.clear()
     os.environ.update(state["environ"])
+    runtime.add_hooks(*pickle.loads(state["hooks"]))
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:   # if the forkserver drew it, forked ranks would share its global stream
         numpy_random.seed()
@@ -219,13 +227,11 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     # torch read OMP_NUM_THREADS when it was imported, which in a forked rank was in the forkserver
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                           else max(1, (os.cpu_count() or 1) // nprocs))
-    import gradsync
-
     out = Path(out_dir)
     stack_file = open(out / f"{rank}.stack", "w")  # noqa: SIM115 - must stay open for the handler
     faulthandler.register(STOP_SIGNAL, file=stack_file, all_threads=True, chain=True)
     try:
-        gradsync.init(**init_kwargs)
+        runtime.init(**init_kwargs)
         result = fn(*args)
         for signum in forward_signals:   # fn is done: a relayed signal now would only lose its result
             signal.signal(signum, signal.SIG_IGN)
@@ -238,7 +244,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
         sys.stderr.flush()
         os._exit(1)
     try:
-        gradsync.shutdown()
+        runtime.shutdown()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -365,7 +371,7 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
 
 def _remove_segments(job: str) -> None:
     """Unlink the job's shared-memory names. Ranks unlink their own once every peer has mapped
-    them (comm/shm.py); this catches a job stopped during that set-up."""
+    them (comm/shm/segment.py); this catches a job stopped during that set-up."""
     for leftover in Path("/dev/shm").glob(f"gradsync-{job}*") if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
 
@@ -387,6 +393,11 @@ def _watch(processes: list, join_timeout: float | None) -> int | None:
     return None
 
 
+_TRANSPORT_INTERNALS = tuple(f"gradsync/comm/shm/{part}.py" for part in
+                             ("transport", "segment", "staging", "progress", "waiting", "doorbell"))
+"""The shared-memory transport's own frames: a stack names the collective that waited, not these."""
+
+
 def _where(stack_path: Path) -> str | None:
     """Where a rank's main thread was, from its faulthandler dump: the innermost frames of gradsync
     and of the user's code (not the launcher, multiprocessing, torch or transport internals),
@@ -406,8 +417,7 @@ def _where(stack_path: Path) -> str | None:
             continue
         path = line.split('"')[1]
         if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
-                                         "/site-packages/torch/", "<frozen", "<string>",
-                                         "gradsync/comm/shm.py", "gradsync/comm/doorbell.py")):
+                                         "/site-packages/torch/", "<frozen", "<string>", *_TRANSPORT_INTERNALS)):
             continue
         name = line.rsplit(" in ", 1)[-1]
         short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name

@@ -29,71 +29,23 @@ torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE=True).
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from gradsync import stall
+from gradsync import join, stall
+from gradsync.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
+from gradsync.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
-@dataclass(frozen=True)
-class World:
-    """The identity of this rank inside an initialised gradsync job."""
-
-    rank: int
-    """This process's rank, 0..world_size-1."""
-    world_size: int
-    """Number of ranks in the job (N)."""
-    local_rank: int
-    """Index among the ranks on this host."""
-    local_world_size: int
-    """Number of ranks on this host."""
-    backend: str
-    """torch.distributed backend string in use."""
-    timeout: float
-    """Seconds any single wait may block before it becomes an error."""
-    master_addr: str
-    """Host of the rendezvous store."""
-    master_port: int
-    """Port of the rendezvous store."""
-    debug: bool = False
-    """Full collective fingerprint comparison before every collective (GRADSYNC_DEBUG=1)."""
-    store: dist.Store | None = field(default=None, compare=False, repr=False)
-    """The rendezvous key-value store shared by all ranks."""
-    hosts: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
-    """Ranks grouped by host (see host_id), each group in rank order, groups by their first rank."""
-    generation: int = field(default=0, compare=False, repr=False)
-    """How many times this process has called init() on this store; ``store`` is prefixed with it,
-    so the keys of one init never meet the next's."""
-    group_key: str | None = field(default=None, compare=False, repr=False)
-    """Which torch ProcessGroup carries gradsync's point-to-point transfers between hosts and the
-    "native" baseline (transfer_group): None for torch's default group (gradsync made it), else the
-    key of a private gloo group of gradsync's own (it joined the program's world, and its messages
-    must never meet the program's)."""
-    joined: bool = field(default=False, compare=False, repr=False)
-    """True when the program made torch's default group and gradsync joined it (shutdown() then
-    leaves that group alone)."""
-
-    @property
-    def host_ranks(self) -> tuple[int, ...]:
-        """The ranks on this rank's host (this rank included)."""
-        return next((group for group in self.hosts if self.rank in group), (self.rank,))
-
-    def settings(self) -> tuple:
-        """The user-visible settings, for comparing two init() calls."""
-        return (self.rank, self.world_size, self.local_rank, self.local_world_size,
-                self.backend, self.timeout, self.master_addr, self.master_port, self.debug)
-
-
 _WORLD: World | None = None
+_BEFORE_INIT: list[Callable[[], None]] = []
 _ON_INIT: list[Callable[[World], None]] = []
 _ON_SHUTDOWN: list[Callable[[], None]] = []
 
@@ -101,34 +53,12 @@ _ON_SHUTDOWN: list[Callable[[], None]] = []
 _JOINED = [0]
 """id() of the torch default group gradsync joined: world() notices when the program replaced it."""
 
-_PRIVATE_GROUPS: dict[str, dist.ProcessGroup] = {}
-"""Private groups by World.group_key. Only this table holds them: a group still referenced when the
-interpreter exits is destroyed after its threads are gone and aborts the process, so the table is
-emptied by shutdown() and at exit."""
 
-
-def register_group(key: str, group: dist.ProcessGroup) -> None:
-    _PRIVATE_GROUPS[key] = group
-
-
-def release_group(key: str | None) -> None:
-    if key is not None:
-        _PRIVATE_GROUPS.pop(key, None)
-
-
-atexit.register(_PRIVATE_GROUPS.clear)
-
-
-def transfer_group(w: World) -> dist.ProcessGroup:
-    """The torch ProcessGroup that carries ``w``'s transfers (see World.group_key). Looked up on
-    every use, never kept, for the reason given at _PRIVATE_GROUPS."""
-    if w.group_key is None:
-        return dist.distributed_c10d._get_default_group()
-    group = _PRIVATE_GROUPS.get(w.group_key)
-    if group is None:
-        raise RuntimeError(f"rank {w.rank}: gradsync's process group {w.group_key!r} was released "
-                           f"(gradsync.shutdown()); call gradsync.init() again")
-    return group
+def before_init(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` at the start of every init(), before the ranks meet (the package loads its public
+    names there, so a spawned rank has them before the rendezvous, as its launcher had). Once per hook."""
+    if hook not in _BEFORE_INIT:
+        _BEFORE_INIT.append(hook)
 
 
 def on_init(hook: Callable[[World], None]) -> None:
@@ -141,36 +71,18 @@ def on_shutdown(hook: Callable[[], None]) -> None:
     _ON_SHUTDOWN.append(hook)
 
 
-def host_id() -> str:
-    """What makes two ranks "on the same host": the same kernel boot and the same network, IPC,
-    mount and PID namespaces (two network namespaces on one machine are two hosts to gradsync, as
-    they are to gloo: they cannot share /dev/shm-backed memory safely or see each other's PIDs)."""
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            parts.append(boot.read().strip())
-    except OSError:
-        pass
-    for namespace in ("net", "ipc", "mnt", "pid"):
-        try:
-            parts.append(os.readlink(f"/proc/self/ns/{namespace}"))
-        except OSError:
-            pass
-    return "|".join(parts)
+def hooks() -> tuple[list, list, list]:
+    """The before-init, init and shutdown hooks of this process, for a launcher to hand to its ranks
+    (launch.py)."""
+    return list(_BEFORE_INIT), list(_ON_INIT), list(_ON_SHUTDOWN)
 
 
-def exchange_hosts(store, rank: int, world_size: int, timeout: float) -> tuple[tuple[int, ...], ...]:
-    """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host."""
-    key = "gradsync/host"  # the store is this init's own (see init)
-    store.set(f"{key}/{rank}", host_id())
-    try:
-        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
-    except Exception as exc:
-        raise RuntimeError(f"rank {rank}: not every rank published its host within {timeout:.0f} s: {exc}") from exc
-    groups: dict[str, list[int]] = {}
-    for r in range(world_size):
-        groups.setdefault(store.get(f"{key}/{r}").decode(), []).append(r)
-    return tuple(tuple(group) for group in sorted(groups.values()))
+def add_hooks(before_hooks: list, init_hooks: list, shutdown_hooks: list) -> None:
+    """Register those of ``hooks()``'s lists that are not registered here yet (a module that registers its
+    own when imported has already done so when they were unpickled)."""
+    _BEFORE_INIT.extend(h for h in before_hooks if h not in _BEFORE_INIT)
+    _ON_INIT.extend(h for h in init_hooks if h not in _ON_INIT)
+    _ON_SHUTDOWN.extend(h for h in shutdown_hooks if h not in _ON_SHUTDOWN)
 
 
 def _env_int(name: str) -> int | None:
@@ -181,11 +93,6 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def debug_from_env() -> bool:
-    """GRADSYNC_DEBUG set to anything but empty, 0 or false."""
-    return os.environ.get("GRADSYNC_DEBUG", "0") not in ("", "0", "false", "False")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -245,10 +152,6 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
                  debug=bool(debug))
 
 
-DEFAULT_TIMEOUT = 60.0
-"""Seconds, when init() is given no timeout and there is no existing group to take one from."""
-
-
 def init(backend: str | None = None, timeout: float | None = None, *, rank: int | None = None,
          world_size: int | None = None, local_rank: int | None = None,
          local_world_size: int | None = None, master_addr: str | None = None,
@@ -261,17 +164,15 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     raises, because two process groups with different shapes cannot both be right.
     """
     global _WORLD
+    for hook in list(_BEFORE_INIT):
+        hook()
     if _WORLD is None and dist.is_initialized():
-        from gradsync import join
-
         _WORLD = join.join_default_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size,
                                          local_rank=local_rank, local_world_size=local_world_size, debug=debug)
         _JOINED[0] = id(dist.GroupMember.WORLD)
         _connect_or_undo(_WORLD)
         return _WORLD
     if _WORLD is not None and _WORLD.joined:
-        from gradsync import join
-
         join.check_same(_WORLD, backend=backend, timeout=timeout, rank=rank, world_size=world_size)
         return _WORLD
     wanted = _resolve(backend, DEFAULT_TIMEOUT if timeout is None else timeout, rank, world_size, local_rank,

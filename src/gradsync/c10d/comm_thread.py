@@ -2,6 +2,7 @@
 
 Vocabulary
     operation  one collective: a closure over CPU tensors and the torch Future its outcome completes
+               (work.py's Operation; the Work handed to torch wraps that outcome)
     turn       the right to run operations; one thread holds it at a time: the group's daemon
                thread, or a caller that runs its operation itself instead of waiting for it
     holder     the thread that holds the turn. It runs the operation, then the callbacks that torch
@@ -40,42 +41,13 @@ import threading
 import time
 from typing import Callable
 
-import torch
 
 from gradsync import stall
+from gradsync.c10d.work import DoneWork, Failure, FutureWork, Operation
 
 GRACE = 5.0
 """Seconds past the timeout an operation may run before the watchdog aborts the group (its own
 waits normally raise at the timeout, naming the rank that did not arrive)."""
-
-_SETTLE = threading.Lock()
-
-
-class Failure:
-    """An operation's exception, carried as the future's value (see work.py's _unwrap)."""
-
-    def __init__(self, exception: BaseException) -> None:
-        self.exception = exception
-
-
-class Operation:
-    """One queued operation and the future its outcome completes (once: the watchdog may fail it
-    first)."""
-
-    __slots__ = ("run", "what", "outcome", "settled")
-
-    def __init__(self, run: Callable[[], object], what: str) -> None:
-        self.run = run
-        self.what = what
-        self.outcome = torch.futures.Future()
-        self.settled = False
-
-    def settle(self, value) -> None:
-        with _SETTLE:
-            if self.settled:
-                return
-            self.settled = True
-        self.outcome.set_result(value)  # the callbacks chained on it run here, on this thread
 
 
 class GroupAborted(RuntimeError):
@@ -116,8 +88,6 @@ class CommThread:
         """Queue ``operation()``; a torch Work whose future's value is its return value. ``wake``
         False: the caller is about to wait, so the thread is not woken for it (if the queue is busy
         the thread still takes it in turn). Issued by the holder: run at once (rule 2)."""
-        from gradsync.c10d.work import FutureWork
-
         queued = Operation(operation, what)
         with self._changed:
             self._check_open()
@@ -135,8 +105,6 @@ class CommThread:
         synchronous call: the order is the same as if it were queued and waited for), or when the
         caller holds the turn (rule 2); return a finished torch Work whose value is ``result``.
         None when the queue is busy: then submit it."""
-        from gradsync.c10d.work import DoneWork
-
         me = threading.get_ident()
         with self._lock:
             self._check_open()

@@ -2,7 +2,8 @@
 
 A thin adapter: each method takes torch's arguments (tensor lists, an options object), checks
 them, and queues one gradsync collective on the group's communication thread (work.py), which
-torch sees as a Work. The mapping:
+torch sees as a Work. What a method does to its arguments first (CUDA tensors to NCCL, complex
+tensors as real pairs, ReduceOps to gradsync's op names) is arguments.py's. The mapping:
 
     torch method                         gradsync
     allreduce, allreduce_coalesced       all_reduce_in (algorithm auto, or GRADSYNC_ALGORITHM)
@@ -33,7 +34,6 @@ ReduceOps: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR on the dtypes reduce_ops
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from datetime import timedelta
 
@@ -41,101 +41,25 @@ import torch
 import torch.distributed as dist
 
 from gradsync import join, runtime, stall
+from gradsync.c10d.arguments import SUM, as_real, check_complex_op, chosen_algorithm, op_name, routed
 from gradsync.c10d.comm_thread import CommThread
 from gradsync.c10d.work import TransferWork, run_eagerly
-from gradsync.comm import transport as transports
+from gradsync.comm import world_transport
 from gradsync.comm.agree import Fingerprint
-from gradsync.comm.collectives import (ALGORITHMS, Place, agree_in, all_gather_in, all_reduce_in, broadcast_in,
-                                       next_sequence, reduce_scatter_in)
+from gradsync.comm.collectives import (Place, agree_in, all_gather_in, all_reduce_in, broadcast_in, next_sequence,
+                                       reduce_scatter_in)
 from gradsync.comm.allreduce_tree import reduce_tree
 from gradsync.comm.reduce_ops import dtype_name, reduction
 from gradsync.comm.rooted import alltoall_pairwise, gather_linear, scatter_linear
 
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
-        dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
-        dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
-_SUM = dist.ReduceOp.SUM
 P2P_TAG_OFFSET = 1
-"""torch's tag t travels as tag t+1: tagged messages go over TCP (transport.py), tag 0 is the
+"""torch's tag t travels as tag t+1: tagged messages go over TCP (comm/tcp.py), tag 0 is the
 collectives' own, so a program's sends never meet a collective's bytes."""
-
-
-def _tensors_in(values) -> list[torch.Tensor]:
-    found = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found += _tensors_in(value)
-    return found
-
-
-def _as_real(value):
-    """``value`` with every complex tensor in it (lists included) viewed as real pairs."""
-    if isinstance(value, torch.Tensor):
-        return torch.view_as_real(value) if value.is_complex() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_as_real(v) for v in value)
-    return value
-
-
-def _check_complex_op(what: str, op: str) -> None:
-    if op not in ("sum", "avg"):
-        raise ValueError(f"gradsync backend: {what} of complex tensors supports SUM and AVG, not {op.upper()} "
-                         f"(torch refuses it in all_reduce too)")
-
-
-def _routed(method):
-    """Where a call's tensors go before the method sees them:
-    - CUDA tensors go to the same method of an NCCL group on the same store (made on first use)
-      when the backend string was "cpu:gradsync,cuda:nccl" (torch stops at the first device's
-      backend when that backend is a Python ProcessGroup, so the group itself sends CUDA work on);
-    - complex tensors are viewed as pairs of reals, as torch's own Python layer does for most
-      collectives before the backend sees them: the bytes are the same, and a sum or an average of
-      complex numbers is the sum or average of their parts. Other reductions of complex numbers are
-      refused, as torch refuses them in all_reduce."""
-    @functools.wraps(method)
-    def route(self, *args):
-        tensors = _tensors_in(args)
-        if any(t.is_cuda for t in tensors):
-            return getattr(self._nccl_group(method.__name__), method.__name__)(*args)
-        if any(t.is_complex() for t in tensors):
-            for value in args:
-                if getattr(value, "reduceOp", None) is not None:
-                    _check_complex_op(method.__name__, _op_name(value.reduceOp))
-            return method(self, *_as_real(args))
-        return method(self, *args)
-    return route
-
-
-def _op_name(op) -> str:
-    kind = getattr(op, "op", op)  # a ReduceOp object or its RedOpType
-    for known, name in _OPS.items():
-        if kind == known or kind == getattr(known, "op", known):
-            return name
-    raise ValueError(f"gradsync backend: ReduceOp {op} is not supported on CPU; choose one of "
-                     f"SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR (PREMUL_SUM is NCCL-only)")
 
 
 def _all_reduce_one(place: Place, tensors: list[torch.Tensor], op: str, algorithm: str) -> list[torch.Tensor]:
     all_reduce_in(place, tensors[0], op, algorithm)
     return tensors
-
-
-_ENCODED_ENVIRON = getattr(os.environ, "_data", None)
-_ALGORITHM_KEY = os.environ.encodekey("GRADSYNC_ALGORITHM") if _ENCODED_ENVIRON is not None else None
-
-
-def _algorithm() -> str:
-    """GRADSYNC_ALGORITHM, read on every call (a program may change it between calls). When it is
-    unset, os.environ.get raises and catches KeyError twice, 4-5 us of a 4 KiB call; os.environ's
-    own encoded mapping answers without (a private attribute, so it is used only where present)."""
-    if _ENCODED_ENVIRON is not None and _ALGORITHM_KEY not in _ENCODED_ENVIRON:
-        return "auto"
-    algorithm = os.environ.get("GRADSYNC_ALGORITHM", "auto")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"GRADSYNC_ALGORITHM={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    return algorithm
 
 
 def create(options) -> "GradsyncProcessGroup":
@@ -148,7 +72,7 @@ def create(options) -> "GradsyncProcessGroup":
     world = join.world_on_store(store, rank, size, timeout, backend="gradsync",
                                 generation=zlib.crc32(name.encode()) + (1 << 32),
                                 group_key=f"c10d/{name}/{id(options)}")
-    group = GradsyncProcessGroup(world, transports.build(world), options.store, name)
+    group = GradsyncProcessGroup(world, world_transport.build(world), options.store, name)
     if not dist.is_initialized():  # torch's default group: the stall inspector watches its collectives
         stall.start(world)
     return group
@@ -238,31 +162,31 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             op, asynchronous = "sum", True
         else:
             reduce_op, asynchronous = opts.reduceOp, opts.asyncOp
-            op = "sum" if reduce_op == _SUM else _op_name(reduce_op)
+            op = "sum" if reduce_op == SUM else op_name(reduce_op)
         if not asynchronous:
-            done = self._thread.run_now(all_reduce_in, tensors, self.place, tensor, op, _algorithm())
+            done = self._thread.run_now(all_reduce_in, tensors, self.place, tensor, op, chosen_algorithm())
             if done is not None:
                 return done
-        return self._thread.submit(functools.partial(_all_reduce_one, self.place, tensors, op, _algorithm()),
+        return self._thread.submit(functools.partial(_all_reduce_one, self.place, tensors, op, chosen_algorithm()),
                                    "allreduce", wake=asynchronous)
 
     def _allreduce_any(self, tensors, opts=None):
         if any(t.is_cuda for t in tensors):
             return self._nccl_group("allreduce").allreduce(tensors, opts)
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if any(t.is_complex() for t in tensors):
-            _check_complex_op("allreduce", op)
-            tensors = _as_real(tensors)
-        algorithm = _algorithm()
+            check_complex_op("allreduce", op)
+            tensors = as_real(tensors)
+        algorithm = chosen_algorithm()
         return self._run("allreduce", tensors,
                          lambda: [all_reduce_in(self.place, t, op, algorithm) for t in tensors], opts)
 
-    @_routed
+    @routed
     def allreduce_coalesced(self, tensors, opts=None):
         """See torch.distributed.all_reduce_coalesced: one all-reduce per dtype over the tensors
         flattened together."""
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        algorithm = _algorithm()
+        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        algorithm = chosen_algorithm()
 
         def run():
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -277,11 +201,11 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                     offset += t.numel()
         return self._run("allreduce_coalesced", tensors, run, opts)
 
-    @_routed
+    @routed
     def reduce(self, tensors, opts):
         """See torch.distributed.reduce: a binomial tree onto the root (comm/allreduce_tree.py) on a
         copy; only the root's tensor changes."""
-        op, root = _op_name(opts.reduceOp), opts.rootRank
+        op, root = op_name(opts.reduceOp), opts.rootRank
 
         def run():
             for t in tensors:
@@ -293,13 +217,13 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("reduce", tensors, run, opts)
 
     # -- broadcast, gathers, scatters -----------------------------------------------------------
-    @_routed
+    @routed
     def broadcast(self, tensors, opts):
         """See torch.distributed.broadcast."""
         return self._run("broadcast", tensors,
                          lambda: [broadcast_in(self.place, t, opts.rootRank) for t in tensors], opts)
 
-    @_routed
+    @routed
     def allgather(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_gather: output_tensors[0][r] <- rank r's input_tensors[0]."""
         def run():
@@ -312,32 +236,32 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for outputs in output_tensors for t in outputs]
         return self._run("allgather", flat + list(input_tensors), run, opts)
 
-    @_routed
+    @routed
     def _allgather_base(self, output, input, opts=None):
         """See torch.distributed.all_gather_into_tensor."""
         return self._run("_allgather_base", [output, input],
                          lambda: output.copy_(all_gather_in(self.place, input).view_as(output)), opts)
 
-    @_routed
+    @routed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.all_gather_into_tensor, for several pairs in one call."""
         return self._run("allgather_into_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(all_gather_in(self.place, inp).view_as(out))
                                   for out, inp in zip(outputs, inputs)], opts)
 
-    @_routed
+    @routed
     def _reduce_scatter_base(self, output, input, opts=None):
         """See torch.distributed.reduce_scatter_tensor: input holds N equal pieces, output one."""
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         self._check_pieces("reduce_scatter_tensor", input.numel(), output.numel())
         return self._run("_reduce_scatter_base", [output, input],
                          lambda: output.copy_(reduce_scatter_in(self.place, input, op).view_as(output)), opts)
 
-    @_routed
+    @routed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.reduce_scatter: output_tensors[0] <- reduction of every rank's
         input_tensors[0][rank]."""
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run():
             for output, pieces in zip(output_tensors, input_tensors):
@@ -348,17 +272,17 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         flat = [t for pieces in input_tensors for t in pieces]
         return self._run("reduce_scatter", list(output_tensors) + flat, run, opts)
 
-    @_routed
+    @routed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """See torch.distributed.reduce_scatter_tensor, for several pairs in one call."""
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for out, inp in zip(outputs, inputs):
             self._check_pieces("reduce_scatter_tensor", inp.numel(), out.numel())
         return self._run("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs),
                          lambda: [out.copy_(reduce_scatter_in(self.place, inp, op).view_as(out))
                                   for out, inp in zip(outputs, inputs)], opts)
 
-    @_routed
+    @routed
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """See torch.distributed.all_gather_coalesced: output_lists[r][j] <- rank r's
         input_tensors[j]. One all-gather per dtype over the inputs flattened together: rank r's
@@ -393,7 +317,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                                      f"{dtype_name(out.dtype)} elements for an input of {t.numel()} "
                                      f"{dtype_name(t.dtype)} elements; they must match")
 
-    @_routed
+    @routed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """See torch.distributed.all_to_all: output_tensors[r] <- rank r's input_tensors[this rank]."""
         def run():
@@ -416,7 +340,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             raise ValueError(f"gradsync backend: {what} needs the input to hold world_size="
                              f"{self.place.world.world_size} pieces of the output's {piece} elements, got {total}")
 
-    @_routed
+    @routed
     def gather(self, output_tensors, input_tensors, opts):
         """See torch.distributed.gather: the root's output_tensors[0][r] <- rank r's input."""
         root, w = opts.rootRank, self.place.world
@@ -433,7 +357,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                         o.copy_(s)
         return self._run("gather", [t for ts in output_tensors for t in ts] + list(input_tensors), run, opts)
 
-    @_routed
+    @routed
     def scatter(self, output_tensors, input_tensors, opts):
         """See torch.distributed.scatter: output_tensors[0] <- the root's input_tensors[0][rank]."""
         root, w = opts.rootRank, self.place.world
@@ -448,7 +372,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                 out.copy_(target)
         return self._run("scatter", list(output_tensors) + [t for ts in input_tensors for t in ts], run, opts)
 
-    @_routed
+    @routed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """See torch.distributed.all_to_all_single (splits along dim 0; empty lists: equal splits)."""
         n_ranks = self.place.world.world_size
@@ -474,19 +398,19 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._run("barrier", [], lambda: all_reduce_in(self.place, torch.zeros(1), "sum", "auto"), opts)
 
     # -- point-to-point -------------------------------------------------------------------------
-    @_routed
+    @routed
     def send(self, tensors, dst, tag):
         """See torch.distributed.send (posted at once; the Work completes when the bytes are gone)."""
         handles = [self.place.transport.isend(t.contiguous(), dst, "p2p/send", tag=tag + P2P_TAG_OFFSET)
                    for t in tensors]
         return TransferWork(handles, tensors)
 
-    @_routed
+    @routed
     def recv(self, tensors, src, tag):
         """See torch.distributed.recv."""
         return self._receive(tensors, src, tag)
 
-    @_routed
+    @routed
     def recv_anysource(self, tensors, tag):
         """See torch.distributed.recv with src=None; work._source_rank() names the sender."""
         return self._receive(tensors, None, tag)
@@ -505,7 +429,6 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         if close is not None:
             close()
         runtime.release_group(self.place.world.group_key)
-
 
 
 run_eagerly(GradsyncProcessGroup, (

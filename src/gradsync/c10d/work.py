@@ -11,6 +11,9 @@ so no Work waits for ever.
 Point-to-point transfers are not queued: send and recv are posted at once on the caller's thread
 (a program may post a receive before the send it pairs with), and their TransferWork waits on the
 transport's handles when the program waits.
+
+Below the communication thread: the thread imports the Operation it runs and the Works it hands
+back from here, and nothing here imports the thread.
 """
 
 from __future__ import annotations
@@ -19,11 +22,39 @@ import functools
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from gradsync.c10d.comm_thread import CommThread, Failure, Operation
+_SETTLE = threading.Lock()
+
+
+class Failure:
+    """An operation's exception, carried as the future's value (see _unwrap)."""
+
+    def __init__(self, exception: BaseException) -> None:
+        self.exception = exception
+
+
+class Operation:
+    """One queued operation and the future its outcome completes (once: the watchdog may fail it
+    first). The communication thread (comm_thread.py) runs it; the Works below wrap its outcome."""
+
+    __slots__ = ("run", "what", "outcome", "settled")
+
+    def __init__(self, run: Callable[[], object], what: str) -> None:
+        self.run = run
+        self.what = what
+        self.outcome = torch.futures.Future()
+        self.settled = False
+
+    def settle(self, value) -> None:
+        with _SETTLE:
+            if self.settled:
+                return
+            self.settled = True
+        self.outcome.set_result(value)  # the callbacks chained on it run here, on this thread
 
 
 def _unwrap(done: torch.futures.Future):
@@ -67,7 +98,8 @@ class FutureWork(dist.Work):
     failed when the operation failed (made on first request: a synchronous call never needs it).
     (torch's own _create_work_from_future returns a Work whose wait() succeeds on error.)"""
 
-    def __init__(self, outcome: torch.futures.Future, thread: CommThread, queued: Operation) -> None:
+    def __init__(self, outcome: torch.futures.Future, thread, queued: Operation) -> None:
+        # thread: the CommThread that runs ``queued`` (comm_thread.py, which imports this module)
         super().__init__()
         self._outcome = outcome
         self._thread, self._queued = thread, queued

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
-from gradsync.comm.transport import default_transport
+from gradsync.comm.world_transport import default_transport
 
 PS_MODES = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 DDP_ALGORITHMS = {"ring": "ring", "hierarchical": "hierarchical"}

@@ -11,34 +11,21 @@ post the same sequence of sends and receives never need tags. A ``tag`` keeps tw
 (the parameter server receives headers from any rank on one tag and payloads on another).
 
 A failed or timed-out wait raises PeerError naming this rank, the peer, the operation and the byte
-count; nothing waits forever.
+count; nothing waits forever. Completed transfers are reported to the process-wide TrafficMeter
+(meter.py); ``control=True`` marks small headers, counted apart from payload.
 
-TorchTransport carries the bytes with torch.distributed point-to-point on the world's group
-(runtime.transfer_group: gloo on CPU, NCCL on GPU). When the world spans hosts, the collectives'
-own messages (tag 0) from a higher to a lower rank travel on a second gloo group of their own, so
-that each direction between two ranks has its own connection: gloo moves one connection's two
-directions one after the other (two hosts at 200 Mbit/s exchanging 4 MiB each way: 272 ms on one
-group, 173 ms on two, against 168 ms for 4 MiB one way on the wire). Receives on tag 0 name their
-source, so both ends know which group a message is on;
-ShmTransport (shm.py) carries them through shared memory between ranks of one host and hands the
-rest to a TorchTransport. init() builds the world's transport (default_transport), chosen by
-GRADSYNC_TRANSPORT (see TRANSPORTS).
-Completed transfers are reported to the process-wide TrafficMeter; ``control=True`` marks small
-headers, counted apart from payload.
+This module is the interface alone and imports no implementation, as gloo's transport/ headers
+do. The implementations: TorchTransport (tcp.py: torch.distributed point-to-point, gloo on CPU,
+NCCL on GPU) and ShmTransport (shm/transport.py: shared memory between ranks of one host, the
+rest handed to a TorchTransport). world_transport.py picks one for a world at init(), by
+GRADSYNC_TRANSPORT.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-
-from gradsync import runtime
-from gradsync.meter import METER, TrafficMeter
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 """acc <- acc (op) incoming, in place (see reduce_ops.py)."""
@@ -86,7 +73,7 @@ class Transport:
         """Receive a message shaped like ``tensor`` from ``src`` and reduce it into ``tensor`` with
         ``combine(tensor, incoming)`` (reduce_ops.py; default: add); done when ``wait()`` returns.
         Here: receive into ``staging`` (same size, the caller's reusable buffer), combine on wait. A
-        transport that can read the incoming bytes in place (shm.py) skips the copy."""
+        transport that can read the incoming bytes in place (shm/transport.py) skips the copy."""
         return _ReduceOnWait(self.irecv(staging, src, op), tensor, staging, combine)
 
 
@@ -105,153 +92,6 @@ class _ReduceOnWait(Handle):
             self._combine(self._target, self._staging)
             self._peer = peer
         return self._peer
-
-
-class _TorchHandle(Handle):
-    __slots__ = ("_work", "_transport", "_peer", "_op", "_nbytes", "_sent", "_control", "_done")
-
-    def __init__(self, work, transport: "TorchTransport", peer, op, nbytes, sent, control):
-        self._work = work
-        self._transport = transport
-        self._peer = peer
-        self._op = op
-        self._nbytes = nbytes
-        self._sent = sent
-        self._control = control
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done or self._work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self._done:
-            return self._peer
-        t = self._transport
-        started = time.monotonic()
-        try:
-            self._work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
-            if self._peer is None:
-                self._peer = self._work._source_rank()
-        except Exception as exc:
-            waited = time.monotonic() - started
-            verb = "send to" if self._sent else "receive from"
-            who = "any rank" if self._peer is None else f"rank {self._peer}"
-            kind = "timed out" if "imed out" in str(exc) else "failed"
-            raise PeerError(
-                f"rank {t.rank}: {self._op}: {verb} {who} ({self._nbytes} bytes) {kind} after "
-                f"{waited:.1f} s (timeout {t.timeout:.0f} s); rank {self._peer} may have died or stalled. "
-                f"Cause: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
-                rank=t.rank, peer=self._peer, op=self._op) from exc
-        self._done = True
-        t.meter.record(peer=self._peer, nbytes=self._nbytes, op=self._op, sent=self._sent,
-                       control=self._control)
-        return self._peer
-
-
-class TorchTransport(Transport):
-    """Transport over torch.distributed send/recv of the world's process group (runtime.transfer_group;
-    CUDA tensors of a joined world over the program's default group, which has NCCL where it was set up)."""
-
-    def __init__(self, world: runtime.World, meter: TrafficMeter = METER) -> None:
-        self.rank = world.rank
-        self.world_size = world.world_size
-        self.hosts = world.hosts
-        self.timeout = world.timeout
-        self.wait_timeout = timedelta(seconds=world.timeout)
-        self.meter = meter
-        self.world = world
-        self.downward = None   # the group for tag-0 messages to a lower rank (module docstring)
-        if len(world.hosts) > 1 and world.store is not None:   # every rank builds one TorchTransport
-            self.downward = dist.ProcessGroupGloo(dist.PrefixStore("gloo-downward", world.store), world.rank,
-                                                  world.world_size, self.wait_timeout)
-
-    def _group(self, tensor: torch.Tensor, source: int | None, target: int, tag: int) -> dist.ProcessGroup:
-        if tensor.is_cuda and self.world.joined:
-            return dist.distributed_c10d._get_default_group()
-        if self.downward is not None and tag == 0 and source is not None and source > target:
-            return self.downward
-        return runtime.transfer_group(self.world)
-
-    def _check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
-        if not tensor.is_contiguous():
-            raise ValueError(f"{op}: transport needs a contiguous tensor (got strides {tensor.stride()})")
-        if peer is not None and not (0 <= peer < self.world_size and peer != self.rank):
-            raise ValueError(f"{op}: peer rank {peer} is not another rank of 0..{self.world_size - 1} "
-                             f"(this is rank {self.rank})")
-
-    def isend(self, tensor, dst, op, *, control=False, tag=0):
-        self._check(tensor, dst, op)
-        work = self._group(tensor, self.rank, dst, tag).send([tensor], dst, tag)
-        return _TorchHandle(work, self, dst, op, tensor.numel() * tensor.element_size(), True, control)
-
-    def irecv(self, tensor, src, op, *, control=False, tag=0):
-        self._check(tensor, src, op)
-        group = self._group(tensor, src, self.rank, tag)
-        work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
-        return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
-
-
-TRANSPORTS = ("auto", "tcp", "shm")
-"""GRADSYNC_TRANSPORT: auto (shared memory between ranks of one host where this machine supports
-it, torch.distributed otherwise), tcp (torch.distributed for every peer), shm (shared memory between
-ranks of one host, an error where unsupported)."""
-
-_TRANSPORTS: dict[int, Transport] = {}
-
-
-def transport_choice() -> str:
-    """The GRADSYNC_TRANSPORT setting, checked."""
-    choice = os.environ.get("GRADSYNC_TRANSPORT", "auto").strip().lower() or "auto"
-    if choice not in TRANSPORTS:
-        raise ValueError(f"GRADSYNC_TRANSPORT={os.environ['GRADSYNC_TRANSPORT']!r} is not a transport; choose one "
-                         f"of {', '.join(TRANSPORTS)}")
-    return choice
-
-
-def build(world: runtime.World) -> Transport:
-    """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS)."""
-    from gradsync.comm import doorbell, shm  # shm builds on this module
-
-    choice = transport_choice()
-    local = world.host_ranks
-    if choice == "tcp" or world.world_size == 1:
-        return TorchTransport(world)
-    unsupported = doorbell.supported()
-    if unsupported and choice == "shm":
-        raise RuntimeError(f"GRADSYNC_TRANSPORT=shm: {unsupported}; use GRADSYNC_TRANSPORT=tcp or auto")
-    if unsupported:
-        return TorchTransport(world)
-    job = shm.job_token(world)  # every rank takes part: rank 0 publishes it even when alone on its host
-    if len(local) == 1:
-        return TorchTransport(world)
-    return shm.ShmTransport(world, local, job)
-
-
-def _connect(world: runtime.World) -> None:
-    _disconnect()
-    _TRANSPORTS[id(world)] = build(world)
-
-
-def _disconnect() -> None:
-    for transport in _TRANSPORTS.values():
-        close = getattr(transport, "close", None)
-        if close is not None:
-            close()
-    _TRANSPORTS.clear()
-
-
-runtime.on_init(_connect)
-runtime.on_shutdown(_disconnect)
-
-
-def default_transport() -> Transport:
-    """The transport of the current world, made at init() (see TRANSPORTS for the choice)."""
-    w = runtime.world()
-    transport = _TRANSPORTS.get(id(w))
-    if transport is None:
-        _connect(w)
-        transport = _TRANSPORTS[id(w)]
-    return transport
 
 
 def wait_all(handles: list[Handle]) -> None:

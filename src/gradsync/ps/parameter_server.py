@@ -53,7 +53,7 @@ from torch import nn
 import io
 
 from gradsync import clip, runtime
-from gradsync.comm.transport import default_transport
+from gradsync.comm.world_transport import default_transport
 from gradsync.ps import resharding
 from gradsync.ps.client import Client
 from gradsync.ps.clipping import ServerClipping

@@ -27,19 +27,8 @@ both work (a second push beside the first would keep the workers in step, pushin
 then pulling together: W=2 at 1 Gbit/s, 423 -> 538 ms a step). sync reads two at once: its
 workers push together anyway, and with S servers each splits its upload between them, so taking
 one worker's push at a time would leave half of a server's download idle. Each push in flight has
-its own buffer. Pushes are applied in arrival order: before anything else their worker sends, and
-the oldest first when another push would exceed the limit. Sync steps the version when the last
-push of it is applied.
-
-Answers in flight: sync sends a version's W answers together (every worker waits for that version
-anyway). async and ssp answer a pull as soon as they may, with at most ANSWERS_IN_FLIGHT answers
-moving at once: a further answer is held until the oldest one is received. Answers that share the
-upload all finish late; taken two at a time, each worker gets its parameters sooner and pushes
-again sooner, which keeps the server's download busy (1 Gbit/s, one server: W=4 859 -> 725 ms a
-step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and worse at W=6). The server's
-outbox (outbox.py) posts the answers and waits for them on a thread of its own, so the server
-reads the next message and posts the next push's receives while an answer is held (W=6: 1148 ->
-1002 ms a step; docs/benchmarks.md).
+its own buffer; how a push is applied, server_applying.py says. Answers go out through the
+outbox, at most ANSWERS_IN_FLIGHT at once in async and ssp (server_answering.py).
 
 Traffic: per step (W pushes) the server receives W*M_s payload bytes and sends W*M_s; with one
 server M_s = M, so the server link carries 2*W*M per step against 2(N-1)/N*M per rank for ring
@@ -48,24 +37,20 @@ all-reduce.
 Sparse tables (sparse_tables.py, sparse_wire.py): the server also holds rows s, s+S, ... of each
 table (row_sharding.py). A PUSH carries each worker's unique touched rows, k_w of them:
 (8 + D*esize) * k_w bytes; a PULL names the rows the worker wants next and is answered with exactly
-those rows, D*esize bytes each. A version steps the dense shard and every table at once (one
-optimizer step, sparse_optim.py), so staleness, clocks and SSP gaps count the same as for dense
-parameters. Sync mode averages the touched rows over the W pushes; async applies each push's rows
-as gradient / W. SSP with bound 0 answers from the tables as they were at the clock boundary:
-a copy-on-write snapshot per boundary (row_history.py) keeps the old values of the rows written
-since, k rows per push instead of a copy of the whole block; a bound >= 1 or sync needs none.
+those rows, D*esize bytes each (stepping them: server_applying.py).
 
 Stopping early (preemption): ``serve(stop)`` polls ``stop()`` between messages, and a PUSH may
-carry FLAG_STOP (protocol.py); either asks this server to end the job. sync: the ask is read when a
-version is stepped, and every PARAMS answer of that version and later carries FLAG_STOP, so every
-worker stops on the same version (each worker ORs its S servers' flags; all of them answer version v
-alike). async and ssp: from the ask on, every answer carries FLAG_STOP and each worker stops at its own
-clock. serve() still returns only when every worker has closed; ``stopped`` says whether it ended
-early. part() and load_part() carry this server's state into a checkpoint and back (resharding.py).
+carry FLAG_STOP (protocol.py); either asks this server to end the job, and its answers say so
+(server_answering.py). serve() still returns only when every worker has closed; ``stopped`` says
+whether it ended early. part() and load_part() carry this server's state into a checkpoint and back
+(resharding.py).
 
 Failures: a worker that is not waiting on the server and sends nothing for ``timeout`` seconds is
 declared dead; so is one whose transfer fails. A malformed or unexpected message is refused (never
 applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank.
+
+The Server is this file's serving loop (reading messages, failures, checkpoints, counters) with
+what it does to a push (server_applying.py) and to a pull (server_answering.py) beside it.
 """
 
 from __future__ import annotations
@@ -83,8 +68,10 @@ from gradsync.ps import protocol as wire
 from gradsync.ps.protocol import Header, ProtocolError
 from gradsync.ps import resharding, sparse_wire
 from gradsync.ps.clipping import ServerClipping
-from gradsync.ps.outbox import Outbox, Part
+from gradsync.ps.outbox import Outbox
 from gradsync.ps.row_history import RowHistory
+from gradsync.ps.server_answering import Answering
+from gradsync.ps.server_applying import Applying
 from gradsync.ps.sharding import Piece, gather_shard
 from gradsync.ps.sparse_optim import sparse_rule
 from gradsync.ps.sparse_tables import TableBlock, TableSpec
@@ -115,7 +102,7 @@ class WorkerLostError(RuntimeError):
         self.worker = worker
 
 
-class Server:
+class Server(Applying, Answering):
     """Serves shard ``rank`` of the parameters to ``workers`` until all of them have closed."""
 
     def __init__(self, transport: Transport, workers: list[int], pieces: list[Piece], params: list[torch.Tensor],
@@ -282,44 +269,6 @@ class Server:
         self.in_flight.append(_Push(header, sections, incoming, body, receives))
         self.most_pushes_in_flight = max(self.most_pushes_in_flight, len(self.in_flight))
 
-    def _finish_push(self) -> None:
-        """Read the oldest push in flight, check all of it, then apply it (a refused push changes nothing)."""
-        push = self.in_flight.pop(0)
-        header, sections, incoming, body = push.header, push.sections, push.incoming, push.body
-        sender = header.sender
-        try:
-            for receive in push.receives:
-                receive.wait()
-        except PeerError as exc:
-            raise self._lost(sender, "its gradient never arrived") from exc
-        wire.check_payload(header, incoming, sender)
-        rows = self._checked_sections(sender, sparse_wire.PUSH_SECTION, sections, body)
-        if header.flags & wire.FLAG_STOP:
-            self.stop_asked = True
-        self.counts["pushes"] += 1
-        self.counts["bytes_in"] += incoming.numel() * incoming.element_size()
-        for table, (local, grad) in zip(self.tables, rows):
-            self.counts["rows_in"] += local.numel()
-            self.counts["bytes_in"] += local.numel() * sparse_wire.bytes_per_row(sparse_wire.PUSH_SECTION, table.spec)
-        self.clock[sender] += 1
-        if self.mode == "sync":
-            self.grad_sum.add_(incoming)
-            for table, (local, grad) in zip(self.tables, rows):
-                table.add(sender, local, grad)
-            self.pushed_this_version.add(sender)
-            self._maybe_step_sync()
-        else:
-            self.staleness[self.version - header.version] += 1
-            workers = len(self.workers)
-            self._step(incoming.div_(workers), [(local, grad / workers) for local, grad in rows])
-            self._advance_boundary()
-
-    def _stop_flag(self, version: int) -> int:
-        """FLAG_STOP on an answer of ``version`` (see the module docstring), else 0."""
-        if self.mode == "sync":
-            return wire.FLAG_STOP if self.final_version is not None and version >= self.final_version else 0
-        return wire.FLAG_STOP if self.stop_asked else 0
-
     def _section_headers(self, sender: int, section: str, message: torch.Tensor) -> list[Header]:
         """The T ROWS section headers in a header message from ``sender``, each checked (sparse_wire.py)."""
         headers = sparse_wire.decode_sections(message, len(self.tables), sender)
@@ -356,131 +305,6 @@ class Server:
             except PeerError as exc:
                 raise self._lost(sender, "the rows it asked for never arrived") from exc
         return [local for local, _ in self._checked_sections(sender, sparse_wire.REQUEST_SECTION, headers, body)]
-
-    def _advance_boundary(self) -> None:
-        """Record the parameters at each new minimum clock (what a bound-0 SSP pull returns)."""
-        if self.mode != "ssp" or self.staleness_bound != 0 or not self.open:
-            return
-        lowest = min(self.clock[w] for w in self.open)
-        for clock in range(self.min_clock + 1, lowest + 1):
-            self.boundary[clock] = (self.version, self.published, self.published_tables)
-        self.min_clock = max(self.min_clock, lowest)
-        for clock in [c for c in self.boundary if c < self.min_clock]:
-            del self.boundary[clock]
-        self._keep_snapshots()
-
-    def _keep_snapshots(self) -> None:
-        """Bound-0 SSP: a table snapshot for every version a boundary answers from, no other."""
-        if not self.histories:
-            return
-        keys = {tables for _, _, tables in self.boundary.values()}
-        for history in self.histories:
-            for key in keys:
-                history.keep(key)
-            history.drop(keys)
-
-    def _maybe_step_sync(self) -> None:
-        if self.mode != "sync" or not self.pushed_this_version or not self.open <= self.pushed_this_version:
-            return
-        self.staleness[0] += len(self.pushed_this_version)
-        pushers = len(self.pushed_this_version)
-        gradient, table_rows = self.grad_sum.div_(pushers), [table.take_mean(pushers) for table in self.tables]
-        if self.clipping is not None:
-            self._clip(gradient, table_rows)
-        self._step(gradient, table_rows)
-        self.grad_sum.zero_()
-        self.pushed_this_version.clear()
-        if self.stop_asked and self.final_version is None:
-            self.final_version = self.version
-
-    def _clip(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Clip the version's mean gradient by its norm over every server (clipping.py)."""
-        try:
-            self.clipping.clip_(([gradient] if gradient.numel() else []) + [grad for _, grad in table_rows],
-                                gradient.dtype)
-        except PeerError as exc:
-            message = (f"parameter server rank {self.rank}: no power sum from server rank {exc.peer} for clipping "
-                       f"version {self.version}; it may have died or stalled (timeout {self.timeout:.0f} s): {exc}")
-            self._abort(wire.REASON_SERVER_ERROR, exc.peer, message)
-            raise RuntimeError(message) from exc
-
-    def _step(self, gradient: torch.Tensor, table_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows.
-        ``gradient`` may be overwritten (a push's buffer, or the sync sum)."""
-        started = time.perf_counter()
-        self.shard.grad = gradient
-        self.optimizer.step()
-        self.shard.grad = None
-        for index, (table, (rows, grad)) in enumerate(zip(self.tables, table_rows)):
-            if self.histories:
-                self.histories[index].before_write(rows)
-            table.step(rows, grad)
-        self.version += 1
-        self.published = self.shard.detach().clone()
-        self.published_tables = self._publish_tables()
-        self.update_seconds += time.perf_counter() - started
-
-    def _publish_tables(self) -> list[torch.Tensor] | int:
-        """What pulls read rows from: the live blocks (rows are copied when answered); for bound-0 SSP
-        the version, whose snapshot (row_history.py) a boundary recorded now answers from."""
-        return self.version if self.snapshot_tables else [t.block.detach() for t in self.tables]
-
-    # -- answering pulls ---------------------------------------------------------------------------
-    def _may_answer(self, worker: int) -> bool:
-        if self.mode == "sync":
-            return self.version == self.clock[worker]
-        if self.mode == "ssp":
-            return self.clock[worker] - min(self.clock[w] for w in self.open) <= self.staleness_bound
-        return True
-
-    def _answer_pulls(self) -> None:
-        for worker in sorted(self.pending_pulls):
-            if not self._may_answer(worker):
-                continue
-            self.pending_pulls.discard(worker)
-            self.gaps[self.clock[worker] - min(self.clock[w] for w in self.open)] += 1
-            version, payload, blocks = self.version, self.published, self.published_tables
-            if self.mode == "ssp" and self.staleness_bound == 0:
-                version, payload, blocks = self.boundary[self.clock[worker]]
-            answers, sections = [], []
-            for index, (table, local) in enumerate(zip(self.tables, self.pending_rows.pop(worker, []))):
-                history = self.histories[index] if self.histories else None
-                values = history.read(blocks, local) if history else blocks[index].index_select(0, local)
-                sections.append(sparse_wire.section_header(sparse_wire.ANSWER_SECTION, self.rank, self.rank,
-                                                           table.spec, None, values))
-                answers.append(values)
-                self.counts["rows_out"] += local.numel()
-                self.counts["bytes_out"] += sections[-1].nbytes
-            header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
-                            payload.numel() * payload.element_size(), self._checksum(payload),
-                            self._stop_flag(version))
-            body = sparse_wire.pack([], answers)
-            self.outbox.send(worker, [self._header_part(header, sections)] +
-                             [Part(tensor, "ps/pull", self.channel.payload_tag) for tensor in (payload, body)
-                              if tensor.numel()])
-            self.counts["pulls"] += 1
-            self.counts["bytes_out"] += header.nbytes
-
-    def _checksum(self, payload: torch.Tensor) -> int:
-        """An answer's checksum, computed once per published payload (never mutated): a version's W
-        answers share it."""
-        if self.answer_checksum[0] is not payload:
-            self.answer_checksum = (payload, wire.checksum(payload))
-        return self.answer_checksum[1]
-
-    def _header_part(self, header: Header, sections: list[Header] = ()) -> Part:
-        return Part(wire.message(header, list(sections), len(self.tables)), "ps/header", self.channel.header_tag,
-                    control=True)
-
-    def _settle_sends(self, worker: int) -> None:
-        """Wait for every letter posted to ``worker`` (outbox.py). Called when a message from it arrives: a
-        worker sends its next message only after reading every answer (pull() returns when all of them
-        arrived), so this returns at once. torch's gloo marks a send finished only once it is waited for,
-        so sends that are never waited for pile up, each keeping its tensor alive."""
-        try:
-            self.outbox.settle(worker)
-        except PeerError as exc:
-            raise self._lost(worker if exc.peer is None else exc.peer, "it stopped receiving") from exc
 
     # -- failures ----------------------------------------------------------------------------------
     def _quietest(self) -> int | None:

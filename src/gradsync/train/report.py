@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gradsync import display, runtime
-from gradsync.comm.shm import ShmTransport
-from gradsync.comm.transport import default_transport
+from gradsync.comm.shm.transport import ShmTransport
+from gradsync.comm.world_transport import default_transport
 from gradsync.train.config import TrainConfig
 
 STRAGGLER_FACTOR = 1.2
@@ -33,7 +33,7 @@ def _human(nbytes: float) -> str:
 
 
 def _placement() -> str:
-    """", on H host(s), shared memory inside each" -- how this job's bytes travel (comm/transport.py)."""
+    """", on H host(s), shared memory inside each" -- how this job's bytes travel (comm/world_transport.py)."""
     if not runtime.is_initialized() or runtime.world().world_size == 1:
         return ""
     hosts = len(runtime.world().hosts)

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-SHM_DIR = "/dev/shm"
+from gradsync.comm.shm.segment import SHM_DIR
 
 
 class SharedRegions:

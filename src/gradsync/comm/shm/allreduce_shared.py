@@ -64,8 +64,8 @@ import torch
 from gradsync import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.allreduce_shared_direct import allreduce_shared_direct
-from gradsync.comm.allreduce_shared_in_place import PIECE_BYTES
+from gradsync.comm.shm.allreduce_shared_direct import allreduce_shared_direct
+from gradsync.comm.shm.allreduce_shared_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 
@@ -237,7 +237,7 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
                      fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves (direct
     below direct_below, else split); ``fingerprint``: agree on it with the first piece; ``spin``:
-    barriers may spin (shm.py)."""
+    barriers may spin (waiting.py)."""
     if transport.world_size == 1:
         return
     if flat.numel() * flat.element_size() < direct_below(transport):

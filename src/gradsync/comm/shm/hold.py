@@ -1,6 +1,6 @@
 """Holding a collective's thread on its rank's core, as Open MPI binds its ranks to cores.
 
-Local rank i has core i mod C (shm.py, ``own_core``). While a rank's thread is in a collective it
+Local rank i has core i mod C (transport.py, ``own_core``). While a rank's thread is in a collective it
 may only run there, so two polling ranks never share one core while the other core idles (the one
 polling holds the core its peer needs to arrive), and ranks that share a core yield to each other
 instead of following each other across cores. Only the collective is held: the program's other

@@ -1,7 +1,7 @@
 """In-place all-gather: each rank's shard already lies in its chunk of a shared-region tensor, and
 the others copy it out of there.
 
-For ranks of one host, and a tensor inside a shared region (shm_regions.py; ShardedOptimizer keeps
+For ranks of one host, and a tensor inside a shared region (regions.py; ShardedOptimizer keeps
 its parameters there). The staged and single-copy all-gathers (all_gather_shared.py,
 all_gather_single_copy.py) return a new tensor, which the caller copies where it is needed; here
 the result is written there, into the parameters.

@@ -1,6 +1,6 @@
 """In-place reduce-scatter: inputs that live in a shared region are read where they lie.
 
-For ranks of one host, and inputs inside a shared region (shm_regions.py; ShardedOptimizer's
+For ranks of one host, and inputs inside a shared region (regions.py; ShardedOptimizer's
 gradient buffers are allocated there). The staged reduce-scatter (reduce_scatter_shared.py) first
 copies each whole input into a staging half; the single-copy one (reduce_scatter_single_copy.py)
 reads each chunk through the kernel into a scratch buffer. Here rank r reads chunk r of every other

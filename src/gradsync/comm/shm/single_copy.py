@@ -1,6 +1,6 @@
 """Single-copy reads: copy bytes straight out of another local process's memory.
 
-Shared segments (shm.py) need every byte copied in by its owner before others can read it. Linux
+Shared segments (segment.py) need every byte copied in by its owner before others can read it. Linux
 also lets a process read another's private memory in one kernel copy, given the right to trace it
 (same user, and no Yama restriction or seccomp filter in the way): that is cross-memory attach
 (CMA), what Open MPI's shared-memory collectives use for large messages. The source stays where it
@@ -12,7 +12,7 @@ is (a torch tensor anywhere in the peer's heap); only its address and the peer's
 
 The calls drop the GIL (ctypes), so a communication thread reading does not stall the training
 thread. ``probe(pid, address, expected)`` tells at set-up whether reads from a peer
-work here (shm.py agrees on the answer across ranks, so every rank takes the same algorithm).
+work here (segment.py agrees on the answer across ranks, so every rank takes the same algorithm).
 GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads off.
 """
 

@@ -1,6 +1,6 @@
 """In-place shared-memory all-reduce: tensors that live in a shared region need no staging copy.
 
-For ranks of one host, and tensors inside a shared region (shm_regions.py; DDP's gradient buckets
+For ranks of one host, and tensors inside a shared region (regions.py; DDP's gradient buckets
 are allocated there). The split all-reduce (allreduce_shared.py) first copies each rank's tensor into
 its staging half so the others can read it; here every rank reads the others' tensors where they
 are. Same vocabulary: N ranks, slice j = ring_chunks(n, N) chunk j, owned by rank j.

@@ -17,7 +17,7 @@ bytes below it. Aligned 8-byte stores are atomic on x86-64 and stores are seen i
 says where this is checked).
 
 The ring knows nothing of peers or waiting: ``write`` and ``read`` move what fits now and report
-whether anything moved, so the transport (shm.py) knows whom to wake.
+whether anything moved, so the transport (progress.py) knows whom to wake.
 """
 
 from __future__ import annotations

@@ -1,0 +1,45 @@
+"""The gradsync command: one module per command, each with its flags (add_parser) and what it does (run).
+
+    gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
+    gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--peers gloo,mpi] [--json out.json] [--fit]
+    gradsync bench ps --workers 2,3,4 [--steps 20]
+    gradsync bench zero1 --workers 2,4
+    gradsync bench faults --trials 10
+    gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
+    gradsync figures --out figs/ [--measured check.json]
+    gradsync doctor RUN_DIR
+    gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
+    gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cluster/sweep.py)
+
+    train.py, bench.py (bench_collectives.py, bench_ddp.py, bench_ps.py, bench_zero1.py, bench_faults.py),
+    simulate.py, figures.py, doctor.py, memory.py, cluster.py: the commands
+    args.py: the flags' types; output.py: tables and JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradsync.cli import bench, cluster, doctor, figures, memory, simulate, train
+
+COMMANDS = {"bench": bench, "simulate": simulate, "figures": figures, "doctor": doctor, "memory": memory,
+            "cluster": cluster, "train": train}
+"""Each command's module, in the order `gradsync --help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS.values():
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2

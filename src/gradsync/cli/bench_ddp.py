@@ -1,0 +1,86 @@
+"""gradsync bench ddp: a training step, ours beside torch DDP (gloo); with --backend, torch's own DDP on each
+torch.distributed backend (bench/ddp.py, bench/backend.py)."""
+
+from __future__ import annotations
+
+import json
+
+from rich.table import Table
+
+from gradsync.cli.args import positive_int
+from gradsync.cli.output import show
+
+
+def add_parser(benches) -> None:
+    ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
+    ddp.add_argument("--workers", type=positive_int, default=2)
+    ddp.add_argument("--model", choices=("mlp", "cnn", "charlm"), default="mlp")
+    ddp.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank")
+    ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
+    ddp.add_argument("--steps", type=positive_int, default=15, help="timed steps per implementation (median)")
+    ddp.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ddp.add_argument("--torch-hook", action="store_true",
+                     help="also ours with torch's allreduce_hook registered (its buckets over gloo)")
+    ddp.add_argument("--compile", action="store_true",
+                     help="also torch.compile (inductor) over torch DDP, over ours and under ours; with --backend: "
+                          "torch.compile(DDP(model)) and the compiled floor on each backend")
+    ddp.add_argument("--backend", metavar="LIST", help="instead: torch's own DDP on each torch.distributed backend "
+                     "listed (e.g. gloo,gradsync), the first one the baseline; plus the torch API layer's cost")
+    ddp.add_argument("--rounds", type=positive_int, default=3, help="with --backend: alternating runs per backend")
+
+
+def run(args) -> int:
+    from gradsync.bench import ddp
+
+    if args.backend:
+        return _bench_backends(args)
+
+    try:
+        caps = [float(c) for c in args.bucket_mb.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
+    rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps, torch_hook=args.torch_hook,
+                   compiled=args.compile)
+    ours = next(r["transport"] for r in rows if r["impl"].startswith("gradsync"))
+    table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
+                        f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo")
+    for column in ("implementation", "buckets", "step (ms)", "ours/torch", "vs floor", "overlap", "bytes/rank/step"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["impl"], "-" if r["buckets"] is None else str(r["buckets"]), f"{r['step_s'] * 1e3:.1f}",
+                      "1.00 (baseline)" if r["impl"] == "torch DDP" else f"{r['ratio_vs_torch']:.2f}x",
+                      f"{r['ratio_vs_floor']:.2f}x",
+                      "-" if r["overlap"] is None else f"{r['overlap']:.0%}",
+                      "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:,}")
+    show(table, rows, args.json, 100)
+    return 0
+
+
+def _bench_backends(args) -> int:
+    from gradsync.bench import backend
+
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if len(backends) < 1 or any(b not in ("gloo", "gradsync") for b in backends):
+        raise ValueError(f"--backend {args.backend!r}: give a comma-separated list of gloo and gradsync, e.g. gloo,gradsync")
+    steps, api = backend.run(args.workers, args.model, args.batch_size, args.steps, backends, args.rounds,
+                             compiled=args.compile)
+    table = Table(title=f"torch DDP step, {args.model}, {args.workers} ranks, batch {args.batch_size}/rank; median "
+                        f"of {args.rounds} alternating runs (each the median of {args.steps} steps); floor: the bare "
+                        f"model's step in the same runs")
+    for column in ("backend", "program", "step (ms)", f"/{backends[0]}", "vs floor", "each run (ms)"):
+        table.add_column(column, justify="right")
+    for r in steps:
+        table.add_row(r["backend"], r["program"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['vs_floor']:.2f}x",
+                      ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
+    show(table, steps, None, 110)
+    if api:
+        table = Table(title="all_reduce through torch's API on the gradsync backend beside gs.all_reduce, same ranks")
+        for column in ("bytes", "dist.all_reduce (us)", "gs.all_reduce (us)", "api/direct"):
+            table.add_column(column, justify="right")
+        for r in api:
+            table.add_row(f"{r['bytes']:,}", f"{r['api_us']:.0f}", f"{r['direct_us']:.0f}", f"{r['ratio']:.2f}x")
+        show(table, api, None, 110)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": steps, "api": api}, f, indent=2)
+    return 0

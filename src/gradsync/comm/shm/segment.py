@@ -1,0 +1,202 @@
+"""The shared segments of a ShmTransport (transport.py): their layout, set-up and clean-up.
+
+Segment layout (rank d's segment; slot i is the ring from local rank i to d)
+    [0, 4)                           doorbell (u32): rung by anyone who wrote to d or freed space for d
+    [4, 8)                           how many of d's threads sleep on it (u32; doorbell.py)
+    [8, 16)                          barrier count (u64): how many barriers d has entered
+    64 + i*(128 + C) + 0             head  (u64, stored by the sender)
+    64 + i*(128 + C) + 64            tail  (u64, stored by d; its own cache line)
+    64 + i*(128 + C) + 128 .. + C    data
+    then 2 fingerprint slots of 128 bytes: what d is about to do (agree.py's staged check), and
+                                     where its tensor lies for single-copy reads; they alternate,
+                                     like the staging halves (staging.py)
+    then 2 staging halves of S bytes (GRADSYNC_SHM_STAGE_MB): d's contribution to a collective that
+                                     reads every rank's memory directly (allreduce_shared.py)
+
+Cleanup: each rank creates its segment, every local peer maps it, and then the name is unlinked at
+once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
+nothing in /dev/shm. The launcher removes the job's names if ranks die during set-up.
+
+Single-copy reads (single_copy.py): at set-up every rank tries to read a token out of each local
+peer's segment through process_vm_readv, and the ranks agree: ``single_copy`` is True only when
+every rank can read from every other. Then large reduce-scatters and all-gathers read the peers'
+tensors where they lie (reduce_scatter_single_copy.py, all_gather_single_copy.py) instead of
+staging them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+from datetime import timedelta
+
+import torch
+
+from gradsync import runtime
+from gradsync.comm.shm import single_copy
+from gradsync.comm.shm.doorbell import Doorbell
+from gradsync.comm.shm.ring import FRAME, Ring, slot_bytes
+from gradsync.comm.transport import PeerError
+
+DEFAULT_RING_MB = 2
+"""Ring capacity per ordered pair, MiB. Small on purpose: a ring that fits the shared L3 cache
+(32 MiB here) is read by the receiver while the sender's bytes are still in cache. Measured, ring
+all-reduce medians of 7, N=4 on 2 cores: 16 MiB in 7.4-7.9 ms with 2 MiB rings against 10.6-10.9
+ms with 8 MiB; N=2: 2.1-2.2 ms against 2.7-3.4 ms with 32 MiB (docs/benchmarks.md)."""
+DEFAULT_STAGE_MB = 4
+"""Each staging half, MiB: 4 ranks x 2 halves x 4 MiB fill the 32 MiB L3 cache, so what one rank
+stages the others read from cache."""
+SHM_DIR = "/dev/shm"
+
+
+def _env_bytes(name: str, what: str, default_mb: float, smallest: int) -> int:
+    """The size in the environment variable ``name`` (MiB, a positive number), rounded down to 64
+    bytes and at least ``smallest``."""
+    value = os.environ.get(name, str(default_mb))
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes > 0:
+        raise ValueError(f"{name}={value!r}: give the {what} size in MiB, a positive number (default {default_mb})")
+    return max(smallest, int(megabytes * (1 << 20)) // FRAME * FRAME)
+
+
+def ring_bytes() -> int:
+    """Capacity C of every ring, from GRADSYNC_SHM_RING_MB."""
+    return _env_bytes("GRADSYNC_SHM_RING_MB", "ring", DEFAULT_RING_MB, FRAME * 4)
+
+
+def stage_bytes() -> int:
+    """Bytes S of each staging half, from GRADSYNC_SHM_STAGE_MB."""
+    return _env_bytes("GRADSYNC_SHM_STAGE_MB", "staging", DEFAULT_STAGE_MB, FRAME)
+
+
+def segment_prefix(job: str) -> str:
+    """Names of a job's segments start with this (the launcher removes leftovers by it)."""
+    return f"gradsync-{job}-r"
+
+
+def job_token(world: runtime.World) -> str:
+    """The name shared by this world's segments: the launcher's GRADSYNC_JOB_ID (or one rank 0 draws),
+    then this process's init count, so a second init() in the same job never meets the first's names."""
+    token = os.environ.get("GRADSYNC_JOB_ID")
+    if not token:
+        key = "gradsync/shm/token"  # world.store is this init's own
+        if world.rank == 0:
+            world.store.set(key, f"{os.getpid()}x{secrets.token_hex(4)}")
+        world.store.wait([key], timedelta(seconds=world.timeout))
+        token = world.store.get(key).decode()
+    return f"{token}i{world.generation}"
+
+
+class Segments:
+    """ShmTransport's segments: where each part of one lies (module docstring), creating and mapping
+    them at set-up, and unmapping them at close(). Sets the transport's mappings, doorbells, rings,
+    barrier counters and staging views."""
+
+    def _segment_bytes(self) -> int:
+        return self._stage_offset() + 2 * self.stage_bytes
+
+    def _fingerprint_offset(self) -> int:
+        return FRAME + len(self.local_ranks) * slot_bytes(self.capacity)
+
+    def _stage_offset(self) -> int:
+        return self._fingerprint_offset() + 4 * FRAME
+
+    def _slot(self, sender: int) -> int:
+        return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
+
+    def _connect(self, world: runtime.World, job: str) -> None:
+        """Create this rank's segment, map every local peer's, then unlink ours (see Cleanup)."""
+        store, wait = world.store, timedelta(seconds=world.timeout)
+        key = f"gradsync/shm/{job}"
+        path = os.path.join(SHM_DIR, f"{segment_prefix(job)}{self.rank}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self._segment_bytes())
+            self._mappings[self.rank] = mmap.mmap(fd, self._segment_bytes())
+            os.close(fd)
+            fd = -1
+            own = self._mappings[self.rank]
+            own[self._fingerprint_offset():self._fingerprint_offset() + 16] = secrets.token_bytes(16)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(own))
+            store.set(f"{key}/created/{self.rank}", f"{os.getpid()} {self.capacity} {self.stage_bytes} {base}")
+            self.pids, bases = {}, {}
+            for peer in self.local_ranks:
+                if peer == self.rank:
+                    continue
+                created = self.store_get(store, f"{key}/created/{peer}", wait, peer, "create its segment")
+                pid, capacity, staging, bases[peer] = (int(v) for v in created.split())
+                if (capacity, staging) != (self.capacity, self.stage_bytes):
+                    raise ValueError(f"rank {self.rank}: shared-memory set-up: rank {peer} has {capacity}-byte rings and "
+                                     f"{staging}-byte staging halves, this rank {self.capacity} and {self.stage_bytes}; "
+                                     f"set GRADSYNC_SHM_RING_MB and GRADSYNC_SHM_STAGE_MB alike on every rank")
+                self.pids[peer] = pid
+                peer_fd = os.open(os.path.join(SHM_DIR, f"{segment_prefix(job)}{peer}"), os.O_RDWR)
+                try:
+                    self._mappings[peer] = mmap.mmap(peer_fd, self._segment_bytes())
+                finally:
+                    os.close(peer_fd)
+            problems = [self._probe(peer, bases[peer]) for peer in self.pids]
+            mine = next((f"rank {self.rank}: {p}" for p in problems if p), "")
+            store.set(f"{key}/opened/{self.rank}", f"1 {mine}")
+            theirs = [self.store_get(store, f"{key}/opened/{peer}", wait, peer, "map its segment")[2:]
+                      for peer in self.pids]
+            self.single_copy_problem = next((p for p in [mine, *theirs] if p), None)
+            self.single_copy = self.single_copy_problem is None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        me = self.local_index[self.rank]
+        self._bell = Doorbell(self._mappings[self.rank], 0, me)
+        self._bells = {peer: Doorbell(self._mappings[peer], 0, me) for peer in self.pids}
+        self._in = {peer: Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
+        self._out = {peer: Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
+        self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
+        self._peer_counters = [self._counters[peer] for peer in self.pids]
+        self._ordered_peers = sorted(self.pids)
+        self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
+                                               offset=self._stage_offset()) for rank in self.local_ranks}
+
+    def _probe(self, peer: int, base: int) -> str | None:
+        """Why single-copy reads from ``peer`` do not work here (None when they do): read the token at
+        the start of its fingerprint slots and compare it with what its mapping shows (single_copy.probe)."""
+        offset = self._fingerprint_offset()
+        expected = bytes(self._mappings[peer][offset:offset + 16])
+        return single_copy.probe(self.pids[peer], base + offset, expected)
+
+    def store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
+        try:
+            store.wait([key], wait)
+            return store.get(key).decode()
+        except Exception as exc:
+            raise PeerError(f"rank {self.rank}: shared-memory set-up: rank {peer} did not {what} "
+                            f"within {self.timeout:.0f} s ({exc})", rank=self.rank, peer=peer,
+                            op="shm/connect") from exc
+
+    def close(self) -> None:
+        """Unmap every segment (their names are already gone)."""
+        with self._lock:
+            if hasattr(self, "regions"):
+                self.regions.close()
+            for ring in list(getattr(self, "_in", {}).values()) + list(getattr(self, "_out", {}).values()):
+                ring.release()
+            for bell in [getattr(self, "_bell", None), *getattr(self, "_bells", {}).values()]:
+                if bell is not None:
+                    bell.release()
+            self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
+            self._views, self.plans, self._peer_counters = {}, {}, []
+            for mapping in self._mappings.values():
+                try:
+                    mapping.close()
+                except BufferError:  # a tensor view still exists; the mapping goes with the process
+                    pass
+            self._mappings = {}
+            self._broken = self._broken or RuntimeError("the shared-memory transport was closed (gradsync.shutdown)")

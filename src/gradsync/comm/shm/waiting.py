@@ -1,0 +1,200 @@
+"""Waiting in a ShmTransport (transport.py): sleeping on the doorbell, barriers, liveness, timeouts.
+
+No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
+seconds; after each slice it checks that the peers it waits for are still alive (same host, so
+/proc tells), which turns a dead peer into an error within a fraction of a second. The one
+exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
+being woken costs more than the wait): while every local rank can have a core of its own
+(``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps (BACKGROUND_SPIN_SECONDS on a
+thread other than the main one, which shares its core with the main thread's work); with more ranks
+than cores a spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS
+and yields its core after every poll. The caller's thread is held on one core while it is in a collective
+(``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
+its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
+polling holds the core its peer needs to arrive; collectives below 4 MiB only, where that costs
+more than the hold); with more ranks than cores the ranks that share a core yield to each other
+instead of following each other across cores. Held lazily: pinned only when found elsewhere or
+about to sleep (hold.py).
+
+A failed or timed-out wait breaks the transport: the error is kept, and every later operation
+raises it at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from gradsync.comm.shm.progress import ShmOp
+from gradsync.comm.transport import Handle, PeerError
+
+POLL_SLICE = 0.0005
+"""Longest nap between looks at a torch.distributed transfer while shared-memory work is pending."""
+LIVENESS_SLICE = 0.2
+"""Seconds a waiting rank sleeps before checking that its peers are alive."""
+SPIN_SECONDS = 200e-6
+"""Longest a ``spin`` wait polls on the main thread before it sleeps: about what a futex sleep and
+wake-up cost here, so a peer that arrives later than this costs one wake-up more than it would have
+anyway. Measured (2026-12-02, a /tmp probe, 2 ranks, the waker 2 ms late, 190 wake-ups each run):
+from the waker's barrier to the sleeper's return 173-176 us median, 107-122 us p10, 233-235 us p90.
+In-world A/B against 30 us (2 ranks, blocks of 10 calls alternating, the bench's loop, slowest
+rank, medians; two runs, us): 64 KiB 39 -> 36 and 41 -> 37, 256 KiB 115 -> 93 and 138 -> 142,
+1 MiB 322 -> 282 and 424 -> 375, 4 MiB 1,013 -> 935 and 1,559 -> 1,498, 16 MiB 4,957 -> 5,179,
+7,577 -> 6,954 and 6,146 -> 5,611; 4 KiB level (docs/benchmarks.md)."""
+BACKGROUND_SPIN_SECONDS = 30e-6
+"""Longest a ``spin`` wait polls on any other thread: DDP's reducer and the c10d backend run their
+collectives on a communication thread while the main thread computes backward on the same core, and
+a longer poll takes that core from backward (DDP's step with 200 us on its thread, in-world A/B:
+1.171-1.207x of the no-communication floor against 1.169-1.199x with 30 us)."""
+YIELD_SECONDS = 1e-3
+"""With more local ranks than cores, a ``spin`` wait polls this long, giving its core away between
+polls (sched_yield): the rank it waits for is likely queued on the same core, and a yield hands it
+the core at once where a futex sleep costs a wake-up (4 ranks on 2 cores, 64 KiB: 0.24-0.30 ms
+a call against 0.34-0.49 ms)."""
+
+
+def poll_seconds(spin_allowed: bool) -> float:
+    """How long a ``spin`` wait polls before it sleeps: YIELD_SECONDS (yielding the core between
+    polls) where local ranks outnumber the cores, else SPIN_SECONDS on the main thread and
+    BACKGROUND_SPIN_SECONDS on any other."""
+    if not spin_allowed:
+        return YIELD_SECONDS
+    return SPIN_SECONDS if threading.current_thread() is threading.main_thread() else BACKGROUND_SPIN_SECONDS
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class Delegated(Handle):
+    """A transfer carried by torch.distributed on behalf of a ShmTransport.
+
+    Waiting for it must not stall this rank's shared-memory traffic: shared-memory sends and
+    receives move only when their rank makes progress, and a flat ring across hosts mixes both
+    (rank 0 blocked on a TCP receive from rank 3 while rank 1 waits for the rest of rank 0's
+    shared-memory send would wait forever). So while shared-memory operations are pending, the
+    wait polls: progress, then a nap of at most POLL_SLICE on the doorbell, then a look at the TCP
+    transfer. With nothing pending it is torch's own blocking wait.
+    """
+
+    __slots__ = ("inner", "transport", "peer", "op")
+
+    def __init__(self, inner: Handle, transport: "Waiting", peer, op) -> None:
+        self.inner, self.transport, self.peer, self.op = inner, transport, peer, op
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        t = self.transport
+        limit = t.timeout if timeout is None else timeout
+        started = time.monotonic()
+        while t.has_pending() and not self.inner.done():
+            waited = time.monotonic() - started
+            if waited >= limit:
+                who = "any rank" if self.peer is None else f"rank {self.peer}"
+                raise t._broken_by(PeerError(f"rank {t.rank}: {self.op}: transfer with {who} over torch.distributed "
+                                             f"timed out after {waited:.1f} s (timeout {limit:.0f} s)",
+                                             rank=t.rank, peer=self.peer, op=self.op))
+            t.nap(min(POLL_SLICE, limit - waited))
+        return self.inner.wait(None if timeout is None else max(0.0, limit - (time.monotonic() - started)))
+
+
+class Waiting:
+    """ShmTransport's waits: every one makes progress (progress.py) and sleeps on this rank's
+    doorbell until its condition holds, a peer it waits for has died, or the timeout has passed."""
+
+    def has_pending(self) -> bool:
+        """True while any shared-memory send or receive of this rank is unfinished."""
+        return (any(self._sends.values()) or any(self._recvs.values()) or bool(self._any)
+                or any(ring.current is not None for ring in self._in.values()))
+
+    def nap(self, seconds: float) -> None:
+        """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
+        with self._lock:
+            seen = self._advance()
+        if self.hold is not None:
+            self.hold.before_sleep()
+        self._bell.sleep(seen, seconds)
+
+    def _wait_for(self, handle: ShmOp, timeout: float | None) -> None:
+        peers = [handle.peer] if handle.peer is not None else list(self.pids)
+        self._wait_until(lambda: handle.finished, timeout, peers,
+                         lambda waited, limit, what: self._stuck(handle, waited, limit, what))
+
+    def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
+        """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
+        the timeout raises ``stuck(waited, limit, what)``. ``spin``: first poll ``is_done`` alone, for
+        ``poll_seconds``, moving nothing (for conditions the other ranks make true, as a barrier's; a
+        poll that also moved traffic under the lock cost 4 ranks on 2 cores 8-10% of a 64 KiB call)."""
+        if spin and is_done():   # nothing to wait for (other traffic moves in the next wait that needs it)
+            return
+        limit = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        if spin:
+            until = time.perf_counter() + poll_seconds(self.spin_allowed)
+            while time.perf_counter() < until:
+                if not self.spin_allowed:
+                    os.sched_yield()
+                if is_done():
+                    return
+        while True:
+            with self._lock:
+                seen = self._advance()
+                if is_done():
+                    return
+                self._sleepers += 1
+            waited = time.monotonic() - started
+            try:
+                if waited >= limit:
+                    raise self._broken_by(stuck(waited, limit, "timed out"))
+                if self.hold is not None:
+                    self.hold.before_sleep()
+                self._bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
+                if time.monotonic() - started >= LIVENESS_SLICE:
+                    for peer in peers:
+                        if not alive(self.pids[peer]):
+                            raise self._broken_by(stuck(time.monotonic() - started, limit,
+                                                        f"failed: rank {peer} (pid {self.pids[peer]}) exited"))
+            finally:
+                with self._lock:
+                    self._sleepers -= 1
+
+    def _broken_by(self, error: PeerError) -> PeerError:
+        with self._lock:
+            self._broken = error
+        return error
+
+    def _stuck(self, handle: ShmOp, waited: float, limit: float, what: str) -> PeerError:
+        verb = "send to" if handle.sent else "receive from"
+        who = "any rank" if handle.peer is None else f"rank {handle.peer}"
+        why = f"; {who} may have died or stalled" if what == "timed out" else ""
+        return PeerError(f"rank {self.rank}: {handle.op}: {verb} {who} ({handle.nbytes} bytes, shared memory) {what} "
+                         f"after {waited:.1f} s (timeout {limit:.0f} s){why}",
+                         rank=self.rank, peer=handle.peer, op=handle.op)
+
+    def barrier(self, op: str, spin: bool = False) -> None:
+        """Return once every local rank has entered as many barriers as this one (with the timeout
+        and liveness checks of any wait; ``spin``: see the module docstring)."""
+        self._barriers += 1
+        count = self._barriers
+        self._counters[self.rank].value = count
+        for bell in self._bells.values():
+            bell.ring()
+        counters = self._peer_counters
+        if spin and all(c.value >= count for c in counters):   # all here: none of the wait's set-up
+            return
+
+        def stuck(waited, limit, what):
+            behind = [peer for peer in self.pids if self._counters[peer].value < count]
+            return PeerError(f"rank {self.rank}: {op}: barrier {count} on shared memory {what} after {waited:.1f} s "
+                             f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
+                             rank=self.rank, peer=behind[0] if behind else None, op=op)
+
+        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck, spin)
