@@ -18,7 +18,7 @@ LEVELS = {
     # beside everything, importing nothing above: counters, timelines, checkpoints, the cost model
     "gradsync.meter": 0, "gradsync.trace": 0, "gradsync.stall": 0,
     "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.display": 0, "gradsync.grad_watch": 0,
-    "gradsync.clip": 0,
+    "gradsync.clip": 0, "gradsync.compile_guard": 0,
     # process group set-up: the World record and host exchange that init() and join share, then
     # joining a program's world, then init() itself (which may join), then spawn (which inits)
     "gradsync.world_info": 1.0, "gradsync.join": 1.1, "gradsync.runtime": 1.2, "gradsync.launch": 1.3,

@@ -18,14 +18,14 @@ back from here, and nothing here imports the thread.
 
 from __future__ import annotations
 
-import functools
-import sys
 import threading
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from gradsync.compile_guard import eager
 
 _SETTLE = threading.Lock()
 
@@ -71,24 +71,10 @@ def run_eagerly(cls, names: tuple[str, ...]) -> None:
     """Make ``cls``'s methods ``names`` run eagerly under torch.compile. A collective called from
     compiled code (DDP's forward broadcasts, a graph break's wait()) would otherwise be traced by
     dynamo, which keeps a ProcessGroup opaque and stops with an error at the first attribute of one
-    written in Python (self._run, self.place). torch.compiler.disable does it (0.4 us a call), but
-    importing dynamo for it costs a second of every program's start: so the method runs as it is
-    until the program itself has imported dynamo (torch.compile does), one dictionary lookup a call."""
+    written in Python (self._run, self.place): compile_guard.eager keeps them out of the trace
+    without importing dynamo in a program that never compiles."""
     for name in names:
-        setattr(cls, name, _eager(getattr(cls, name)))
-
-
-def _eager(method):
-    disabled = []
-
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        if "torch._dynamo" not in sys.modules:  # nothing can compile in this process yet
-            return method(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(method, recursive=True))
-        return disabled[0](*args, **kwargs)
-    return call
+        setattr(cls, name, eager(getattr(cls, name)))
 
 
 class FutureWork(dist.Work):

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from gradsync import trace
+from gradsync.compile_guard import eager
 from gradsync.comm.collectives import ALGORITHMS, shared_allocator
 from gradsync.ddp import hooks, torch_arguments
 from gradsync.ddp.buckets import default_limits
@@ -153,7 +154,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             output = self.module(*args, **kwargs)
         return self._post_forward(output)
 
-    @torch.compiler.disable
+    @eager
     def _pre_forward(self, *args, **kwargs):
         """The wrapper's collectives before the module runs, in the order ddp/uneven_inputs.py gives."""
         grad_enabled = torch.is_grad_enabled()
@@ -176,7 +177,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             args, kwargs = self.precision.cast_for_forward(args, kwargs)
         return args, kwargs
 
-    @torch.compiler.disable
+    @eager
     def _post_forward(self, output):
         if self.precision is not None and not torch.is_grad_enabled():
             self.precision.restore_params()   # no backward will come to restore them
