@@ -32,7 +32,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          to another through gloo, at once and alone, medians of 5; D = both /
                          max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
                          Measured here: D = 1.00-1.02 at 1 Gbit/s, 1.33-1.75 at 10 Gbit/s, where the
-                         CPU, not the shaper, sets the pace of a transfer (docs/benchmarks.md)
+                         CPU, not the shaper, sets the pace of a transfer (docs/studies/cluster-cost-model.md)
     ps-*                 with the fan, a server's link timed in the job (worker.py: every worker
                          sends a shard of M/S bytes to every server at once, p_in seconds per byte
                          of the W*M/S through a server's link; every server to every worker,
@@ -42,7 +42,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          holds the link, the kernel and the shared cores as a step's transfers meet
                          them, not the server's own work per byte: at 10 Gbit/s it ran at the link's
                          rate (0.85-0.95 ns/B, one server) while sync steps took twice the fan's
-                         time until the checksums were made cheap (docs/benchmarks.md). Rows
+                         time until the checksums were made cheap (docs/studies/cluster-cost-model.md). Rows
                          saved before the fan was measured keep the host term and D
     ps-async, ssp        with the pair, the duplex timing's both-at-once (worker.py: M bytes in from
                          one worker while M go out to another), p_pair = both / M seconds per byte:
@@ -53,7 +53,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          at once moved their bytes about 1.5x faster per byte than one pair on the
                          2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB); over
                          three sweeps 14 of 30 async and SSP rows came within 25% with the fan,
-                         26 with the pair (docs/benchmarks.md). Rows saved without it keep the fan
+                         26 with the pair (docs/studies/cluster-cost-model.md). Rows saved without it keep the fan
     ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
                          job (worker.py: every rank at once sends a chunk of M/N bytes to its right
                          neighbour and receives one from its left, median of 9), a rank sends at
@@ -62,7 +62,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          them. Why: a ring all-reduce took 2(N-1) such steps and its sum, within
                          9% (2 to 6 hosts at 10 Gbit/s), while 2h from the PS rows priced the
                          ring 25-27% short at N = 2 and, with h fitted under load, 22-35% long at
-                         N = 4-6 by the medians (docs/benchmarks.md). Rows saved before x was
+                         N = 4-6 by the medians (docs/studies/cluster-cost-model.md). Rows saved before x was
                          measured keep 2h
     hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
                          model gives every rail its own link, here the L rails of a host share its
@@ -71,7 +71,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          rank L after it, the L rails of a host through its one link at once), a
                          rank sends at max(L*beta, x) per byte between hosts, in place of the host
                          term, as the ring does. Why: HOST_S_PER_BYTE, fitted under load, priced
-                         the idle 2x2 and 3x2 rows 30% and 77% long (docs/benchmarks.md). Rows
+                         the idle 2x2 and 3x2 rows 30% and 77% long (docs/studies/cluster-cost-model.md). Rows
                          saved before x was measured keep the host term
 "wire only" leaves the host term, u, D, the fan, the pair and x out (host_s_per_byte = 0, the textbook model);
 "predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the

@@ -98,7 +98,7 @@ HOLD_BELOW_BYTES = 4 << 20
 def _on_own_core(collective):
     """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
     the transport has one (shared memory with several local ranks: shm/hold.py, lazily). Measured with
-    4 ranks on 2 cores (docs/benchmarks.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
+    4 ranks on 2 cores (docs/studies/core-hold.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
     2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
     run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
     4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
@@ -187,7 +187,7 @@ any other: polling made them faster alone (4 MiB 3.90 -> 3.54 ms; with the split
 2,396-2,435, 16 MiB 8,594-8,765 -> 8,004-8,282) but not torch's DDP, whose communication thread
 shares a core with backward. With a core per rank every collective polls (shm/waiting.py poll_seconds: 200 us
 on the main thread, 30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617
-us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/benchmarks.md)."""
+us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/studies/barrier-polling.md)."""
 
 
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:

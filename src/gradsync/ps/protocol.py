@@ -128,7 +128,7 @@ def checksum(payload: torch.Tensor) -> int:
     """Sum of the payload's 64-bit words modulo 2**64, plus its last bytes when the length is not a
     multiple of 8, kept to the low 62 bits (so two of them add up within an int64 header word).
     A 64-bit sum needs no widening: 0.02 ns/B here, against 0.3-0.9 for 32-bit words summed in 64
-    bits, which was most of a parameter server's CPU per step at 10 Gbit/s (docs/benchmarks.md)."""
+    bits, which was most of a parameter server's CPU per step at 10 Gbit/s (docs/studies/ps-server.md)."""
     raw = payload.detach().reshape(-1).view(torch.uint8)
     whole = raw.numel() // 8 * 8
     words = raw[:whole] if raw.storage_offset() % 8 == 0 else raw[:whole].clone()   # int64 views need alignment

@@ -13,7 +13,7 @@ again sooner, which keeps the server's download busy (1 Gbit/s, one server: W=4 
 step, W=6 1296 -> 1200 ms; one at a time was better at W=2-3 and worse at W=6). The server's
 outbox (outbox.py) posts the answers and waits for them on a thread of its own, so the server
 reads the next message and posts the next push's receives while an answer is held (W=6: 1148 ->
-1002 ms a step; docs/benchmarks.md).
+1002 ms a step; docs/studies/ps-server.md).
 
 Stopping early: once the job is asked to end (server.py), sync reads the ask when a version is
 stepped, and every PARAMS answer of that version and later carries FLAG_STOP, so every worker stops

@@ -50,7 +50,7 @@ M/N (post), read + write (N-1)/N * M (gather): one copy of the tensor in and out
 split that stages and gathers whole pieces. Reading the others' tensors where they lie instead,
 through the kernel (single_copy.py, as the reduce-scatter does), saves the stage but each kernel copy
 costs 2.7x a copy here; that all-reduce (two kernel copies per byte) was slower at every size
-measured, 2-64 MiB with 2 ranks and 1-64 MiB with 3 and 4 (docs/benchmarks.md, "Staged again").
+measured, 2-64 MiB with 2 ranks and 1-64 MiB with 3 and 4 (docs/studies/staging-or-single-copy.md).
 Time: T = ceil(M/(N R)) * (2 barriers + copies of about 2M/ceil(M/(N R)) bytes).
 """
 
@@ -116,7 +116,7 @@ def _region_elems(transport, dtype: torch.dtype) -> int:
     call from a fresh input as the bench makes them (slowest rank, medians of six blocks, us): N=2 4
     MiB 664 -> 507, 16 MiB 3,519 -> 2,919, 64 MiB 14,167 -> 12,278; N=3 1 MiB 407 -> 402, 4 MiB
     2,378 -> 1,864, 16 MiB 8,486 -> 7,112; N=4 4 MiB 2,918 -> 2,576, 16 MiB 10,813 -> 8,634, 64 MiB
-    38,654 -> 30,788 (docs/benchmarks.md, "Regions the size of a cache")."""
+    38,654 -> 30,788 (docs/studies/split-regions.md)."""
     region_bytes = min(transport.stage_bytes // transport.world_size, PIECE_BYTES) // 64 * 64
     if region_bytes == 0:
         raise RuntimeError(f"all_reduce: staging halves of {transport.stage_bytes} bytes are too small for "
@@ -140,7 +140,7 @@ class SplitAllReduce:
     and the fingerprint's fixed values. allreduce_shared() makes one for a call; collectives.py keeps
     one per large all-reduce a program repeats (``transport.plans``) and runs a repeated call with
     ``run``, as allreduce_shared_direct.DirectAllReduce does: a 4 MiB call at N=2 spent 60-80 of its
-    600 us making views and choosing (docs/benchmarks.md, "Staged again")."""
+    600 us making views and choosing (docs/studies/staging-or-single-copy.md)."""
 
     def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
                  spin: bool = False, hold=None) -> None:

@@ -26,10 +26,10 @@ memory): rank r reads all M bytes from each of the N-1 others, and by symmetry e
     bytes_received = bytes_sent = (N-1) * M          (the split all-reduce: 2(N-1)/N * M)
 
 Work per rank: N-1 reductions of M bytes against the split all-reduce's (N-1)/N; below
-direct_below the barrier saved is worth more (docs/benchmarks.md). The first two inputs are
+direct_below the barrier saved is worth more (docs/studies/direct-or-split.md). The first two inputs are
 folded out of place (reduce_ops.fold), one pass instead of a copy and a reduction. Taking the own
 input from the tensor, not the staging half, made the call 5-22% shorter at 64 and 256 KiB at N=2
-(docs/benchmarks.md, "The own input read where it lies, and two ranks direct up to 2 MiB").
+(docs/studies/direct-or-split.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class DirectAllReduce:
         barrier (compare_published raises on a difference), the call counted for the meter (its
         payload and fingerprint bytes: TrafficMeter.tally). The same steps as the first call's, in
         fewer Python operations: between two waits each costs about twice what it costs in a loop
-        that repeats it (docs/benchmarks.md, "Fewer Python operations per repeated call")."""
+        that repeats it (docs/studies/small-call-cost.md)."""
         holding = self._hold is not None and self._hold.enter()
         try:
             sequence = next_sequence_of(transport)

@@ -44,7 +44,7 @@ DEFAULT_RING_MB = 2
 """Ring capacity per ordered pair, MiB. Small on purpose: a ring that fits the shared L3 cache
 (32 MiB here) is read by the receiver while the sender's bytes are still in cache. Measured, ring
 all-reduce medians of 7, N=4 on 2 cores: 16 MiB in 7.4-7.9 ms with 2 MiB rings against 10.6-10.9
-ms with 8 MiB; N=2: 2.1-2.2 ms against 2.7-3.4 ms with 32 MiB (docs/benchmarks.md)."""
+ms with 8 MiB; N=2: 2.1-2.2 ms against 2.7-3.4 ms with 32 MiB (docs/studies/shm-ring-size.md)."""
 DEFAULT_STAGE_MB = 4
 """Each staging half, MiB: 4 ranks x 2 halves x 4 MiB fill the 32 MiB L3 cache, so what one rank
 stages the others read from cache."""

@@ -41,7 +41,7 @@ from the waker's barrier to the sleeper's return 173-176 us median, 107-122 us p
 In-world A/B against 30 us (2 ranks, blocks of 10 calls alternating, the bench's loop, slowest
 rank, medians; two runs, us): 64 KiB 39 -> 36 and 41 -> 37, 256 KiB 115 -> 93 and 138 -> 142,
 1 MiB 322 -> 282 and 424 -> 375, 4 MiB 1,013 -> 935 and 1,559 -> 1,498, 16 MiB 4,957 -> 5,179,
-7,577 -> 6,954 and 6,146 -> 5,611; 4 KiB level (docs/benchmarks.md)."""
+7,577 -> 6,954 and 6,146 -> 5,611; 4 KiB level (docs/studies/barrier-polling.md)."""
 BACKGROUND_SPIN_SECONDS = 30e-6
 """Longest a ``spin`` wait polls on any other thread: DDP's reducer and the c10d backend run their
 collectives on a communication thread while the main thread computes backward on the same core, and
