@@ -134,13 +134,6 @@ def misuse_errors():
     """(exception type, message) of each misuse of register_comm_hook and comm_hook."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
-    def error_of(action):
-        try:
-            action()
-        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
-            return type(exc).__name__, str(exc)
-        return None
-
     def twice():
         ddp = gs.DistributedDataParallel(make_model("mlp"))
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -164,9 +157,9 @@ def misuse_errors():
         ddp.reducer.wait_limit = 1.0   # a knob for tests: seconds a bucket's Future may take
         ddp(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
 
-    return {"twice": error_of(twice), "mixed_precision": error_of(with_mixed_precision),
-            "old_signature": error_of(old_signature), "not_a_future": error_of(not_a_future),
-            "never_completes": error_of(never_completes)}
+    return {"twice": ddp_fns.error_of(twice), "mixed_precision": ddp_fns.error_of(with_mixed_precision),
+            "old_signature": ddp_fns.error_of(old_signature), "not_a_future": ddp_fns.error_of(not_a_future),
+            "never_completes": ddp_fns.error_of(never_completes)}
 
 
 def run_cases(fn, cases):

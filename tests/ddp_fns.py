@@ -79,6 +79,15 @@ MODELS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "tied": Tied, "reused": TiedSi
           "big_mlp": lambda: MLP(width=256)}
 
 
+def error_of(action):
+    """(exception type, message) of what ``action()`` raised, or None if it raised nothing."""
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
 def make_model(name, dtype, seed=0):
     torch.manual_seed(seed)
     return MODELS[name]().to(dtype)
