@@ -175,6 +175,10 @@ def run_cases(fn, cases):
 
 
 # -- uneven inputs (Join) --------------------------------------------------------------------------
+JOIN_CLIP = 0.3
+"""max_norm of the clipping case: below most steps' averaged-gradient norm, so clipping acts."""
+
+
 def uneven_batches(rank, local_batch=4):
     """Rank r's own 6 + 3r batches (seeded by r)."""
     g = torch.Generator().manual_seed(1000 + rank)
@@ -187,10 +191,10 @@ def _train_joined(which, case, xs, ys):
     """One uneven run: ``which`` is "torch" (torch's DDP + Join, plain optimizer) or "ours"."""
     model_name = "cnn_bn" if case == "buffers_divide_by_alive" else "mlp"
     model = make_model(model_name)
-    sharded = case in ("sharded_with_ddp", "sharded_alone")
+    sharded = case in ("sharded_with_ddp", "sharded_alone", "sharded_alone_clip")
     if which == "torch":
         wrapped = TorchDDP(model, bucket_cap_mb=0.0006)
-    elif case == "sharded_alone":
+    elif case in ("sharded_alone", "sharded_alone_clip"):
         wrapped = model
     else:
         wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=0.0006)
@@ -200,24 +204,28 @@ def _train_joined(which, case, xs, ys):
         opt = gs.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.01) if sharded else ddp_fns.make_optimizer("sgd", model.parameters())
-    joinables = [opt] if which == "ours" and case == "sharded_alone" else [wrapped, opt] if which == "ours" and sharded \
+    joinables = [opt] if which == "ours" and case in ("sharded_alone", "sharded_alone_clip") else [wrapped, opt] if which == "ours" and sharded \
         else [wrapped]
     options = {"divide_by_initial_world_size": case != "buffers_divide_by_alive",
                "throw_on_early_termination": case == "throw"}
-    steps = 0
+    steps = clipped_steps = 0
     try:
         with Join(joinables, throw_on_early_termination=options["throw_on_early_termination"],
                   divide_by_initial_world_size=options["divide_by_initial_world_size"]):
             for x, y in zip(xs, ys):
                 opt.zero_grad()
                 nn.functional.cross_entropy(wrapped(x), y).backward()
+                if case == "sharded_alone_clip":   # torch: DDP's averaged .grad; ours: the sharded optimizer's
+                    clipped = opt.clip_grad_norm_(JOIN_CLIP) if which == "ours" else \
+                        nn.utils.clip_grad_norm_(model.parameters(), JOIN_CLIP)
+                    clipped_steps += int(clipped > JOIN_CLIP)
                 opt.step()
                 steps += 1
     except RuntimeError as exc:
         if case != "throw":
             raise
         return {"raised": str(exc), "steps": steps}
-    out = {"params": params_of(model), "steps": steps}
+    out = {"params": params_of(model), "steps": steps, "clipped_steps": clipped_steps}
     if model_name == "cnn_bn":
         out["buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
     return out
@@ -227,7 +235,9 @@ def join_case(case):
     """torch's DDP + Join beside ours, rank r with 6 + 3r batches. Cases: "ddp" (Join([model])),
     "buffers_divide_by_alive" (BatchNorm buffers, divide_by_initial_world_size=False), "torch_hook"
     (torch's allreduce_hook), "throw" (throw_on_early_termination), "sharded_with_ddp"
-    (Join([model, ShardedOptimizer])), "sharded_alone" (Join([ShardedOptimizer]) over a bare model);
+    (Join([model, ShardedOptimizer])), "sharded_alone" (Join([ShardedOptimizer]) over a bare model),
+    "sharded_alone_clip" (that, clipping by the global norm before each step: ShardedOptimizer.clip_grad_norm_
+    beside torch's clip_grad_norm_ of DDP's averaged gradients);
     the sharded cases' oracle is torch's DDP + Join with the unsharded optimizer."""
     xs, ys = uneven_batches(gs.world().rank)
     return {which: _train_joined(which, case, xs, ys) for which in ("torch", "ours")}

@@ -62,11 +62,15 @@ def test_hook_misuse_is_refused_with_the_reason(world_of):
 
 # -- uneven inputs ------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["ddp", "buffers_divide_by_alive", "torch_hook", "sharded_with_ddp", "sharded_alone"])
+@pytest.mark.parametrize("case", ["ddp", "buffers_divide_by_alive", "torch_hook", "sharded_with_ddp", "sharded_alone",
+                                  "sharded_alone_clip"])
 def test_join_with_uneven_inputs_gives_torch_joins_parameters(world_of, case):
     results = world_of(3).run(ddp_api_fns.join_case, case)
     for rank, r in enumerate(results):
         assert r["ours"]["steps"] == r["torch"]["steps"] == 6 + 3 * rank
+        assert r["ours"]["clipped_steps"] == r["torch"]["clipped_steps"]
+        if case == "sharded_alone_clip":
+            assert r["torch"]["clipped_steps"] >= 3, "the clipping case should clip"
         assert_close(r["ours"]["params"], r["torch"]["params"], 1e-12, f"Join {case}")
         if "buffers" in r["torch"]:
             assert_close(r["ours"]["buffers"], r["torch"]["buffers"], 1e-12, f"Join {case} buffers")

@@ -60,7 +60,9 @@ DistributedDataParallel as ``model``) lets ranks run out of batches at different
 that has joined takes part in each step of the others (``_JoinHook.main_hook``): it contributes the
 gradients written since its last step, which a DistributedDataParallel joined before it leaves
 there (the others' average), and zeros otherwise (no batch, no gradient), then updates its shards
-and all-gathers like them. The reduce-scatter divides by N, every rank counted. The result is
+and all-gathers like them. When the others clip first (clip_grad_norm_), each of their calls and
+step() is announced by an all-reduce of four numbers (``_announce``), so the joined rank clips with
+the same arguments, the same global norm and coefficient, before it steps. The reduce-scatter divides by N, every rank counted. The result is
 torch's DDP + Join with the unsharded optimizer (tests/test_ddp_torch_api.py). torch's own
 ZeroRedundancyOptimizer under Join differs from that: its joined rank steps its shard with the
 gradient left over from its own last step (19% relative on the test's case, 3 ranks).
@@ -85,6 +87,9 @@ from gradsync.grad_watch import GradientWatch
 from gradsync.replicas import broadcast_coalesced
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+_CLIP, _STEP = 1.0, 2.0
+"""Under Join, what the ranks still training call next (ShardedOptimizer._announce)."""
 
 
 @dataclass
@@ -147,7 +152,12 @@ class _JoinHook(JoinHook):
         for p in opt.params:
             if p.grad is not None and opt._gradient_marks.get(id(p)) == (p.grad.data_ptr(), p.grad._version):
                 p.grad = None   # the gradient of its own last step: nothing new, so zeros
-        opt._step()
+        while True:   # the others' clip_grad_norm_ calls of this step, if any, then their step()
+            kind, max_norm, norm_type, error_if_nonfinite = opt._announce(None)
+            if kind == _STEP:
+                opt._step()
+                return
+            opt._clip(max_norm, norm_type, error_if_nonfinite)
 
 
 class ShardedOptimizer(Joinable):
@@ -195,6 +205,7 @@ class ShardedOptimizer(Joinable):
         self._reduced: _Reduced | None = None   # this step's gradients are in the shards (clip_grad_norm_ ran)
         self._reduce_seconds = 0.0
         self._gradient_marks: dict[int, tuple[int, int]] = {}   # .grad (pointer, version) after the last step
+        self._notified = False   # this step's Join round has begun (clip_grad_norm_ came first)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -316,6 +327,11 @@ class ShardedOptimizer(Joinable):
         ``norm_type``: any p > 0 or inf; ``error_if_nonfinite``: raise, as torch does, when the norm is
         nan or inf (every rank raises: the norm is the same everywhere)."""
         max_norm, p = clip.check_arguments(max_norm, norm_type)
+        self._notify_join_once()
+        self._announce((_CLIP, max_norm, p, error_if_nonfinite))
+        return self._clip(max_norm, p, error_if_nonfinite)
+
+    def _clip(self, max_norm: float, p: float, error_if_nonfinite: bool) -> torch.Tensor:
         self._reduce_once()
         started = time.perf_counter()
         shard_grads = [bucket.shard.grad for bucket in self.buckets]
@@ -332,8 +348,31 @@ class ShardedOptimizer(Joinable):
     def step(self) -> None:
         """Reduce-scatter gradients (unless clip_grad_norm_ did), update this rank's shards, all-gather
         the parameters."""
-        Join.notify_join_context(self)
+        self._notify_join_once()
+        self._announce((_STEP, 0.0, 0.0, False))
+        self._notified = False
         self._step()
+
+    def _notify_join_once(self) -> None:
+        """One Join round per step, clip_grad_norm_'s calls and step() together: a joined rank's
+        main_hook takes part in all of them (_announce)."""
+        if not self._notified:
+            Join.notify_join_context(self)
+            self._notified = True
+
+    def _announce(self, call: tuple | None) -> tuple[float, float, float, bool]:
+        """Under Join, every rank learns what the ranks still training call next, so that a joined
+        rank (``call`` None) takes part in the same collectives: clip_grad_norm_ with its arguments,
+        or step(). One all-reduce (max) of four numbers; nothing outside a Join context."""
+        if call is None:
+            vote = torch.zeros(4, dtype=torch.float64)
+        elif self._join_config.enable:
+            vote = torch.tensor([call[0], call[1], call[2], float(call[3])], dtype=torch.float64)
+        else:
+            return call
+        all_reduce(vote, op="max")
+        kind, max_norm, norm_type, error_if_nonfinite = vote.tolist()
+        return kind, max_norm, norm_type, bool(error_if_nonfinite)
 
     @torch.no_grad()
     def _step(self) -> None:
