@@ -128,6 +128,33 @@ def test_ring_link_bytes_match_the_formula(can_build):
     assert row["exchange_s_per_byte"] == exchange["exchange_s"] / exchange["chunk_bytes"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["powersgd", "diloco"])
+def test_powersgd_and_diloco_link_bytes_match_their_formulas(can_build, strategy):
+    """The slow-link strategies on 3 hosts (a second trial of the ring's kind): PowerSGD r=2 sends,
+    every compressed step, the factors of the two 354 x 354 matrices, (354 + 354) x 2 elements each,
+    and the two biases whole, 3,540 elements through the ring's 2(N-1)/N; DiLoCo H=4 one all-reduce of
+    M every 4 steps (a rep is H steps). The meter exactly (every all-reduce splits evenly into 3
+    chunks), the kernel within the headers' share."""
+    job = Job(strategy, workers=3, params=PARAMS, steps=2, reps=1, sync_every=4)
+    with netns.EmulatedCluster(job.hosts, RATE) as cluster:
+        made = list(cluster.made)
+        result = run_job(cluster, job, timeout=240)
+    assert not [n for n in made if n in netns.namespaces()]
+    n = job.workers
+    sent = 4 * (2 * (D + D) * 2 + 2 * D) if strategy == "powersgd" else M
+    steps = job.steps if strategy == "powersgd" else job.sync_every
+    per_step = 2 * (n - 1) * sent // n / (1 if strategy == "powersgd" else job.sync_every)
+    for rank in result["ranks"]:
+        assert sum(rep["steps"] for rep in rank["reps"]) == steps * job.reps
+        assert sum(rep["bytes_sent"] for rep in rank["reps"]) == per_step * steps * job.reps, rank["rank"]
+        for key in ("tx_bytes", "rx_bytes"):
+            _check_link(_per_step(rank["reps"], key), per_step, f"{strategy} rank {rank['rank']} {key}")
+    row = summarize(result, RATE)
+    assert row["busiest"]["formula"] == pytest.approx(per_step)
+
+
 @pytest.mark.timeout(60)
 def test_a_failing_job_still_deletes_everything(can_build):
     with pytest.raises(ZeroDivisionError):

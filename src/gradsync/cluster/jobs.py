@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync.cluster.netns import EmulatedCluster
+from gradsync.cluster.loss_worker import STRATEGIES as TIME_TO_LOSS_STRATEGIES
 from gradsync.cluster.worker import PS_MODES, STRATEGIES
 
 MASTER_PORT = 29500   # every cluster's namespaces are new: the port is free there
@@ -53,10 +54,22 @@ class Job:
     """Timed reps (median), after one warm-up rep."""
     staleness: int = 2
     """SSP bound."""
+    sync_every: int = 8
+    """DiLoCo's H (diloco only)."""
+    powersgd_rank: int = 2
+    """PowerSGD's r (powersgd only)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (time-to-loss jobs; diloco only)."""
+    max_steps: int | None = None
+    """Set: a time-to-loss job (loss_worker.py, charlm) of at most this many steps; None: a step-time job."""
+    target: float | None = None
+    """Time-to-loss jobs: the test loss to stop at (None: run max_steps, the ring's reference run)."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        valid = TIME_TO_LOSS_STRATEGIES if self.max_steps is not None else STRATEGIES
+        if self.strategy not in valid:
+            raise ValueError(f"unknown strategy {self.strategy!r}{' for --time-to-loss' if self.max_steps else ''}; "
+                             f"choose one of {', '.join(valid)}")
         if self.workers < 1 or self.servers < 1 or self.ranks_per_host < 1 or self.steps < 1 or self.reps < 1:
             raise ValueError(f"workers, servers, ranks_per_host, steps and reps must be >= 1: {self}")
         if self.ranks % self.ranks_per_host:
@@ -80,12 +93,16 @@ class Job:
 
 
 def _torchrun(cluster: EmulatedCluster, job: Job, host: int, out: Path) -> list[str]:
-    return [*cluster.exec_prefix(host), sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(job.hosts), "--nproc-per-node", str(job.ranks_per_host), "--node-rank", str(host),
-            "--master-addr", str(cluster.address(0)), "--master-port", str(MASTER_PORT),
-            "-m", "gradsync.cluster.worker", "--strategy", job.strategy, "--params", f"{job.params:g}",
-            "--steps", str(job.steps), "--reps", str(job.reps), "--servers", str(job.servers),
-            "--staleness", str(job.staleness), "--out", str(out)]
+    launch = [*cluster.exec_prefix(host), sys.executable, "-m", "torch.distributed.run",
+              "--nnodes", str(job.hosts), "--nproc-per-node", str(job.ranks_per_host), "--node-rank", str(host),
+              "--master-addr", str(cluster.address(0)), "--master-port", str(MASTER_PORT)]
+    common = ["--strategy", job.strategy, "--servers", str(job.servers), "--sync-every", str(job.sync_every),
+              "--powersgd-rank", str(job.powersgd_rank), "--out", str(out)]
+    if job.max_steps is not None:
+        return [*launch, "-m", "gradsync.cluster.loss_worker", *common, "--max-steps", str(job.max_steps),
+                "--outer-lr", f"{job.outer_lr:g}", *([] if job.target is None else ["--target", repr(job.target)])]
+    return [*launch, "-m", "gradsync.cluster.worker", *common, "--params", f"{job.params:g}",
+            "--steps", str(job.steps), "--reps", str(job.reps), "--staleness", str(job.staleness)]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
