@@ -155,6 +155,36 @@ def test_powersgd_and_diloco_link_bytes_match_their_formulas(can_build, strategy
     assert row["busiest"]["formula"] == pytest.approx(per_step)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_time_to_loss_sync_ps_follows_the_rings_curve(can_build, tmp_path):
+    """`gradsync cluster --time-to-loss` with 2 workers: sync PS applies AdamW to the averaged
+    gradient on its server, ring DDP on every rank, on the same samples: the same test loss at every
+    evaluation (float32 sums in another order), so it reaches the ring's target at the ring's step.
+    The busiest link's bytes per step: the server's, W x M of pushes in (its answers out are one pull
+    more, the evaluation's); the ring's M each way at N=2."""
+    import json
+
+    from gradsync.cli import main
+    from gradsync.train.models import CharLM
+
+    out = tmp_path / "ttl.json"
+    assert main(["cluster", "--time-to-loss", "--strategy", "ring,ps-sync", "--workers", "2", "--link", "1gbit",
+                 "--loss-steps", "16", "--step-cap", "1", "--json", str(out)]) == 0
+    ring, ps = json.loads(out.read_text())["rows"]
+    assert (ring["strategy"], ps["strategy"]) == ("ring", "ps-sync")
+    assert [p["step"] for p in ring["curve"]] == [p["step"] for p in ps["curve"]] == [8, 16]
+    for mine, theirs in zip(ps["curve"], ring["curve"]):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (ps["curve"], ring["curve"])
+    assert ps["target"] == ring["target"] == pytest.approx(ring["final_loss"] * 1.02)
+    assert ps["reached_step"] == ring["reached_step"] is not None
+    m = 4 * sum(p.numel() for p in CharLM().parameters())
+    w = 2
+    assert ps["busiest"]["host"] == 0, ps["busiest"]
+    assert w * m <= ps["busiest"]["kernel_rx_per_step"] <= w * m * (1 + 2 * HEADER_SHARE) + 20_000, ps["busiest"]
+    assert m <= ring["busiest"]["kernel_tx_per_step"] <= m * (1 + 2 * HEADER_SHARE) + 20_000, ring["busiest"]
+
+
 @pytest.mark.timeout(60)
 def test_a_failing_job_still_deletes_everything(can_build):
     with pytest.raises(ZeroDivisionError):
