@@ -275,15 +275,20 @@ def main(args) -> int:
         rows = [with_predictions(row, HOST_S_PER_BYTE if host is None else host) for row in rows]
     if rows:
         (print_markdown if args.markdown else print_table)(rows)
+    from gradsync.cluster.figure import step_time_vs_workers
+
+    return _finish(args, rows, failures, step_time_vs_workers)
+
+
+def _finish(args, rows: list[dict], failures: list[str], draw) -> int:
+    """--json, --figure (``draw(rows, png)``), the failures; the exit status."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "failures": failures, "argv": sys.argv}, f, indent=2)
     if args.figure and rows:
         from pathlib import Path
 
-        from gradsync.cluster.figure import step_time_vs_workers
-
-        print(f"wrote {step_time_vs_workers(rows, Path(args.figure))}")
+        print(f"wrote {draw(rows, Path(args.figure))}")
     for failure in failures:
         print(f"gradsync cluster: failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
@@ -304,13 +309,4 @@ def _main_time_to_loss(args) -> int:
             rows, failures = time_to_loss.run(args)
     if rows:
         time_to_loss.print_table(rows, markdown=args.markdown)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "failures": failures, "argv": sys.argv}, f, indent=2)
-    if args.figure and rows:
-        from pathlib import Path
-
-        print(f"wrote {time_to_loss.figure(rows, Path(args.figure))}")
-    for failure in failures:
-        print(f"gradsync cluster: failed: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return _finish(args, rows, failures, time_to_loss.figure)
