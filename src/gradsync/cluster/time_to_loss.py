@@ -171,6 +171,7 @@ def figure(rows: list[dict], png: Path) -> Path:
         to_loss.set(title=f"{rate} links: seconds to ring DDP's loss (+2%)", xlabel="workers W",
                     ylabel="training seconds")
         for ax in (per_step, to_loss):
+            ax.set_xticks(sorted({r["workers"] for r in rows if r["link"] == rate}))
             ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
