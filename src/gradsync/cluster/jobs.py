@@ -3,9 +3,10 @@
     with EmulatedCluster(hosts=3, rate="200mbit") as cluster:
         ranks = run_job(cluster, Job("ps-sync", workers=2, params=1e6))
 
-A Job says what to train and how many ranks; ``Job.hosts`` how many emulated hosts that takes:
+A Job says what to train and how many ranks; ``Job.hosts`` how many emulated hosts that takes. A
+step-time job runs worker.py; with ``max_steps`` set, a time-to-loss job runs loss_worker.py (charlm):
     ps-sync, ps-async, ssp   S servers + W workers = S+W ranks   (ranks 0..S-1 serve)
-    ring, hierarchical       W ranks (every rank a worker)
+    ring, hierarchical, powersgd, diloco   W ranks (every rank a worker)
     hosts = ranks / ranks_per_host (the ranks must fill the hosts exactly); rank r is on host
     r // ranks_per_host (torchrun's node ranks).
 
@@ -70,8 +71,10 @@ class Job:
         if self.strategy not in valid:
             raise ValueError(f"unknown strategy {self.strategy!r}{' for --time-to-loss' if self.max_steps else ''}; "
                              f"choose one of {', '.join(valid)}")
-        if self.workers < 1 or self.servers < 1 or self.ranks_per_host < 1 or self.steps < 1 or self.reps < 1:
-            raise ValueError(f"workers, servers, ranks_per_host, steps and reps must be >= 1: {self}")
+        if min(self.workers, self.servers, self.ranks_per_host, self.steps, self.reps, self.sync_every,
+               self.powersgd_rank, self.max_steps or 1) < 1:
+            raise ValueError(f"workers, servers, ranks_per_host, steps, reps, sync_every, powersgd_rank and "
+                             f"max_steps must be >= 1: {self}")
         if self.ranks % self.ranks_per_host:
             raise ValueError(f"{self.strategy}: {self.ranks} ranks do not fill hosts of {self.ranks_per_host} "
                              f"(ranks % ranks_per_host = {self.ranks % self.ranks_per_host}); pick --ranks-per-host "
