@@ -341,3 +341,46 @@ def test_bench_collectives_rounds_repeat_the_run_and_show_each_round(tmp_path, c
     assert "median of 3 rounds" in printed and "each round (us)" in printed and "100 / 200 / 300" in printed
     assert main(["bench", "collectives", "--rounds", "2", "--fit"]) == 2
     assert "--rounds 2 repeats one run: use it without --fit" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_bench_slowlinks_rows_and_bytes_per_step(tmp_path, capsys):
+    """`gradsync bench slowlinks` on digits, 2 ranks, 16 steps: one row per strategy, and every step's
+    bytes (rank 0's traffic meter, the curves' bytes_sent) in closed form, at N=2 where the ring's
+    2(N-1)/N * X is X: ring DDP sends the whole gradient M each step; PowerSGD r=2 M for its 10 plain
+    steps, then sum over matrices of (n + m) r (compressed when (n + m) r * 2 < n m) + the other
+    elements; DiLoCo H=4 nothing but at every 4th step, then M. Every step after the first adds the
+    step-boundary verdict, a 2-element float64 all-reduce (train/preempt.py); the second step DDP's
+    one-off bucket order broadcast (left out)."""
+    from gradsync.train.models import DigitsCNN
+
+    out, png = tmp_path / "slow.json", tmp_path / "slow.png"
+    assert main(["bench", "slowlinks", "--tasks", "digits", "--steps", "16", "--sync-every", "4",
+                 "--out", str(tmp_path / "runs"), "--json", str(out), "--figure", str(png)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert [r["strategy"] for r in result["rows"]] == ["ring", "powersgd", "diloco"]
+    shapes = [p.shape for p in DigitsCNN().parameters()]
+    m = 4 * sum(torch.Size(s).numel() for s in shapes)
+
+    def factors(shape) -> int:
+        n, rest = shape[0], torch.Size(shape[1:]).numel()
+        return (n + rest) * 2 if len(shape) > 1 and (n + rest) * 2 * 2 < n * rest else n * rest
+
+    compressed = 4 * sum(factors(s) for s in shapes)
+    verdict = 16
+    expected = {"ring": lambda k: m, "powersgd": lambda k: m if k <= 10 else compressed,
+                "diloco": lambda k: m if k % 4 == 0 else 0}
+    for strategy, curve in result["curves"]["digits"].items():
+        sent = curve["bytes_sent"]
+        assert curve["step"] == list(range(1, 17)), strategy
+        per_step = [sent[0]] + [b - a for a, b in zip(sent, sent[1:])]
+        for k, nbytes in enumerate(per_step, 1):
+            if k != 2 or strategy == "diloco":
+                assert nbytes == expected[strategy](k) + (verdict if k > 1 else 0), (strategy, k, per_step)
+    assert rows["powersgd"]["vs_ring"] == rows["powersgd"]["bytes_per_rank"] / rows["ring"]["bytes_per_rank"]
+    assert rows["diloco"]["bytes_per_rank"] < rows["powersgd"]["bytes_per_rank"] < rows["ring"]["bytes_per_rank"]
+    assert rows["diloco"]["target"].startswith("not met: accuracy") and rows["ring"]["target"] is None
+    assert png.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "PowerSGD r=2" in printed and "DiLoCo H=4, outer lr 0.5" in printed and "1 (baseline)" in printed

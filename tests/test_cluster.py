@@ -128,6 +128,63 @@ def test_ring_link_bytes_match_the_formula(can_build):
     assert row["exchange_s_per_byte"] == exchange["exchange_s"] / exchange["chunk_bytes"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["powersgd", "diloco"])
+def test_powersgd_and_diloco_link_bytes_match_their_formulas(can_build, strategy):
+    """The slow-link strategies on 3 hosts (a second trial of the ring's kind): PowerSGD r=2 sends,
+    every compressed step, the factors of the two 354 x 354 matrices, (354 + 354) x 2 elements each,
+    and the two biases whole, 3,540 elements through the ring's 2(N-1)/N; DiLoCo H=4 one all-reduce of
+    M every 4 steps (a rep is H steps). The meter exactly (every all-reduce splits evenly into 3
+    chunks), the kernel within the headers' share."""
+    job = Job(strategy, workers=3, params=PARAMS, steps=2, reps=1, sync_every=4)
+    with netns.EmulatedCluster(job.hosts, RATE) as cluster:
+        made = list(cluster.made)
+        result = run_job(cluster, job, timeout=240)
+    assert not [n for n in made if n in netns.namespaces()]
+    n = job.workers
+    sent = 4 * (2 * (D + D) * 2 + 2 * D) if strategy == "powersgd" else M
+    steps = job.steps if strategy == "powersgd" else job.sync_every
+    per_step = 2 * (n - 1) * sent // n / (1 if strategy == "powersgd" else job.sync_every)
+    for rank in result["ranks"]:
+        assert sum(rep["steps"] for rep in rank["reps"]) == steps * job.reps
+        assert sum(rep["bytes_sent"] for rep in rank["reps"]) == per_step * steps * job.reps, rank["rank"]
+        for key in ("tx_bytes", "rx_bytes"):
+            _check_link(_per_step(rank["reps"], key), per_step, f"{strategy} rank {rank['rank']} {key}")
+    row = summarize(result, RATE)
+    assert row["busiest"]["formula"] == pytest.approx(per_step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_time_to_loss_sync_ps_follows_the_rings_curve(can_build, tmp_path):
+    """`gradsync cluster --time-to-loss` with 2 workers: sync PS applies AdamW to the averaged
+    gradient on its server, ring DDP on every rank, on the same samples: the same test loss at every
+    evaluation (float32 sums in another order), so it reaches the ring's target at the ring's step.
+    The busiest link's bytes per step: the server's, W x M of pushes in (its answers out are one pull
+    more, the evaluation's); the ring's M each way at N=2."""
+    import json
+
+    from gradsync.cli import main
+    from gradsync.train.models import CharLM
+
+    out = tmp_path / "ttl.json"
+    assert main(["cluster", "--time-to-loss", "--strategy", "ring,ps-sync", "--workers", "2", "--link", "1gbit",
+                 "--loss-steps", "16", "--step-cap", "1", "--json", str(out)]) == 0
+    ring, ps = json.loads(out.read_text())["rows"]
+    assert (ring["strategy"], ps["strategy"]) == ("ring", "ps-sync")
+    assert [p["step"] for p in ring["curve"]] == [p["step"] for p in ps["curve"]] == [8, 16]
+    for mine, theirs in zip(ps["curve"], ring["curve"]):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (ps["curve"], ring["curve"])
+    assert ps["target"] == ring["target"] == pytest.approx(ring["final_loss"] * 1.02)
+    assert ps["reached_step"] == ring["reached_step"] is not None
+    m = 4 * sum(p.numel() for p in CharLM().parameters())
+    w = 2
+    assert ps["busiest"]["host"] == 0, ps["busiest"]
+    assert w * m <= ps["busiest"]["kernel_rx_per_step"] <= w * m * (1 + 2 * HEADER_SHARE) + 20_000, ps["busiest"]
+    assert m <= ring["busiest"]["kernel_tx_per_step"] <= m * (1 + 2 * HEADER_SHARE) + 20_000, ring["busiest"]
+
+
 @pytest.mark.timeout(60)
 def test_a_failing_job_still_deletes_everything(can_build):
     with pytest.raises(ZeroDivisionError):

@@ -4,6 +4,7 @@
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--peers gloo,mpi] [--json out.json] [--fit]
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
+    gradsync bench slowlinks --workers 2 [--tasks digits,charlm] [--json out.json --figure out.png]
     gradsync bench faults --trials 10
     gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
     gradsync figures --out figs/ [--measured check.json]
@@ -11,7 +12,8 @@
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
     gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cluster/sweep.py)
 
-    train.py, bench.py (bench_collectives.py, bench_ddp.py, bench_ps.py, bench_zero1.py, bench_faults.py),
+    train.py, bench.py (bench_collectives.py, bench_ddp.py, bench_ps.py, bench_zero1.py, bench_slowlinks.py,
+    bench_faults.py),
     simulate.py, figures.py, doctor.py, memory.py, cluster.py: the commands
     args.py: the flags' types; output.py: tables and JSON
 """

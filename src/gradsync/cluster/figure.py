@@ -13,7 +13,7 @@ import csv
 from pathlib import Path
 
 SHOWN = (("ps-sync", 1, "C0", "sync PS, 1 server"), ("ps-async", 1, "C2", "async PS, 1 server"),
-         ("ring", 0, "C3", "ring DDP"))
+         ("ring", 0, "C3", "ring DDP"), ("powersgd", 0, "C4", "PowerSGD"), ("diloco", 0, "C5", "DiLoCo"))
 
 
 def step_time_vs_workers(rows: list[dict], png: Path) -> Path:

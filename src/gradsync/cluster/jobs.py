@@ -3,9 +3,10 @@
     with EmulatedCluster(hosts=3, rate="200mbit") as cluster:
         ranks = run_job(cluster, Job("ps-sync", workers=2, params=1e6))
 
-A Job says what to train and how many ranks; ``Job.hosts`` how many emulated hosts that takes:
+A Job says what to train and how many ranks; ``Job.hosts`` how many emulated hosts that takes. A
+step-time job runs worker.py; with ``max_steps`` set, a time-to-loss job runs loss_worker.py (charlm):
     ps-sync, ps-async, ssp   S servers + W workers = S+W ranks   (ranks 0..S-1 serve)
-    ring, hierarchical       W ranks (every rank a worker)
+    ring, hierarchical, powersgd, diloco   W ranks (every rank a worker)
     hosts = ranks / ranks_per_host (the ranks must fill the hosts exactly); rank r is on host
     r // ranks_per_host (torchrun's node ranks).
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync.cluster.netns import EmulatedCluster
+from gradsync.cluster.loss_worker import STRATEGIES as TIME_TO_LOSS_STRATEGIES
 from gradsync.cluster.worker import PS_MODES, STRATEGIES
 
 MASTER_PORT = 29500   # every cluster's namespaces are new: the port is free there
@@ -53,12 +55,26 @@ class Job:
     """Timed reps (median), after one warm-up rep."""
     staleness: int = 2
     """SSP bound."""
+    sync_every: int = 8
+    """DiLoCo's H (diloco only)."""
+    powersgd_rank: int = 2
+    """PowerSGD's r (powersgd only)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (time-to-loss jobs; diloco only)."""
+    max_steps: int | None = None
+    """Set: a time-to-loss job (loss_worker.py, charlm) of at most this many steps; None: a step-time job."""
+    target: float | None = None
+    """Time-to-loss jobs: the test loss to stop at (None: run max_steps, the ring's reference run)."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.workers < 1 or self.servers < 1 or self.ranks_per_host < 1 or self.steps < 1 or self.reps < 1:
-            raise ValueError(f"workers, servers, ranks_per_host, steps and reps must be >= 1: {self}")
+        valid = TIME_TO_LOSS_STRATEGIES if self.max_steps is not None else STRATEGIES
+        if self.strategy not in valid:
+            raise ValueError(f"unknown strategy {self.strategy!r}{' for --time-to-loss' if self.max_steps else ''}; "
+                             f"choose one of {', '.join(valid)}")
+        if min(self.workers, self.servers, self.ranks_per_host, self.steps, self.reps, self.sync_every,
+               self.powersgd_rank, self.max_steps or 1) < 1:
+            raise ValueError(f"workers, servers, ranks_per_host, steps, reps, sync_every, powersgd_rank and "
+                             f"max_steps must be >= 1: {self}")
         if self.ranks % self.ranks_per_host:
             raise ValueError(f"{self.strategy}: {self.ranks} ranks do not fill hosts of {self.ranks_per_host} "
                              f"(ranks % ranks_per_host = {self.ranks % self.ranks_per_host}); pick --ranks-per-host "
@@ -80,12 +96,16 @@ class Job:
 
 
 def _torchrun(cluster: EmulatedCluster, job: Job, host: int, out: Path) -> list[str]:
-    return [*cluster.exec_prefix(host), sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(job.hosts), "--nproc-per-node", str(job.ranks_per_host), "--node-rank", str(host),
-            "--master-addr", str(cluster.address(0)), "--master-port", str(MASTER_PORT),
-            "-m", "gradsync.cluster.worker", "--strategy", job.strategy, "--params", f"{job.params:g}",
-            "--steps", str(job.steps), "--reps", str(job.reps), "--servers", str(job.servers),
-            "--staleness", str(job.staleness), "--out", str(out)]
+    launch = [*cluster.exec_prefix(host), sys.executable, "-m", "torch.distributed.run",
+              "--nnodes", str(job.hosts), "--nproc-per-node", str(job.ranks_per_host), "--node-rank", str(host),
+              "--master-addr", str(cluster.address(0)), "--master-port", str(MASTER_PORT)]
+    common = ["--strategy", job.strategy, "--servers", str(job.servers), "--sync-every", str(job.sync_every),
+              "--powersgd-rank", str(job.powersgd_rank), "--out", str(out)]
+    if job.max_steps is not None:
+        return [*launch, "-m", "gradsync.cluster.loss_worker", *common, "--max-steps", str(job.max_steps),
+                "--outer-lr", f"{job.outer_lr:g}", *([] if job.target is None else ["--target", repr(job.target)])]
+    return [*launch, "-m", "gradsync.cluster.worker", *common, "--params", f"{job.params:g}",
+            "--steps", str(job.steps), "--reps", str(job.reps), "--staleness", str(job.staleness)]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

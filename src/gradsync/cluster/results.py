@@ -13,6 +13,8 @@ kernel counters are held against):
     ps-*, server host     sum over its servers of W*M/S      (every worker pushes and pulls M/S each)
     ps-*, worker host     M per worker on it                  (its pushes to, and pulls from, all S)
     ring, L = 1           2(N-1)/N*M                          (reduce-scatter + all-gather)
+    powersgd, L = 1       2(N-1)/N*rho*M                      (rho: the share a compressed step sends)
+    diloco, L = 1         2(N-1)/N*M/H                        (one ring all-reduce of M every H steps)
     hierarchical, H hosts 2(H-1)/H*M                          (each of L rails: 2(H-1)/H*M/L)
 The meter column is the payload the host's ranks sent to ranks on other hosts (gs.traffic(),
 per peer); the kernel columns add the TCP/IP headers, ACKs, the barriers and the PS headers.
@@ -54,6 +56,7 @@ of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
                          2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB); over
                          three sweeps 14 of 30 async and SSP rows came within 25% with the fan,
                          26 with the pair (docs/studies/cluster-cost-model.md). Rows saved without it keep the fan
+    powersgd, diloco     cost.py's rows of those names (rho, H from the job), priced as the ring
     ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
                          job (worker.py: every rank at once sends a chunk of M/N bytes to its right
                          neighbour and receives one from its left, median of 9), a rank sends at
@@ -118,18 +121,22 @@ PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
 PAIR_PRICED = ("ps-async", "ssp")
 """Strategies whose servers' links the model prices by the measured pair (module docstring)."""
 PREDICTED_AS = {"ps-sync": "ps", "ps-async": "ps-async", "ssp": "ps-async", "ring": "ring",
-                "hierarchical": "hierarchical"}
+                "hierarchical": "hierarchical", "powersgd": "powersgd", "diloco": "diloco"}
+RING_BASED = ("ring", "powersgd", "diloco")
+"""Strategies whose bytes go round the ring all-reduce (priced by the measured ring step x)."""
 
 
-def link_payload_formula(job: Job, host: int, model_bytes: int) -> float | None:
+def link_payload_formula(job: Job, host: int, model_bytes: int, powersgd_ratio: float = 1.0) -> float | None:
     """Payload bytes per step over ``host``'s link, each direction (module docstring); None if no
-    closed form is given for this layout (ring with several ranks per host)."""
+    closed form is given for this layout (ring with several ranks per host). ``powersgd_ratio``: rho,
+    the share of the gradient a compressed PowerSGD step sends."""
     m, w, s, ranks = model_bytes, job.workers, job.servers, range(host * job.ranks_per_host,
                                                                  (host + 1) * job.ranks_per_host)
     if job.is_ps:
         return sum(w * m / s if r < s else m for r in ranks)
-    if job.strategy == "ring" and job.ranks_per_host == 1:
-        return 2 * (w - 1) / w * m
+    share = {"ring": 1.0, "powersgd": powersgd_ratio, "diloco": 1 / job.sync_every}.get(job.strategy)
+    if share is not None and job.ranks_per_host == 1:
+        return 2 * (w - 1) / w * m * share
     if job.strategy == "hierarchical":
         return 2 * (job.hosts - 1) / job.hosts * m
     return None
@@ -158,7 +165,7 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
     shared = 1.0 if wire_only else shared_cores_factor(row)
     host_s_per_byte *= shared
     exchange = row.get("exchange_s_per_byte")
-    if row["strategy"] in ("ring", "hierarchical") and exchange and not wire_only:   # measured: no host term
+    if row["strategy"] in (*RING_BASED, "hierarchical") and exchange and not wire_only:   # measured: no host term
         link = cost.Link(alpha=link.alpha, beta=max(link.beta, exchange), gamma=link.gamma)
         host_s_per_byte = 0.0
     fan = row.get("fan_s_per_byte")
@@ -175,7 +182,8 @@ def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool
                               row["compute_s"], servers=max(1, row["servers"]), ranks_per_host=row["ranks_per_host"],
                               intra=intra, host_s_per_byte=host_s_per_byte,
                               server_update_s=0.0 if wire_only else row.get("update_s", 0.0),
-                              duplex=duplex, **extra)
+                              duplex=duplex, powersgd_ratio=row.get("powersgd_ratio", 1.0),
+                              sync_every=row.get("sync_every", 8), **extra)
 
 
 def _fan_excess(fan: dict, beta: float, strategy: str) -> float:
@@ -191,7 +199,7 @@ def shared_cores_factor(row: dict) -> float:
     """How much slower host work runs in ``row`` because its processes share C cores (module
     docstring, "Shared cores"): max(1, N/C) for ring and hierarchical, max(1, 2S/C) for PS."""
     cores = row.get("cores", machine_cores())
-    if row["strategy"] in ("ring", "hierarchical"):
+    if row["strategy"] in (*RING_BASED, "hierarchical"):
         return max(1.0, row["workers"] / cores)
     return max(1.0, 2 * max(1, row["servers"]) / cores)
 
@@ -260,7 +268,8 @@ def summarize(result: dict, rate: str) -> dict:
         leader = next(r for r in on_host if r["local_rank"] == 0)
         tx = sum(rep["link"]["tx_bytes"] for rep in leader["reps"])
         rx = sum(rep["link"]["rx_bytes"] for rep in leader["reps"])
-        links.append({"host": host, "formula": link_payload_formula(job, host, model_bytes),
+        links.append({"host": host, "formula": link_payload_formula(job, host, model_bytes,
+                                                                  ranks[0].get("powersgd_ratio", 1.0)),
                       "meter_sent": sent / total_steps, "meter_received": received / total_steps,
                       "kernel_tx": tx / total_steps, "kernel_rx": rx / total_steps})
     busiest = max(links, key=lambda link: link["kernel_tx"] + link["kernel_rx"])
@@ -272,4 +281,5 @@ def summarize(result: dict, rate: str) -> dict:
             "compute_s": compute_s, "update_s": update_s, "duplex": duplex,
             "fan_s_per_byte": fan, "pair_s_per_byte": pair, "exchange_s_per_byte": exchange,
             "comm_share": max(0.0, step_s - compute_s) / step_s, "alpha_s": alpha_s,
+            "powersgd_ratio": ranks[0].get("powersgd_ratio", 1.0), "sync_every": job.sync_every,
             "links": links, "busiest": busiest, "job_counters": result["job_counters"]})

@@ -6,6 +6,8 @@ Runbook (root; every namespace it makes is deleted again, also on Ctrl-C, SIGTER
     gradsync cluster --strategy ps-sync,ps-async,ssp,ring,hierarchical --workers 2,3,4,5,6 \
         --servers 1,2 --link 1gbit,10gbit --params 4M --json sweep.json --figure docs/figs/cluster_step_time.png
     gradsync cluster --clean                                                   # leftovers of a SIGKILLed run
+    gradsync cluster --time-to-loss --strategy ring,ps-sync,powersgd,diloco --workers 2,4 --link 200mbit
+                                                 # seconds to ring DDP's charlm loss (cluster/time_to_loss.py)
 
 Each job gets a fresh cluster of job.hosts hosts (jobs.py): PS strategies put S servers and W
 workers on S+W hosts, ring W hosts, hierarchical W/L hosts of L = max(2, --ranks-per-host) ranks.
@@ -55,6 +57,16 @@ def _strategies(text: str) -> list[str]:
     return chosen
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0")
+    return value
+
+
 def _rates(text: str) -> list[str]:
     rates = _list(str)(text)
     for rate in rates:
@@ -89,6 +101,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     parser.add_argument("--clean", action="store_true",
                         help="only delete namespaces left by cluster runs (of any process) and exit")
+    parser.add_argument("--sync-every", type=int, default=8, metavar="H", help="diloco: H (default 8)")
+    parser.add_argument("--powersgd-rank", type=int, default=2, metavar="R", help="powersgd: r (default 2)")
+    slow = parser.add_argument_group("time to loss (charlm; cluster/time_to_loss.py)")
+    slow.add_argument("--time-to-loss", action="store_true",
+                      help="instead of step time: seconds to reach ring DDP's charlm loss, for ring, ps-sync, "
+                           "powersgd, diloco")
+    slow.add_argument("--loss-steps", type=int, default=96, help="steps of the ring's reference run (default 96)")
+    slow.add_argument("--step-cap", type=_fraction, default=3.0,
+                      help="the others stop after this many times --loss-steps (default 3)")
+    slow.add_argument("--loss-margin", type=_fraction, default=0.02, help="target = ring's loss x (1 + this)")
+    slow.add_argument("--outer-lr", type=_fraction, default=0.7, help="diloco's outer lr (default 0.7)")
 
 
 def plan(args) -> list[tuple[str, Job]]:
@@ -102,7 +125,8 @@ def plan(args) -> list[tuple[str, Job]]:
                     per_host = max(2, args.ranks_per_host) if strategy == "hierarchical" else args.ranks_per_host
                     try:
                         jobs.append((rate, Job(strategy, w, args.params, servers=s, ranks_per_host=per_host,
-                                               steps=args.steps, reps=args.reps)))
+                                               steps=args.steps, reps=args.reps, sync_every=args.sync_every,
+                                               powersgd_rank=args.powersgd_rank)))
                     except ValueError as exc:
                         print(f"skipped: {exc}", file=sys.stderr)
     return jobs
@@ -232,6 +256,8 @@ def main(args) -> int:
         swept = netns.sweep_stale(everything=True)
         print(f"deleted {len(swept)} namespace(s){': ' + ', '.join(swept) if swept else ''}")
         return 0
+    if args.time_to_loss:
+        return _main_time_to_loss(args)
     host = None
     if args.fit_host:
         from gradsync.cluster.results import fit_host_s_per_byte
@@ -249,15 +275,38 @@ def main(args) -> int:
         rows = [with_predictions(row, HOST_S_PER_BYTE if host is None else host) for row in rows]
     if rows:
         (print_markdown if args.markdown else print_table)(rows)
+    from gradsync.cluster.figure import step_time_vs_workers
+
+    return _finish(args, rows, failures, step_time_vs_workers)
+
+
+def _finish(args, rows: list[dict], failures: list[str], draw) -> int:
+    """--json, --figure (``draw(rows, png)``), the failures; the exit status."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "failures": failures, "argv": sys.argv}, f, indent=2)
     if args.figure and rows:
         from pathlib import Path
 
-        from gradsync.cluster.figure import step_time_vs_workers
-
-        print(f"wrote {step_time_vs_workers(rows, Path(args.figure))}")
+        print(f"wrote {draw(rows, Path(args.figure))}")
     for failure in failures:
         print(f"gradsync cluster: failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _main_time_to_loss(args) -> int:
+    from gradsync.cluster import time_to_loss
+    from gradsync.cluster.loss_worker import STRATEGIES as LOSS_STRATEGIES
+
+    bad = [s for s in args.strategy if s not in LOSS_STRATEGIES]
+    if bad:
+        raise ValueError(f"--time-to-loss trains charlm with {', '.join(LOSS_STRATEGIES)}; not {', '.join(bad)}")
+    if args.from_json:
+        rows = time_to_loss.median_rows([r for path in args.from_json for r in json.load(open(path))["rows"]])
+        failures = []
+    else:
+        with signals_interrupt():
+            rows, failures = time_to_loss.run(args)
+    if rows:
+        time_to_loss.print_table(rows, markdown=args.markdown)
+    return _finish(args, rows, failures, time_to_loss.figure)

@@ -26,7 +26,10 @@ Vocabulary
               bucket (zero_grad(set_to_none=True) leaves none to reuse)
 
 Strategies: ps-sync, ps-async, ssp (bound --staleness) with ranks 0..S-1 serving (--servers S) and the
-others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm.
+others working; ring and hierarchical are gradsync DDP with that all-reduce algorithm; powersgd is
+ring DDP with the PowerSGD hook (rank --powersgd-rank, compressing from the third step, so every timed
+step is compressed); diloco trains without a wrapper under gs.DiLoCo (H = --sync-every), each rep H
+steps, so a rep's bytes are one outer step's all-reduce of M (a time-to-loss job: loss_worker.py).
 Before the reps, PS jobs only: ``duplex``, the first server's link both ways at once against one
 way (the model's duplex factor; both at once, one stream in and one out, is the async model's
 pair: results.py), and ``fan``, every worker sending a shard of M/S bytes to every server at once,
@@ -58,10 +61,14 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.comm.world_transport import default_transport
+from gradsync.ddp.powersgd import PowerSGDState, bytes_per_step, powersgd_hook
 
 PS_MODES = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 DDP_ALGORITHMS = {"ring": "ring", "hierarchical": "hierarchical"}
-STRATEGIES = (*PS_MODES, *DDP_ALGORITHMS)
+SLOW_LINK = ("powersgd", "diloco")
+"""Ring-based ways to send less: ring DDP with the PowerSGD hook; DiLoCo (one ring all-reduce every H steps)."""
+STRATEGIES = (*PS_MODES, *DDP_ALGORITHMS, *SLOW_LINK)
+RING_BASED = ("ring", *SLOW_LINK)
 BATCH = 8
 
 
@@ -164,7 +171,9 @@ def _ps_reps(args, model, x, y) -> tuple[list[dict], str]:
 
 
 def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
-    ddp = gs.DistributedDataParallel(model, algorithm=DDP_ALGORITHMS[args.strategy])
+    ddp = gs.DistributedDataParallel(model, algorithm=DDP_ALGORITHMS.get(args.strategy, "ring"))
+    if args.strategy == "powersgd":   # compressing from the third step: the timed reps are all compressed
+        ddp.register_comm_hook(PowerSGDState(rank=args.powersgd_rank, start_iter=2, algorithm="ring"), powersgd_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
     def run_steps(steps: int):
@@ -176,6 +185,22 @@ def _ddp_reps(args, model, x, y) -> tuple[list[dict], str]:
     # warm-up of two steps: the second one's forward rebuilds the buckets in the ready order (once,
     # a broadcast of the order, as torch's DDP does), so the timed reps hold only the steady state
     reps = [_window(run_steps, 2 if rep == 0 else args.steps) for rep in range(args.reps + 1)]
+    return reps[1:], "rank"
+
+
+def _diloco_reps(args, model, x, y) -> tuple[list[dict], str]:
+    """DiLoCo: each rep H steps (so each holds exactly one outer step), after one untimed step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    diloco = gs.DiLoCo(model, optimizer, sync_every=args.sync_every, algorithm="ring")
+
+    def run_steps(steps: int):
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            _loss(model, x, y).backward()
+            optimizer.step()
+            diloco.step()
+
+    reps = [_window(run_steps, 1 if rep == 0 else args.sync_every) for rep in range(args.reps + 1)]
     return reps[1:], "rank"
 
 
@@ -268,6 +293,12 @@ def _measure_exchange(model_bytes: int, hop: int = 1, reps: int = 9) -> dict[str
     return {"exchange_s": statistics.median(times[1:]), "chunk_bytes": chunk * 4}
 
 
+def _powersgd_ratio(model: nn.Module, rank: int) -> float:
+    """rho: the share of the gradient a compressed PowerSGD step sends (ddp/powersgd.py's closed form)."""
+    sent, whole = bytes_per_step(list(model.parameters()), rank)
+    return sent / whole
+
+
 def _fit_alpha(calls: int = 20) -> float:
     """Seconds per message: one-element ring all-reduces, 2(N-1) messages each (median of ``calls``)."""
     n = gs.world().world_size
@@ -289,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed reps (after one warm-up rep)")
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--staleness", type=int, default=2)
+    parser.add_argument("--sync-every", type=int, default=8, help="diloco: H (a rep is H steps)")
+    parser.add_argument("--powersgd-rank", type=int, default=2, help="powersgd: r")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--out", required=True, help="directory for rank<r>.json")
     args = parser.parse_args(argv)
@@ -296,16 +329,18 @@ def main(argv: list[str] | None = None) -> None:
     w = gs.init(timeout=args.timeout)
     model = build_model(args.params)
     x, y = _batch(model, w.rank)
-    compute_s = _measure_compute(model, x, y, ddp=args.strategy in DDP_ALGORITHMS)
+    compute_s = _measure_compute(model, x, y, ddp=args.strategy in (*DDP_ALGORITHMS, *SLOW_LINK))
     params = sum(p.numel() for p in model.parameters())
     duplex = _measure_duplex(params * 4, args.servers) if args.strategy in PS_MODES else {}
     fan = _measure_fan(params * 4, args.servers) if args.strategy in PS_MODES else {}
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     exchange = {}
-    if args.strategy == "ring" or (args.strategy == "hierarchical" and w.world_size > per_host):
+    if args.strategy in RING_BASED or (args.strategy == "hierarchical" and w.world_size > per_host):
         exchange = _measure_exchange(params * 4, hop=1 if args.strategy == "ring" else per_host)
     if args.strategy in PS_MODES:
         reps, role = _ps_reps(args, model, x, y)
+    elif args.strategy == "diloco":
+        reps, role = _diloco_reps(args, model, x, y)
     else:
         reps, role = _ddp_reps(args, model, x, y)
     alpha_s = _fit_alpha()
@@ -313,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
               "host": int(os.environ.get("GROUP_RANK", "0")), "hosts": [list(h) for h in w.hosts], "role": role,
               "strategy": args.strategy, "params": params, "model_bytes": params * 4, "compute_s": compute_s,
               "alpha_s": alpha_s, "duplex": duplex, "fan": fan, "exchange": exchange,
+              "powersgd_ratio": _powersgd_ratio(model, args.powersgd_rank), "sync_every": args.sync_every,
               "reps": reps}
     Path(args.out, f"rank{w.rank}.json").write_text(json.dumps(result))
     gs.shutdown()

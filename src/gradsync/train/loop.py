@@ -214,7 +214,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
                 stats["overlaps"].append(wrapped.last_overlap)
-            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm)
+            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm,
+                        bytes_sent=gs.traffic()["bytes_sent"] if w.rank == 0 else None)
             due, stop = boundary(step)
             if stop:
                 return _preempted(cfg, report, watch, lambda *at: save(*at, background=False), wrapped, step, epoch,

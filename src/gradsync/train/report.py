@@ -99,13 +99,16 @@ class Reporter:
             self._record({"event": "setup", **fields})
 
     def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap,
-             grad_norm: float | None = None) -> None:
-        """``grad_norm``: with --clip-grad, the averaged gradient's 2-norm before clipping (ddp, zero1, local)."""
+             grad_norm: float | None = None, bytes_sent: int | None = None) -> None:
+        """``grad_norm``: with --clip-grad, the averaged gradient's 2-norm before clipping (ddp, zero1, local).
+        ``bytes_sent``: rank 0's payload bytes sent since training started (the traffic meter), so a
+        loss curve can be drawn against bytes (gradsync bench slowlinks)."""
         if not self.enabled:
             return
         self._record({"event": "step", "step": step, "epoch": epoch, "loss": loss,
                       "samples_per_s": samples_per_s, "overlap": overlap,
-                      **({"grad_norm": grad_norm} if grad_norm is not None else {})})
+                      **({"grad_norm": grad_norm} if grad_norm is not None else {}),
+                      **({"bytes_sent": bytes_sent} if bytes_sent is not None else {})})
         if self.progress:
             self.progress.update(self.task, completed=step,
                                  description=f"epoch {epoch} loss {loss:.4f} {samples_per_s:,.0f} samples/s")
