@@ -29,7 +29,8 @@ def model(seed: int = 0) -> torch.nn.Module:
 def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
     in step ``kill_step`` (0-based, after its forward, before its backward). Every member appends the
-    sample ids of each step it committed to log_dir/<member>, so a dead member's steps count too."""
+    sample ids of each step it committed to log_dir/samples.<member> (and its pid to
+    log_dir/pid.<member>), so a dead member's steps count too."""
     x, y = dataset()
     module = model()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
@@ -39,7 +40,8 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) ->
     live.progress = {"epoch": 0, "position": 0}
     trained: dict[int, list[int]] = {}
     world_sizes = []
-    log = open(Path(log_dir) / str(live.member), "a", buffering=1)  # noqa: SIM115 - the victim never closes it
+    (Path(log_dir) / f"pid.{live.member}").write_text(str(os.getpid()))
+    log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115 - the victim never closes it
 
     def train_step(ddp):
         epoch, position = live.progress["epoch"], live.progress["position"]

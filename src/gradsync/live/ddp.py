@@ -139,6 +139,18 @@ class LiveDDP:
         self.progress = dict(progress)
         return True
 
+    def collective(self, fn: Callable[[], object]):
+        """``fn()`` (collectives outside a training step: evaluation, statistics), run again in the new
+        world if a member dies during it. At most once per member of the current world."""
+        for _ in range(len(self.membership.current.members)):
+            try:
+                return fn()
+            except Exception as exc:
+                if not _caused_by_peer(exc) and self.membership.broken() is None:
+                    raise
+                self.recover(exc)
+        return fn()
+
     def _take_snapshot(self) -> None:
         params = [p.detach().clone() for p in self.module.parameters()]
         self._snapshot = (self.step, dict(self.progress), params, copy.deepcopy(self.optimizer.state_dict()))

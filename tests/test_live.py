@@ -1,0 +1,95 @@
+"""Live fault tolerance: a rank is SIGKILLed mid-run and the survivors train on without a restart.
+
+The oracle is a single process that trains the same model on the same epoch order with the step's
+mean loss over the whole global batch: with the keep-global policy, the world shrinking from 3 to 2
+ranks changes only how the sum is associated, so the survivors must end within 1e-12 (relative,
+float64) of it, bitwise equal to each other, having seen every sample of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradsync as gs
+from tests import live_fns
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+
+def _oracle(steps: int) -> list[torch.Tensor]:
+    """One process, global batch G, epoch order randperm(n) seeded with seed + epoch (data.py's rule)."""
+    x, y = live_fns.dataset()
+    module = live_fns.model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=live_fns.LR, momentum=live_fns.MOMENTUM)
+    n, g = live_fns.N_SAMPLES, live_fns.GLOBAL_BATCH
+    done = 0
+    for epoch in range(steps * g // n + 1):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for start in range(0, n, g):
+            if done == steps:
+                break
+            batch = order[start:start + g]
+            optimizer.zero_grad()
+            (((module(x[batch]) - y[batch]) ** 2).sum() / len(batch)).backward()
+            optimizer.step()
+            done += 1
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
+    victim, kill_step, epochs = 0, 4, 2
+    before = _shm_entries()
+    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=90)
+    assert results[victim] is None, "the killed rank returned a value"
+    survivors = [r for r in results if r is not None]
+    assert [r["member"] for r in survivors] == [1, 2]
+    assert [r["rank"] for r in survivors] == [0, 1] and all(r["world_size"] == 2 for r in survivors)
+    for r in survivors:
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (victim,) and recovery["members"] == (1, 2), recovery
+        assert recovery["step"] == kill_step, f"member {r['member']}: the survivors resumed from step {recovery['step']}"
+        assert r["world_sizes"][:kill_step] == [3] * kill_step and set(r["world_sizes"][kill_step:]) == {2}
+
+    # the run's final parameters: the oracle's, and bitwise the same on both survivors
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    expected = _oracle(epochs * steps_per_epoch)
+    for r in survivors:
+        for got, want in zip(r["params"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(survivors[0]["params"], survivors[1]["params"]):
+        assert torch.equal(a, b), "the survivors' replicas differ"
+
+    # every sample of every epoch exactly once, over the ranks' committed steps (the victim's included)
+    trained: dict[tuple[int, int], list[int]] = {}
+    for log in tmp_path.glob("samples.*"):
+        for line in log.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            trained[int(log.suffix[1:]), step] = ids
+    assert max(step for member, step in trained if member == victim) == kill_step
+    for epoch in range(epochs):
+        seen = [i for (member, step), ids in trained.items()
+                if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
+        assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
+
+    # nothing left behind: no process, no /dev/shm entry
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
+    leaked = sorted(_shm_entries() - before)
+    assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
