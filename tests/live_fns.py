@@ -58,13 +58,17 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) ->
         position += step_size
         return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
 
+    fds = {}
     while live.step < total:
+        if live.step == kill_step:   # open descriptors before the kill and at the end
+            fds.setdefault("before", len(os.listdir("/proc/self/fd")))
         if live.run_step(train_step):
             log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
             world_sizes.append(live.world.world_size)
     live.check_replicas()
     live.close()
     log.close()
+    fds["after"] = len(os.listdir("/proc/self/fd"))
     return {"member": live.member, "rank": live.world.rank, "world_size": live.world.world_size,
             "params": [p.detach().clone() for p in module.parameters()],
-            "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes}
+            "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes, "fds": fds}

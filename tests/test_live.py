@@ -88,7 +88,10 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
                 if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
         assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
 
-    # nothing left behind: no process, no /dev/shm entry
+    # nothing left behind: no descriptor of the old world (the world shrank and the log is closed: at
+    # least 2 fewer), no process, no /dev/shm entry
+    for r in survivors:
+        assert r["fds"]["after"] <= r["fds"]["before"] - 2, f"member {r['member']}: open descriptors {r['fds']}"
     pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
     assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
     leaked = sorted(_shm_entries() - before)

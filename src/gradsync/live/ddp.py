@@ -42,6 +42,7 @@ The store must outlive every rank: under gs.spawn the launcher hosts it (launch.
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -125,15 +126,16 @@ class LiveDDP:
         """Train one step; True when it was committed, False when a member died and the step is to be
         trained again in the new world (live.step and live.progress are then those of the last step
         every survivor holds)."""
+        failure = None
         try:
             self.optimizer.zero_grad(set_to_none=False)
             progress = train_step(self.model)
             self._take_snapshot()
             self.optimizer.step()
         except Exception as exc:
-            if not _caused_by_peer(exc) and self.membership.broken() is None:
-                raise
-            self.recover(exc)
+            failure = self._failure(exc)
+        if failure is not None:   # recovered outside the except clause, so the old world's frames are free
+            self.recover(failure)
             return False
         self.step += 1
         self.progress = dict(progress)
@@ -146,10 +148,24 @@ class LiveDDP:
             try:
                 return fn()
             except Exception as exc:
-                if not _caused_by_peer(exc) and self.membership.broken() is None:
-                    raise
-                self.recover(exc)
+                failure = self._failure(exc)
+            self.recover(failure)
         return fn()
+
+    def _failure(self, exc: Exception) -> str:
+        """The first line of ``exc`` when a member's death caused it; otherwise ``exc`` is raised again."""
+        if not _caused_by_peer(exc) and self.membership.broken() is None:
+            raise exc
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # A torch Future that failed holds its exception from C++, where Python's collector cannot see
+        # the cycle exception -> traceback -> frames -> Future; cut the tracebacks so the old world's
+        # process group, sockets and mappings are freed with it
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            exc.__traceback__ = None
+            exc = exc.__cause__ or exc.__context__
+        return text
 
     def _take_snapshot(self) -> None:
         params = [p.detach().clone() for p in self.module.parameters()]
@@ -164,11 +180,10 @@ class LiveDDP:
         self.step, self.progress = step, progress
 
     # -- recovery ------------------------------------------------------------------------------------
-    def recover(self, cause: BaseException) -> Recovery:
+    def recover(self, why: str) -> Recovery:
         """Form the next generation from the survivors and bring this rank's state to the step they
-        all hold (module docstring). Every survivor calls it."""
+        all hold (module docstring). Every survivor calls it; ``why``: the error it caught."""
         started = time.monotonic()
-        why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         self.membership.declare_broken(why)
         before, previous = self.membership.current, runtime.world()
         self._tear_down()
@@ -189,7 +204,12 @@ class LiveDDP:
         self.model.close()
         for p in self.module.parameters():
             p.grad = None   # views of the old buckets (shared-memory regions of the old transport)
+        self.model = None
         runtime.shutdown()
+        # The caught error's traceback and the old transport's kept error (its _broken) hold frames that
+        # reference the old world's process group, mappings and sockets in cycles; free them now, not at
+        # some later collection, so a recovery leaves no descriptor behind
+        gc.collect()
 
     def _rejoin(self, previous: runtime.World, generation) -> None:
         hosts = {m: self.membership._location(m)[0] for m in generation.members}

@@ -16,14 +16,19 @@ What this mode leaves out: checkpoints (nothing is read back; --checkpoint-every
 preemption, tracing, --clip-grad, --compress powersgd and every strategy but ddp (train/config.py
 says why for each).
 
-Test knob: GRADSYNC_SAMPLE_LOG=DIR makes every member append "step epoch id id ..." for each step
-it committed to DIR/live.<pid>.m<member>.
+Test knobs: GRADSYNC_SAMPLE_LOG=DIR makes every member append "step epoch id id ..." for each step
+it starts to DIR/live.<pid>.m<member> (a step tried again after a recovery is written again: the last
+line of a step number is the one that counts, and a dead member's count up to the step the survivors
+resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
+in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
+its gradients in the all-reduce) or optimizer (after the all-reduce, before its optimizer step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -46,6 +51,28 @@ def _chunks(ids: list[int], parts: int) -> list[list[int]]:
     size, extra = divmod(len(ids), parts)
     bounds = [m * size + min(m, extra) for m in range(parts + 1)]
     return [ids[bounds[m]:bounds[m + 1]] for m in range(parts)]
+
+
+KILL_PHASES = ("forward", "optimizer")
+
+
+def _planted_kill(member: int) -> tuple[int, str] | None:
+    """(step, phase) at which this member kills itself (GRADSYNC_LIVE_KILL), or None."""
+    text = os.environ.get("GRADSYNC_LIVE_KILL", "")
+    if not text:
+        return None
+    try:
+        who, step, phase = text.split(":")
+        who, step = int(who), int(step)
+    except ValueError:
+        raise ValueError(f"GRADSYNC_LIVE_KILL={text!r}: give MEMBER:STEP:PHASE, e.g. 1:5:forward") from None
+    if phase not in KILL_PHASES:
+        raise ValueError(f"GRADSYNC_LIVE_KILL phase {phase!r} is not one of {', '.join(KILL_PHASES)}")
+    return (step, phase) if who == member else None
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_live_rank(cfg: TrainConfig) -> dict:
@@ -72,6 +99,9 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     live = LiveDDP(model, optimizer, on_resize=on_resize, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                    comm_hook=None if cfg.compress == "none" else cfg.compress)
     live.progress = {"epoch": 0, "position": 0}
+    kill = _planted_kill(live.member)
+    if kill is not None and kill[1] == "optimizer":
+        optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
     report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
@@ -91,10 +121,14 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         step_size = cursor.step_size(position)
         share = cursor.share(cursor.order(epoch), position, world.world_size, world.rank)
         current.update(share=share, epoch=epoch, step_size=step_size, loss=0.0)
+        if sample_log is not None:   # before the step: a member that dies after its all-reduce trained these
+            sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
         for micro, ids in enumerate(_chunks(share, cfg.grad_accum)):
             with ddp.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
                 x, y = train_set[ids]
                 logits = ddp(x)
+                if kill == (live.step, "forward"):
+                    _die()
                 loss = (loss_of(cfg.model, logits, y) * (len(ids) * world.world_size / step_size) if ids
                         else logits.sum() * 0.0)
                 loss.backward()
@@ -113,8 +147,6 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         stats["comm_s"] += live.model.comm_seconds
         stats["wait_s"] += live.model.wait_seconds
         stats["compute_s"] += elapsed - live.model.wait_seconds
-        if sample_log is not None:
-            sample_log.write(f"{live.step} {current['epoch']} {' '.join(map(str, current['share']))}\n")
         report.step(live.step, current["epoch"], current["loss"], current["step_size"] / elapsed,
                     live.model.last_overlap)
         if live.progress["epoch"] != current["epoch"]:   # the epoch's last step
