@@ -96,3 +96,27 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
     assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
     leaked = sorted(_shm_entries() - before)
     assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "ps-sync", "ps-async", "ssp", "diloco"])
+def test_live_mode_refuses_what_it_does_not_rebuild_and_says_why(strategy, tmp_path):
+    from gradsync.train.config import TrainConfig
+
+    with pytest.raises(RuntimeError, match=f"--fault-tolerance live is not supported with --strategy {strategy}: .*"
+                                           f"use --strategy ddp"):
+        TrainConfig(strategy=strategy, workers=3, fault_tolerance="live", out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="--max-restarts"):
+        TrainConfig(workers=3, fault_tolerance="live", max_restarts=1, out=str(tmp_path))
+    with pytest.raises(ValueError, match="--fault-tolerance 'sometimes' is not one of: restart, live"):
+        TrainConfig(workers=3, fault_tolerance="sometimes", out=str(tmp_path))
+    with pytest.raises(ValueError, match="fault_tolerance must be one of stop, live"):
+        gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="restart")
+
+
+def test_batch_policies_in_closed_form():
+    from gradsync.live import resized
+
+    assert resized("keep-global", 96, 0.06, 3, 2) == (96, 0.06)
+    assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
+    with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
+        resized("keep-nothing", 12, 0.3, 3, 2)
