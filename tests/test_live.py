@@ -120,3 +120,38 @@ def test_batch_policies_in_closed_form():
     assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
     with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
         resized("keep-nothing", 12, 0.3, 3, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path):
+    """`gradsync train --fault-tolerance live --live-batch keep-per-rank`: member 1 dies in step 5 after
+    the all-reduce, before its optimizer step; the job exits 0, the new world's global batch and
+    learning rate follow b x W' and lr x W'/W, and every sample of the epoch is trained exactly once."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--live-batch", "keep-per-rank", "--epochs", "1", "--quiet", "--timeout", "20",
+                          "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=500)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [1] and live["world_size"] == 2
+    assert live["global_batch"] == start["global_batch"] // 3 * 2
+    assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
+    last_line: dict[tuple[int, int], list[int]] = {}
+    for path in (tmp_path / "ids").glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                last_line[member, step] = ids
+    seen = sorted(i for ids in last_line.values() for i in ids)
+    assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
