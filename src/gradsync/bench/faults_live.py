@@ -128,7 +128,10 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
                 recoveries = [i for i, r in enumerate(records) if r["event"] == "live"]
                 return len(recoveries) > kill and any(r["event"] == "step" for r in records[recoveries[kill]:])
             if not _wait_until(first_new_step, timeout + 60):
-                return {**row, "why": f"no step within {timeout + 60:.0f} s of kill {kill + 1}"}
+                job.kill()
+                stdout, stderr = job.communicate()
+                return {**row, "why": f"no step within {timeout + 60:.0f} s of kill {kill + 1}", "victims": victims,
+                        "stderr": stderr[-3000:], "stdout": stdout[-2000:], "records": _records(metrics)[-5:]}
             row.setdefault("kill_to_next_step_s", []).append(time.monotonic() - killed_at)
             row.setdefault("fds", []).append({m: (fds_before[m], _fds(pid)) for m, pid in ranks.items()
                                               if m not in victims})
