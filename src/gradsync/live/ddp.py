@@ -4,6 +4,7 @@
     while live.step < total_steps:
         live.run_step(train_step)       # train_step(model) -> progress: forward + backward of this
                                         # rank's share, chosen from live.progress and live.world
+    scores = live.collective(evaluate)  # other collectives: run again in the new world if one fails
 
 One step, as a recipe: zero the gradients -> ``train_step(model)`` (forward, backward; the gradient
 all-reduce runs inside backward) -> snapshot -> optimizer.step() -> commit (step + 1, the progress

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 from gradsync.comm.shm.waiting import alive
 from gradsync.world_info import host_id
@@ -121,7 +120,3 @@ class Membership:
                                f"{list(members)}); it registered after the quorum closed ({self.quorum_timeout:.0f} s)")
         self.current = Generation(g + 1, members)
         return self.current
-
-    def wait_for(self, key: str, timeout: float) -> bytes:
-        self.store.wait([key], timedelta(seconds=timeout))
-        return self.store.get(key)
