@@ -116,7 +116,13 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
             else:
                 time.sleep(rng.uniform(0.0, 0.5))
                 victim = rng.choice(sorted(m for m in ranks if m not in victims))
-                os.kill(ranks[victim], signal.SIGKILL)
+                try:
+                    os.kill(ranks[victim], signal.SIGKILL)
+                except ProcessLookupError:
+                    job.kill()
+                    stdout, stderr = job.communicate()
+                    return {**row, "why": f"member {victim} had exited before kill {kill + 1} (the run over?)",
+                            "victims": victims, "stderr": stderr[-3000:], "records": _records(metrics)[-5:]}
                 victims.append(victim)
                 dead = True
             killed_at = time.monotonic()
