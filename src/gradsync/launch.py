@@ -275,15 +275,25 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+FAULT_TOLERANCE = ("stop", "live")
+"""What spawn does when a rank dies: stop the others (stop), or let them run on (live: the survivors
+rebuild their world, gradsync.live)."""
+
+
 def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | None = None,
           timeout: float = 60.0, debug: bool | None = None, join_timeout: float | None = None,
-          forward_signals: tuple[int, ...] = ()) -> list[Any]:
+          forward_signals: tuple[int, ...] = (), fault_tolerance: str = "stop") -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks after gradsync.init(); return values in rank order.
 
     ``timeout`` is every rank's per-wait timeout (gradsync.init); ``join_timeout`` bounds the whole
     run (None: unbounded). Raises SpawnError if any rank raises or dies; the other ranks are stopped.
     ``forward_signals``: signals the launcher relays to every rank while they run (see module docstring).
+    ``fault_tolerance="live"``: a rank killed by a signal is not a failure; the others run on (their
+    program rebuilds the world: gradsync.live.LiveDDP) and the dead rank's value is None. A rank that
+    raises, or every rank dying, is still a SpawnError.
     """
+    if fault_tolerance not in FAULT_TOLERANCE:
+        raise ValueError(f"fault_tolerance must be one of {', '.join(FAULT_TOLERANCE)}, got {fault_tolerance!r}")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
     if not callable(fn):
@@ -310,13 +320,14 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
             for p in processes:
                 p.start()
             with _relaying(forward_signals, processes, Path(out_dir)):
-                failed = _watch(processes, join_timeout)
+                failed = _watch(processes, join_timeout, live=fault_tolerance == "live")
             if failed is not None:
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
                 _stop(processes)
                 raise _spawn_error(exit_codes, failed, Path(out_dir))
-            return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False) for rank in range(nprocs)]
+            return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False)
+                    if processes[rank].exitcode == 0 else None for rank in range(nprocs)]
         finally:
             _stop(processes)
             _remove_segments(job)
@@ -376,10 +387,12 @@ def _remove_segments(job: str) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def _watch(processes: list, join_timeout: float | None) -> int | None:
-    """Wait until all ranks exit; return the first failed rank (None: all succeeded)."""
+def _watch(processes: list, join_timeout: float | None, live: bool = False) -> int | None:
+    """Wait until all ranks exit; return the first failed rank (None: all succeeded). ``live``: a rank
+    killed by a signal is no failure while another rank is still running (spawn's fault_tolerance)."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
+    killed = []
     while running:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
@@ -388,8 +401,13 @@ def _watch(processes: list, join_timeout: float | None) -> int | None:
         for sentinel in ready:
             rank = running.pop(sentinel)
             processes[rank].join()
-            if processes[rank].exitcode != 0:
+            code = processes[rank].exitcode
+            if live and code is not None and code < 0:
+                killed.append(rank)
+            elif code != 0:
                 return rank
+    if killed and len(killed) == len(processes):
+        return killed[0]
     return None
 
 

@@ -29,6 +29,7 @@ torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE=True).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from datetime import timedelta
@@ -203,9 +204,15 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     # Every init() of this process gets keys of its own: a second init() on the same store (after
     # shutdown()) would otherwise meet the first one's rendezvous keys and hang.
     generation = int(store.add(f"gradsync/init/{wanted.rank}", 1))
-    store = dist.PrefixStore(f"gradsync/world{generation}", store)
+    return _meet(wanted, store, f"gradsync/world{generation}", generation)
+
+
+def _meet(wanted: World, store, prefix: str, generation: int) -> World:
+    """Make torch's default group and this rank's World on ``store`` under ``prefix``, then connect."""
+    global _WORLD
+    store = dist.PrefixStore(prefix, store)
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
-                            world_size=wanted.world_size, timeout=wait)
+                            world_size=wanted.world_size, timeout=timedelta(seconds=wanted.timeout))
     try:
         hosts = ((0,),) if wanted.world_size == 1 else exchange_hosts(
             store, wanted.rank, wanted.world_size, wanted.timeout)
@@ -215,6 +222,22 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
     _connect_or_undo(_WORLD)
     return _WORLD
+
+
+def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: int, local_world_size: int,
+           prefix: str) -> World:
+    """Form a new world from the survivors of ``previous`` (live fault tolerance, live/): after shutdown(),
+    every member calls this with its new dense ``rank`` of ``world_size`` and the same ``prefix``, a
+    namespace of ``job_store`` (the store the old world's keys lived in) that no world used before.
+    Backend, timeout and rendezvous address stay those of ``previous``."""
+    if _WORLD is not None:
+        raise RuntimeError(f"rank {previous.rank}: rejoin() needs the old world shut down first (gradsync.shutdown())")
+    if previous.joined:
+        raise RuntimeError("live fault tolerance needs a world of gradsync's own (gradsync.init(), gs.spawn, "
+                           "torchrun), not one joined from the program's torch.distributed.init_process_group()")
+    wanted = dataclasses.replace(previous, rank=rank, world_size=world_size, local_rank=local_rank,
+                                 local_world_size=local_world_size, store=None, hosts=(), group_key=None)
+    return _meet(wanted, job_store, prefix, previous.generation)
 
 
 def _connect_or_undo(new: World) -> None:

@@ -7,7 +7,8 @@ from gradsync.cli.args import positive_int
 
 
 def add_parser(commands) -> None:
-    from gradsync.train.config import COMPRESSION, LR_SCALING, PREEMPT_SIGNALS, STRATEGIES, TrainConfig
+    from gradsync.train.config import (COMPRESSION, FAULT_TOLERANCE, LIVE_BATCH, LR_SCALING, PREEMPT_SIGNALS,
+                                        STRATEGIES, TrainConfig)
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.datasets import DATASETS
     from gradsync.train.models import MODELS
@@ -48,6 +49,12 @@ def add_parser(commands) -> None:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="after a failure, restart the workers from the last checkpoint up to this many times")
+    train.add_argument("--fault-tolerance", choices=FAULT_TOLERANCE, default="restart",
+                       help="when a rank dies: restart (stop every rank; see --max-restarts) or live (the survivors "
+                            "rebuild their world and train on, no restart; --strategy ddp)")
+    train.add_argument("--live-batch", choices=LIVE_BATCH, default="keep-global",
+                       help="--fault-tolerance live, after ranks die: keep the global batch, or keep each rank's "
+                            "batch and scale the learning rate by new/old world size (default keep-global)")
     train.add_argument("--checkpoint-every", default="", metavar="N|TIME",
                        help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h)")
     train.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS, default="SIGTERM",
@@ -66,6 +73,7 @@ def run(args) -> int:
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     results = run(cfg)
+    results = [r for r in results if r is not None]   # --fault-tolerance live: members that died return nothing
     if cfg.model == "word2vec" and not any(r.get("preempted") for r in results):
         from gradsync.train.word2vec import print_neighbours
 

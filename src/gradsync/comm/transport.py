@@ -41,6 +41,22 @@ class PeerError(RuntimeError):
         self.op = op
 
 
+_ABANDON_CHECK: list[Callable[[], str | None] | None] = [None]
+"""Live fault tolerance (live/): a check that says why the whole world is broken (a member died),
+or None. Set while a live world runs; shared-memory waits run it after every liveness slice."""
+
+
+def set_abandon_check(check: Callable[[], str | None] | None) -> None:
+    """Install (or with None remove) the live world's check (see _ABANDON_CHECK)."""
+    _ABANDON_CHECK[0] = check
+
+
+def abandoned() -> str | None:
+    """Why the world is broken, if a live world's check says so; None otherwise (and outside live mode)."""
+    check = _ABANDON_CHECK[0]
+    return None if check is None else check()
+
+
 class Handle:
     """A posted transfer; ``wait()`` completes it and returns the peer rank."""
 

@@ -16,6 +16,18 @@ STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local", "diloco")
 COMPRESSION = ("none", "fp16", "bf16", "powersgd")
 LR_SCALING = ("none", "linear")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "none")
+FAULT_TOLERANCE = ("restart", "live")
+LIVE_BATCH = ("keep-global", "keep-per-rank")
+LIVE_REFUSED = {
+    "zero1": "ZeRO-1 keeps each rank's optimizer state shard on that rank alone, and live mode keeps no "
+             "buddy copy of it, so a dead rank's shard would be lost",
+    "ps-sync": "a parameter-server job does not rebuild its world when a worker or server dies",
+    "ps-async": "a parameter-server job does not rebuild its world when a worker or server dies",
+    "ssp": "a parameter-server job does not rebuild its world when a worker or server dies",
+    "diloco": "DiLoCo's replicas differ between outer steps, and live mode keeps no copy of a dead worker's",
+    "local": "one process has no survivors",
+}
+"""Why --fault-tolerance live refuses each strategy it does not run."""
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
 DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
 SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
@@ -89,6 +101,13 @@ class TrainConfig:
     "1h"; rank 0's clock, agreed with the preemption flag in one 2-element all-reduce per step). Empty:
     at each epoch's end only."""
 
+    fault_tolerance: Literal["restart", "live"] = "restart"
+    """When a rank dies: restart (stop every rank; with --max-restarts start again from the last
+    checkpoint) or live (the survivors rebuild their world and train on: train/loop_live.py; ddp only)."""
+    live_batch: Literal["keep-global", "keep-per-rank"] = "keep-global"
+    """--fault-tolerance live, after ranks die: keep the global batch (the survivors' shares grow) or keep
+    each rank's batch and scale the learning rate by the new world size over the old (live/policy.py)."""
+
     preempt_signal: Literal["SIGTERM", "SIGUSR1", "none"] = "SIGTERM"
     """The signal that stops the job at the next step boundary with a checkpoint, exit status 75
     (train/preempt.py, train/loop_ps.py); sent to the launcher or to any rank. 'none': the signal's
@@ -112,6 +131,21 @@ class TrainConfig:
         raise ValueError(f"--checkpoint-every {self.checkpoint_every!r}: give a number of steps (200) or a time "
                          f"with its unit (30s, 5m, 1h)")
 
+    def _check_live(self) -> None:
+        """--fault-tolerance live runs ddp alone and without the features it would have to rebuild."""
+        if self.strategy in LIVE_REFUSED:
+            raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
+                               f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
+        refused = [(self.max_restarts, "--max-restarts (live mode restarts nothing)"),
+                   (self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
+                   (self.resume, "--resume (live mode reads no checkpoint)"),
+                   (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
+                   (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]
+        for given, flag in refused:
+            if given:
+                raise RuntimeError(f"--fault-tolerance live does not support {flag}; drop it or use "
+                                   f"--fault-tolerance restart")
+
     def __post_init__(self) -> None:
         def choose(field: str, value, choices) -> None:
             if value not in choices:
@@ -122,6 +156,10 @@ class TrainConfig:
         choose("compress", self.compress, COMPRESSION)
         choose("lr_scaling", self.lr_scaling, LR_SCALING)
         choose("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
+        choose("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
+        choose("live_batch", self.live_batch, LIVE_BATCH)
+        if self.fault_tolerance == "live":
+            self._check_live()
         if self.model is None and self.dataset is None:
             self.model, self.dataset = "cnn", "digits"
         if self.model is None:

@@ -302,6 +302,9 @@ def run(cfg: TrainConfig) -> list[dict]:
     """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     hold_signals(_preempt_signals(cfg))   # a preemption during start-up stops the job after its first step
+    if _under_torchrun() and cfg.fault_tolerance == "live":
+        raise RuntimeError("--fault-tolerance live runs under gradsync's own launcher (gradsync train --workers N): "
+                           "torchrun's agent stops every worker of a node when one fails")
     if _under_torchrun() or cfg.strategy == "local":
         gs.init(timeout=cfg.timeout)
         try:
@@ -310,6 +313,13 @@ def run(cfg: TrainConfig) -> list[dict]:
             gs.shutdown()
         if cfg.trace:
             trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
+        return results
+    if cfg.fault_tolerance == "live":
+        from gradsync.train.loop_live import train_live_rank, workers_summary
+
+        results = gs.spawn(train_live_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
+                           fault_tolerance="live")
+        print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     results = _spawn_with_restarts(cfg)
     if cfg.trace:

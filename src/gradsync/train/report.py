@@ -93,6 +93,15 @@ class Reporter:
                           "command": command})
             print(f"preempted at step {step}; resume with: {command}", flush=True)
 
+    def live(self, record: dict) -> None:
+        """A recovery of a live world (train/loop_live.py): recorded, and said in one line."""
+        if self.enabled:
+            self._record(record)
+            print(f"gradsync train: members {list(record['lost'])} lost; generation {record['generation']} of "
+                  f"{record['world_size']} rank(s) trains on from step {record['step']} (the step in flight is "
+                  f"redone), rebuilt in {record['seconds']:.3f} s; global batch {record['global_batch']}, "
+                  f"lr {record['peak_lr']:g}", flush=True)
+
     def setup(self, **fields) -> None:
         """Record how the job is laid out (model size, buckets, placement) for `gradsync doctor`."""
         if self.enabled:

@@ -30,6 +30,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import time
 from datetime import timedelta
 
 import torch
@@ -38,7 +39,8 @@ from gradsync import runtime
 from gradsync.comm.shm import single_copy
 from gradsync.comm.shm.doorbell import Doorbell
 from gradsync.comm.shm.ring import FRAME, Ring, slot_bytes
-from gradsync.comm.transport import PeerError
+from gradsync.comm.shm.waiting import LIVENESS_SLICE, alive
+from gradsync.comm.transport import PeerError, abandoned
 
 DEFAULT_RING_MB = 2
 """Ring capacity per ordered pair, MiB. Small on purpose: a ring that fits the shared L3 cache
@@ -173,8 +175,22 @@ class Segments:
         return single_copy.probe(self.pids[peer], base + offset, expected)
 
     def store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
+        """The value ``peer`` sets under ``key``. Polled (store.check, every 2 ms), not a blocking
+        store.wait, so that a peer that dies meanwhile is an error within a liveness slice (its pid
+        in /proc, or a live world's abandoned()) rather than after the timeout."""
+        started, looked = time.monotonic(), time.monotonic()
         try:
-            store.wait([key], wait)
+            while not store.check([key]):
+                now = time.monotonic()
+                if now - started >= wait.total_seconds():
+                    raise TimeoutError(f"timed out after {now - started:.1f} s")
+                if now - looked >= LIVENESS_SLICE:
+                    looked = now
+                    pid = getattr(self, "pids", {}).get(peer)   # known once the peer created its segment
+                    why = f"rank {peer} (pid {pid}) exited" if pid is not None and not alive(pid) else abandoned()
+                    if why is not None:
+                        raise RuntimeError(why)
+                time.sleep(0.002)
             return store.get(key).decode()
         except Exception as exc:
             raise PeerError(f"rank {self.rank}: shared-memory set-up: rank {peer} did not {what} "

@@ -27,7 +27,7 @@ import threading
 import time
 
 from gradsync.comm.shm.progress import ShmOp
-from gradsync.comm.transport import Handle, PeerError
+from gradsync.comm.transport import Handle, PeerError, abandoned
 
 POLL_SLICE = 0.0005
 """Longest nap between looks at a torch.distributed transfer while shared-memory work is pending."""
@@ -162,6 +162,9 @@ class Waiting:
                         if not alive(self.pids[peer]):
                             raise self._broken_by(stuck(time.monotonic() - started, limit,
                                                         f"failed: rank {peer} (pid {self.pids[peer]}) exited"))
+                    why = abandoned()   # live mode: a rank this wait does not name has died
+                    if why is not None:
+                        raise self._broken_by(stuck(time.monotonic() - started, limit, f"was abandoned: {why}"))
             finally:
                 with self._lock:
                     self._sleepers -= 1

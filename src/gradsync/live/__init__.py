@@ -1,0 +1,17 @@
+"""Live fault tolerance: when ranks die, the survivors agree on a new world and train on, without a
+restart and without reading a checkpoint.
+
+    membership.py   who is in each generation, agreed through the rendezvous store (the quorum)
+    ddp.py          LiveDDP: DistributedDataParallel whose world is rebuilt from the survivors, the
+                    step in flight redone by them
+    policy.py       what a smaller world does to the global batch and the learning rate
+
+Run it under gs.spawn(fn, nprocs, fault_tolerance="live") (the launcher then lets the survivors run
+on instead of stopping them, and hosts the store they meet through) or `gradsync train
+--fault-tolerance live`.
+"""
+
+from gradsync.live.ddp import LiveDDP, Recovery
+from gradsync.live.policy import BATCH_POLICIES, resized
+
+__all__ = ["LiveDDP", "Recovery", "BATCH_POLICIES", "resized"]

@@ -1,0 +1,122 @@
+"""Membership of a live world: who is in each generation, agreed through the rendezvous store.
+
+Vocabulary
+    member      a training process, named by a member id that never changes (its rank in the world it
+                started in); its rank changes with every generation, the member id does not
+    generation  g = 0, 1, 2, ...: one membership and one world. Generation g+1 is the survivors of g,
+                renumbered densely in member-id order (members [0, 2, 3] are ranks 0, 1, 2)
+    quorum      how generation g+1 is agreed: every survivor of g registers under g, and the
+                membership closes once every member of g has either registered or is known dead
+                (same host: /proc says so), or after ``quorum_timeout`` seconds with those that did
+
+Store keys (the job's store, which outlives every rank: gs.spawn's launcher hosts it, torchrun's
+agent hosts it):
+    gradsync/live/member/<id>        "<host id>|<pid>", written once by the member as it starts
+    gradsync/live/<g>/broken         why generation g broke, set by the first member that saw it
+    gradsync/live/<g>/here/<id>      member <id> survived generation g and waits for g+1
+    gradsync/live/<g>/next           generation g+1's member ids "0,2,3": the first proposal stored
+                                     wins (compare_set), so every member reads the same list
+
+A member that registers after the membership closed (it was alive but slower than
+``quorum_timeout``) is not in it and raises, naming itself and the generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from gradsync.comm.shm.waiting import alive
+from gradsync.world_info import host_id
+
+PREFIX = "gradsync/live"
+CHECK_SECONDS = 0.2
+"""How often a waiting rank asks the store whether its generation broke (the /proc look is every slice)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One agreed membership: ``members`` (member ids, sorted) and the number ``index``."""
+
+    index: int
+    members: tuple[int, ...]
+
+    def rank_of(self, member: int) -> int:
+        return self.members.index(member)
+
+
+class Membership:
+    """This member's view of the live world's membership (see the module docstring)."""
+
+    def __init__(self, store, member: int, members: tuple[int, ...], quorum_timeout: float) -> None:
+        self.store = store
+        self.member = member
+        self.quorum_timeout = quorum_timeout
+        self.current = Generation(0, tuple(sorted(members)))
+        self.me = host_id()
+        self._last_store_look = 0.0
+        self._dead_seen: str | None = None
+        store.set(f"{PREFIX}/member/{member}", f"{self.me}|{os.getpid()}")
+        self._where: dict[int, tuple[str, int]] = {}
+
+    # -- who is alive -------------------------------------------------------------------------------
+    def _location(self, member: int) -> tuple[str, int] | None:
+        """(host id, pid) of ``member``, once it has published them."""
+        if member not in self._where:
+            key = f"{PREFIX}/member/{member}"
+            if not self.store.check([key]):
+                return None
+            host, pid = self.store.get(key).decode().rsplit("|", 1)
+            self._where[member] = (host, int(pid))
+        return self._where[member]
+
+    def known_dead(self, member: int) -> bool:
+        """True when ``member`` shares this host and /proc says its process is gone."""
+        where = self._location(member)
+        return where is not None and where[0] == self.me and not alive(where[1])
+
+    def dead_members(self) -> list[int]:
+        return [m for m in self.current.members if m != self.member and self.known_dead(m)]
+
+    def broken(self) -> str | None:
+        """Why the current generation is broken: a member on this host died, or a member said so
+        in the store (looked up at most every CHECK_SECONDS); None while it is whole."""
+        dead = self.dead_members()
+        if dead:
+            return f"member(s) {dead} of generation {self.current.index} died"
+        now = time.monotonic()
+        if now - self._last_store_look >= CHECK_SECONDS:
+            self._last_store_look = now
+            key = f"{PREFIX}/{self.current.index}/broken"
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+        return None
+
+    def declare_broken(self, why: str) -> None:
+        """Tell every member that the current generation is over (the first reason stays)."""
+        self.store.compare_set(f"{PREFIX}/{self.current.index}/broken", "", f"member {self.member}: {why}")
+
+    # -- agreeing on the next generation ------------------------------------------------------------
+    def next_generation(self) -> Generation:
+        """Register as a survivor of the current generation and return the next one (see the quorum in
+        the module docstring). Bounded by ``quorum_timeout``."""
+        g = self.current.index
+        self.store.set(f"{PREFIX}/{g}/here/{self.member}", "1")
+        deadline = time.monotonic() + self.quorum_timeout
+        decided = f"{PREFIX}/{g}/next"
+        while True:
+            if self.store.check([decided]):
+                break
+            here = [m for m in self.current.members if self.store.check([f"{PREFIX}/{g}/here/{m}"])]
+            accounted = all(m in here or self.known_dead(m) for m in self.current.members)
+            if accounted or time.monotonic() >= deadline:
+                self.store.compare_set(decided, "", ",".join(map(str, sorted(here))))
+                break
+            time.sleep(0.005)
+        members = tuple(int(m) for m in self.store.get(decided).decode().split(","))
+        if self.member not in members:
+            raise RuntimeError(f"member {self.member}: generation {g + 1} was agreed without it (members "
+                               f"{list(members)}); it registered after the quorum closed ({self.quorum_timeout:.0f} s)")
+        self.current = Generation(g + 1, members)
+        return self.current

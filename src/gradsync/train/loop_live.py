@@ -1,0 +1,176 @@
+"""gradsync train --fault-tolerance live: DDP training whose survivors go on when ranks die.
+
+Per rank, as a recipe: build_data -> plan_batch -> build_model -> LiveDDP (live/ddp.py) -> train
+epochs (the epoch's order from data.EpochCursor; each step's global batch split over the ranks of
+the world as it is now) -> evaluate -> summarise. When a member dies, LiveDDP rebuilds the world
+from the survivors and the step in flight is trained again by them: EpochCursor's position P does
+not depend on how many ranks consumed the first P samples, so the epoch's remaining samples are
+re-sharded over the survivors with none lost or repeated.
+
+Batch and learning rate after a resize (--live-batch, live/policy.py): keep-global keeps the global
+batch G (each survivor's share grows to about G / W'), keep-per-rank keeps each rank's batch and
+scales the learning rate by W' / W. Each rank's loss is its share's summed loss x W / (step's
+samples), so the ranks' average is the step's mean loss however unevenly the share falls.
+
+What this mode leaves out: checkpoints (nothing is read back; --checkpoint-every is refused),
+preemption, tracing, --clip-grad, --compress powersgd and every strategy but ddp (train/config.py
+says why for each).
+
+Test knobs: GRADSYNC_SAMPLE_LOG=DIR makes every member append "step epoch id id ..." for each step
+it starts to DIR/live.<pid>.m<member> (a step tried again after a recovery is written again: the last
+line of a step number is the one that counts, and a dead member's count up to the step the survivors
+resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
+in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
+its gradients in the all-reduce) or optimizer (after the all-reduce, before its optimizer step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import gradsync as gs
+from gradsync.data import EpochCursor
+from gradsync.live import LiveDDP, resized
+from gradsync.train import resume
+from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
+from gradsync.train.config import TrainConfig
+from gradsync.train.datasets import build_dataset
+from gradsync.train.models import build_model
+from gradsync.train.report import Reporter
+
+
+def _chunks(ids: list[int], parts: int) -> list[list[int]]:
+    """``ids`` in ``parts`` contiguous pieces whose sizes differ by at most one (10 in 3: 4, 3, 3)."""
+    size, extra = divmod(len(ids), parts)
+    bounds = [m * size + min(m, extra) for m in range(parts + 1)]
+    return [ids[bounds[m]:bounds[m + 1]] for m in range(parts)]
+
+
+KILL_PHASES = ("forward", "optimizer")
+
+
+def _planted_kill(member: int) -> tuple[int, str] | None:
+    """(step, phase) at which this member kills itself (GRADSYNC_LIVE_KILL), or None."""
+    text = os.environ.get("GRADSYNC_LIVE_KILL", "")
+    if not text:
+        return None
+    try:
+        who, step, phase = text.split(":")
+        who, step = int(who), int(step)
+    except ValueError:
+        raise ValueError(f"GRADSYNC_LIVE_KILL={text!r}: give MEMBER:STEP:PHASE, e.g. 1:5:forward") from None
+    if phase not in KILL_PHASES:
+        raise ValueError(f"GRADSYNC_LIVE_KILL phase {phase!r} is not one of {', '.join(KILL_PHASES)}")
+    return (step, phase) if who == member else None
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_live_rank(cfg: TrainConfig) -> dict:
+    """One member's job (see the module docstring); returns its statistics and recoveries."""
+    w = gs.world()
+    torch.manual_seed(cfg.seed)
+    train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
+    plan = resume.BatchPlan.fresh(cfg, w.world_size)
+    batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}
+    cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
+    model = build_model(cfg.model, cfg.dataset)
+    optimizer = build_optimizer(cfg, model.parameters(), plan.peak_lr)
+
+    def on_resize(live: LiveDDP, old_world: int) -> None:
+        nonlocal cursor
+        batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
+                                                    live.world.world_size)
+        cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
+        report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
+        report.live({"event": "live", **{k: v for k, v in live.recoveries[-1].__dict__.items()},
+                     "world_size": live.world.world_size, "global_batch": batch["global"],
+                     "peak_lr": batch["peak_lr"], "at": time.time()})
+
+    live = LiveDDP(model, optimizer, on_resize=on_resize, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
+                   comm_hook=None if cfg.compress == "none" else cfg.compress)
+    live.progress = {"epoch": 0, "position": 0}
+    kill = _planted_kill(live.member)
+    if kill is not None and kill[1] == "optimizer":
+        optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
+    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
+    report = Reporter(cfg, total_steps, enabled=w.rank == 0)
+    report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
+    log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
+    sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
+                  if log_dir else None)
+    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+    evaluation: dict = {}
+    started = time.perf_counter()
+    current = {}
+
+    def train_step(ddp) -> dict:
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        world = live.world
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(live.step, batch["peak_lr"], cfg.warmup_steps)
+        step_size = cursor.step_size(position)
+        share = cursor.share(cursor.order(epoch), position, world.world_size, world.rank)
+        current.update(share=share, epoch=epoch, step_size=step_size, loss=0.0)
+        if sample_log is not None:   # before the step: a member that dies after its all-reduce trained these
+            sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
+        for micro, ids in enumerate(_chunks(share, cfg.grad_accum)):
+            with ddp.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
+                x, y = train_set[ids]
+                logits = ddp(x)
+                if kill == (live.step, "forward"):
+                    _die()
+                loss = (loss_of(cfg.model, logits, y) * (len(ids) * world.world_size / step_size) if ids
+                        else logits.sum() * 0.0)
+                loss.backward()
+            current["loss"] += float(loss.detach())
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    def more() -> bool:
+        return live.step < cfg.steps if cfg.steps is not None else live.progress["epoch"] < cfg.epochs
+
+    while more():
+        step_started = time.perf_counter()
+        if not live.run_step(train_step):
+            continue
+        elapsed = time.perf_counter() - step_started
+        stats["comm_s"] += live.model.comm_seconds
+        stats["wait_s"] += live.model.wait_seconds
+        stats["compute_s"] += elapsed - live.model.wait_seconds
+        report.step(live.step, current["epoch"], current["loss"], current["step_size"] / elapsed,
+                    live.model.last_overlap)
+        if live.progress["epoch"] != current["epoch"]:   # the epoch's last step
+            evaluation = live.collective(lambda: evaluate(cfg, model, test_set))
+            report.epoch(current["epoch"], live.step, evaluation)
+    wall = time.perf_counter() - started
+    if not evaluation:
+        evaluation = live.collective(lambda: evaluate(cfg, model, test_set))
+    live.collective(live.check_replicas)
+    mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"], -1.0],
+                        dtype=torch.float64)
+    per_rank = live.collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
+    summary = report.finish(wall, live.step, evaluation, per_rank)
+    live.close()
+    if sample_log is not None:
+        sample_log.close()
+    return {"summary": summary, "digest": param_digest(model), "member": live.member,
+            "recoveries": [r.__dict__ for r in live.recoveries], "params": None, "events": []}
+
+
+def workers_summary(results: list[dict | None]) -> str:
+    """One line for the launcher: which members finished and what the recoveries cost."""
+    finished = [r for r in results if r is not None]
+    recoveries = finished[0]["recoveries"] if finished else []
+    seconds = [r["seconds"] for r in recoveries]
+    return (f"live: {len(finished)} of {len(results)} members finished; {len(recoveries)} recovery(ies)"
+            + (f", median {statistics.median(seconds):.3f} s from the error to the rebuilt world" if seconds else ""))

@@ -1,0 +1,74 @@
+"""Rank functions for the live fault-tolerance tests (module level: child processes import them)."""
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+import gradsync as gs
+from gradsync.data import EpochCursor
+from gradsync.live import LiveDDP
+
+N_SAMPLES, FEATURES, GLOBAL_BATCH, LR, MOMENTUM = 60, 5, 6, 0.05, 0.9
+
+
+def dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, FEATURES, generator=g, dtype=torch.float64)
+    y = x @ torch.linspace(-1, 1, FEATURES, dtype=torch.float64) + 0.1 * torch.randn(N_SAMPLES, generator=g,
+                                                                                      dtype=torch.float64)
+    return x, y.unsqueeze(1)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+
+
+def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) -> dict:
+    """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
+    in step ``kill_step`` (0-based, after its forward, before its backward). Every member appends the
+    sample ids of each step it committed to log_dir/samples.<member> (and its pid to
+    log_dir/pid.<member>), so a dead member's steps count too."""
+    x, y = dataset()
+    module = model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1)
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    total = epochs * cursor.steps_from(0)
+    live.progress = {"epoch": 0, "position": 0}
+    trained: dict[int, list[int]] = {}
+    world_sizes = []
+    (Path(log_dir) / f"pid.{live.member}").write_text(str(os.getpid()))
+    log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115 - the victim never closes it
+
+    def train_step(ddp):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w = live.world
+        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
+        step_size = cursor.step_size(position)
+        out = ddp(x[share])
+        if live.member == victim and live.step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        # sum of per-sample losses x W / G: the ranks' average is the step's mean loss
+        loss = ((out - y[share]) ** 2).sum() * (w.world_size / step_size)
+        loss.backward()
+        trained[live.step + 1] = share
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    fds = {}
+    while live.step < total:
+        if live.step == kill_step:   # open descriptors before the kill and at the end
+            fds.setdefault("before", len(os.listdir("/proc/self/fd")))
+        if live.run_step(train_step):
+            log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
+            world_sizes.append(live.world.world_size)
+    live.check_replicas()
+    live.close()
+    log.close()
+    fds["after"] = len(os.listdir("/proc/self/fd"))
+    return {"member": live.member, "rank": live.world.rank, "world_size": live.world.world_size,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes, "fds": fds}

@@ -1,0 +1,157 @@
+"""Live fault tolerance: a rank is SIGKILLed mid-run and the survivors train on without a restart.
+
+The oracle is a single process that trains the same model on the same epoch order with the step's
+mean loss over the whole global batch: with the keep-global policy, the world shrinking from 3 to 2
+ranks changes only how the sum is associated, so the survivors must end within 1e-12 (relative,
+float64) of it, bitwise equal to each other, having seen every sample of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradsync as gs
+from tests import live_fns
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+
+def _oracle(steps: int) -> list[torch.Tensor]:
+    """One process, global batch G, epoch order randperm(n) seeded with seed + epoch (data.py's rule)."""
+    x, y = live_fns.dataset()
+    module = live_fns.model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=live_fns.LR, momentum=live_fns.MOMENTUM)
+    n, g = live_fns.N_SAMPLES, live_fns.GLOBAL_BATCH
+    done = 0
+    for epoch in range(steps * g // n + 1):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for start in range(0, n, g):
+            if done == steps:
+                break
+            batch = order[start:start + g]
+            optimizer.zero_grad()
+            (((module(x[batch]) - y[batch]) ** 2).sum() / len(batch)).backward()
+            optimizer.step()
+            done += 1
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
+    victim, kill_step, epochs = 0, 4, 2
+    before = _shm_entries()
+    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=90)
+    assert results[victim] is None, "the killed rank returned a value"
+    survivors = [r for r in results if r is not None]
+    assert [r["member"] for r in survivors] == [1, 2]
+    assert [r["rank"] for r in survivors] == [0, 1] and all(r["world_size"] == 2 for r in survivors)
+    for r in survivors:
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (victim,) and recovery["members"] == (1, 2), recovery
+        assert recovery["step"] == kill_step, f"member {r['member']}: the survivors resumed from step {recovery['step']}"
+        assert r["world_sizes"][:kill_step] == [3] * kill_step and set(r["world_sizes"][kill_step:]) == {2}
+
+    # the run's final parameters: the oracle's, and bitwise the same on both survivors
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    expected = _oracle(epochs * steps_per_epoch)
+    for r in survivors:
+        for got, want in zip(r["params"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(survivors[0]["params"], survivors[1]["params"]):
+        assert torch.equal(a, b), "the survivors' replicas differ"
+
+    # every sample of every epoch exactly once, over the ranks' committed steps (the victim's included)
+    trained: dict[tuple[int, int], list[int]] = {}
+    for log in tmp_path.glob("samples.*"):
+        for line in log.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            trained[int(log.suffix[1:]), step] = ids
+    assert max(step for member, step in trained if member == victim) == kill_step
+    for epoch in range(epochs):
+        seen = [i for (member, step), ids in trained.items()
+                if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
+        assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
+
+    # nothing left behind: no descriptor of the old world (the world shrank and the log is closed: at
+    # least 2 fewer), no process, no /dev/shm entry
+    for r in survivors:
+        assert r["fds"]["after"] <= r["fds"]["before"] - 2, f"member {r['member']}: open descriptors {r['fds']}"
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
+    leaked = sorted(_shm_entries() - before)
+    assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "ps-sync", "ps-async", "ssp", "diloco"])
+def test_live_mode_refuses_what_it_does_not_rebuild_and_says_why(strategy, tmp_path):
+    from gradsync.train.config import TrainConfig
+
+    with pytest.raises(RuntimeError, match=f"--fault-tolerance live is not supported with --strategy {strategy}: .*"
+                                           f"use --strategy ddp"):
+        TrainConfig(strategy=strategy, workers=3, fault_tolerance="live", out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="--max-restarts"):
+        TrainConfig(workers=3, fault_tolerance="live", max_restarts=1, out=str(tmp_path))
+    with pytest.raises(ValueError, match="--fault-tolerance 'sometimes' is not one of: restart, live"):
+        TrainConfig(workers=3, fault_tolerance="sometimes", out=str(tmp_path))
+    with pytest.raises(ValueError, match="fault_tolerance must be one of stop, live"):
+        gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="restart")
+
+
+def test_batch_policies_in_closed_form():
+    from gradsync.live import resized
+
+    assert resized("keep-global", 96, 0.06, 3, 2) == (96, 0.06)
+    assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
+    with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
+        resized("keep-nothing", 12, 0.3, 3, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path):
+    """`gradsync train --fault-tolerance live --live-batch keep-per-rank`: member 1 dies in step 5 after
+    the all-reduce, before its optimizer step; the job exits 0, the new world's global batch and
+    learning rate follow b x W' and lr x W'/W, and every sample of the epoch is trained exactly once."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--live-batch", "keep-per-rank", "--epochs", "1", "--quiet", "--timeout", "20",
+                          "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=500)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [1] and live["world_size"] == 2
+    assert live["global_batch"] == start["global_batch"] // 3 * 2
+    assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
+    last_line: dict[tuple[int, int], list[int]] = {}
+    for path in (tmp_path / "ids").glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                last_line[member, step] = ids
+    seen = sorted(i for ids in last_line.values() for i in ids)
+    assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
