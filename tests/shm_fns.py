@@ -402,8 +402,10 @@ def adopted_region(numel: int, decliner: int | None):
     """A tensor of this rank's own (rank r's holds r + 1) adopted as a shared region (regions.adopt),
     every rank offering except ``decliner``; then one all-reduce of it. Returns whether it was
     adopted, what this rank reads in every rank's copy (rank order), whether its address moved,
-    whether the all-reduce's result is the closed form, and, once it is freed, whether a tensor
-    mapped at its old address is taken for it (None when no mapping landed there)."""
+    whether the all-reduce's result is the closed form, once it is freed whether a tensor mapped at
+    its old address is taken for it (None when no mapping landed there), and whether a region
+    allocated after another adopted tensor was freed is found (and whether it lies at that one's
+    address)."""
     import gc
 
     w = gs.world()
@@ -424,7 +426,19 @@ def adopted_region(numel: int, decliner: int | None):
     if stand_in is not None:
         reused = regions.views_of(stand_in.view(torch.float64)) is not None
         _unmap(stand_in)
-    return adopted, seen, moved, right, reused
+    # another adopted tensor freed, then a region allocated: its mapping usually lands at the freed
+    # tensor's address while that one is still on the books; the region is found, and summed right
+    third = torch.full((numel,), float(w.rank + 1), dtype=torch.float64)
+    regions.adopt(third, offer=w.rank != decliner)
+    address = third.data_ptr()
+    del third
+    gc.collect()
+    region = regions.allocate(numel, torch.float64)
+    region.fill_(float(w.rank + 1))
+    found = regions.views_of(region) is not None
+    gs.all_reduce(region)
+    right = right and torch.equal(region, torch.full_like(region, float(sum(range(1, w.world_size + 1)))))
+    return adopted, seen, moved, right, reused, found, region.data_ptr() == address
 
 
 _MAP_FIXED_NOREPLACE = 0x100000

@@ -164,12 +164,12 @@ class SharedRegions:
         if not self._bases or tensor.is_cuda or not tensor.is_contiguous():
             return None
         start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for base, size, k in self._bases:
+        for base, size, k in list(self._bases):
             if base <= start and start + nbytes <= base + size:
                 adopted = self._adopted.get(k)
-                if adopted is not None and adopted.expired():   # freed: its address may hold a new tensor
+                if adopted is not None and adopted.expired():   # freed: a later region may lie at its address
                     self._forget(k)
-                    return None
+                    continue
                 key = (k, start - base, tensor.numel(), tensor.dtype)
                 views = self._views.get(key)
                 if views is None:
