@@ -13,9 +13,9 @@ Moving a storage changes its address, which is safe only for memory nothing outs
 into (a NumPy array made by ``t.numpy()`` would keep the old address). So only all-reduces issued
 during a backward pass are considered (torch DDP issues its buckets from autograd hooks; a program's
 own dist.all_reduce outside backward is never adopted), of one dense CPU tensor of at least
-``MIN_BYTES`` that is the whole of a storage torch allocated (resizable: not from_numpy, frombuffer
-or DLPack), seen at the same place of an earlier backward in the same storage (a bucket, not a
-fresh gradient).
+``MIN_BYTES`` that is the whole of a resizable storage (torch marks a storage whose memory it shares
+with anything outside torch as not resizable: t.numpy(), from_numpy, frombuffer, DLPack), seen at
+the same place of an earlier backward in the same storage (a bucket, not a fresh gradient).
 
 Adoption is collective: every local rank must take part in the same call, or none. What every rank
 sees alike decides when: ``place`` = (how many backward-issued all-reduces came before this one in

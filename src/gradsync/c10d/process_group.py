@@ -20,6 +20,10 @@ tensors as real pairs, ReduceOps to gradsync's op names) is arguments.py's. The 
                                          on a private group): posted at once on the caller's
                                          thread, so send/recv pairs in any order never deadlock
 
+An all-reduce that torch's DDP issues for a bucket during backward may first adopt the bucket into
+shared memory (adoption.py): from then on it is all-reduced where it lies, as gradsync's own
+wrapper's buckets are, with no copy into the staging halves and out again.
+
 Every collective first compares fingerprints with the other ranks (a mismatch names both ranks),
 every wait has the group's timeout, a dead rank on the same host is noticed within a fraction of
 a second, the stall inspector (stall.py) watches the default group's collectives, and every byte
