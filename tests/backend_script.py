@@ -2,7 +2,8 @@
 
 The default group is gradsync's (init_process_group("gradsync")); the same script also makes a
 gloo group over the same ranks, and every check runs the same thing on both and compares: torch's
-own DDP (no_sync, find_unused_parameters, fp16_compress_hook, static_graph), ZeroRedundancyOptimizer,
+own DDP (no_sync, find_unused_parameters, fp16_compress_hook, static_graph; buckets large enough
+for the backend to adopt into shared memory, with and without gradient_as_bucket_view), ZeroRedundancyOptimizer,
 every collective torch.distributed offers on shapes, dtypes, ops and roots that the test draws
 with hypothesis (it serves them one at a time through a TCPStore of its own, the same case to
 every rank, and reads back what differed from gloo), subgroups and a 2 x 2 DeviceMesh, point-to-point and
@@ -91,6 +92,72 @@ for variant in ("no_sync", "unused", "fp16_hook", "static"):
     # they agree to fp16's precision, normwise; float64 everywhere else, elementwise
     distance = normwise if variant == "fp16_hook" else relative
     ddp_worst[variant] = max([distance(ours[0], theirs[0])] + [distance(a, b) for a, b in zip(ours[1], theirs[1])])
+
+# -- torch's DDP with buckets of 256 KiB and more: the backend adopts them into shared memory --------
+class Wide(nn.Module):
+    """float64 weights of 256 KiB and 2 MiB: two buckets (torch's first closes at 1 MiB), both large
+    enough for the backend to adopt (c10d/adoption.py)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(64, 512), nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def train_wide(group, view: bool):
+    """Six steps (the backend adopts a bucket from its third backward); the losses, the parameters,
+    and whether every gradient lay in shared memory after the last backward."""
+    model = Wide().double()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=view)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses, shared = [], None
+    for step in range(6):
+        g = torch.Generator().manual_seed(1000 + 100 * RANK + step)
+        x, y = torch.randn(8, 64, generator=g, dtype=torch.float64), torch.randn(8, 512, generator=g, dtype=torch.float64)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        shared = all(p.grad.untyped_storage().is_shared() for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.tensor(losses), [p.detach().clone() for p in model.parameters()], shared
+
+
+wide = {}
+for view in (False, True):
+    ours, theirs = train_wide(None, view), train_wide(GLOO, view)
+    wide[f"view={view}"] = {"worst": max([relative(ours[0], theirs[0])]
+                                         + [relative(a, b) for a, b in zip(ours[1], theirs[1])]),
+                            "shared": ours[2], "shared_on_gloo": theirs[2]}
+# Which other tensors move: a program's own all-reduce outside backward never moves its tensor; one
+# issued during backward (a hook's) moves a buffer it all-reduces again and again, unless NumPy
+# shares the buffer's memory (t.numpy(): the NumPy view stays true)
+outside = torch.ones(1 << 16, dtype=torch.float64)
+outside_address = outside.data_ptr()
+for _ in range(2):
+    dist.all_reduce(outside)
+    dist.all_reduce(outside, async_op=True).wait()
+wide["outside_backward_kept"] = outside.data_ptr() == outside_address and float(outside[-1]) == float(N ** 4)
+buffers = {"plain": torch.zeros(1 << 16, dtype=torch.float64), "numpy": torch.zeros(1 << 16, dtype=torch.float64)}
+numpy_view, addresses = buffers["numpy"].numpy(), {name: b.data_ptr() for name, b in buffers.items()}
+leaf = torch.ones(3, requires_grad=True)
+
+
+def all_reduce_buffers(grad):
+    for buffer in buffers.values():
+        buffer.fill_(1.0)
+        dist.all_reduce(buffer, async_op=True).wait()
+    return grad
+
+
+leaf.register_hook(all_reduce_buffers)
+for _ in range(4):
+    (leaf * 2).sum().backward()
+wide["in_backward_moved"] = {name: buffer.data_ptr() != addresses[name] for name, buffer in buffers.items()}
+wide["numpy_view_true"] = float(numpy_view[-1]) == float(N)
 
 # -- ZeroRedundancyOptimizer -------------------------------------------------------------------
 zero = []
@@ -416,7 +483,7 @@ if RANK != N - 1:  # the last rank never calls this all-reduce; it waits for the
         never_called = {"error": str(exc), "after": time.monotonic() - started}
 dist.barrier(group=GLOO)
 
-result = {"rank": RANK, "problems": problems, "never_called": never_called, "short_timeout": SHORT, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "zero": zero_worst, "cases": collective_cases,
+result = {"rank": RANK, "problems": problems, "never_called": never_called, "short_timeout": SHORT, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "wide": wide, "zero": zero_worst, "cases": collective_cases,
           "mismatch": mismatch, "backend": dist.get_backend()}
 os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()

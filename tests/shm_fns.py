@@ -396,3 +396,74 @@ def single_copy_state():
     """(whether this rank's transport reads peers' tensors where they lie, why not)."""
     transport = default_transport()
     return transport.single_copy, transport.single_copy_problem
+
+
+def adopted_region(numel: int, decliner: int | None):
+    """A tensor of this rank's own (rank r's holds r + 1) adopted as a shared region (regions.adopt),
+    every rank offering except ``decliner``; then one all-reduce of it. Returns whether it was
+    adopted, what this rank reads in every rank's copy (rank order), whether its address moved,
+    whether the all-reduce's result is the closed form, once it is freed whether a tensor mapped at
+    its old address is taken for it (None when no mapping landed there), and whether a region
+    allocated after another adopted tensor was freed is found (and whether it lies at that one's
+    address)."""
+    import gc
+
+    w = gs.world()
+    regions = default_transport().regions
+    tensor = torch.full((numel,), float(w.rank + 1), dtype=torch.float64)
+    before = tensor.data_ptr()
+    adopted = regions.adopt(tensor, offer=w.rank != decliner)
+    located = regions.views_of(tensor)
+    seen = [float(view[-1]) for view in located[1]] if located is not None else None
+    gs.all_reduce(tensor)
+    right = torch.equal(tensor, torch.full((numel,), float(sum(range(1, w.world_size + 1))), dtype=torch.float64))
+    address = tensor.data_ptr()
+    moved = address != before
+    del tensor, located
+    gc.collect()
+    reused = None
+    stand_in = _mapped_at(address, numel * 8)   # fresh memory where the adopted tensor was
+    if stand_in is not None:
+        reused = regions.views_of(stand_in.view(torch.float64)) is not None
+        _unmap(stand_in)
+    # another adopted tensor freed, then a region allocated: its mapping usually lands at the freed
+    # tensor's address while that one is still on the books; the region is found, and summed right
+    third = torch.full((numel,), float(w.rank + 1), dtype=torch.float64)
+    regions.adopt(third, offer=w.rank != decliner)
+    address = third.data_ptr()
+    del third
+    gc.collect()
+    region = regions.allocate(numel, torch.float64)
+    region.fill_(float(w.rank + 1))
+    found = regions.views_of(region) is not None
+    gs.all_reduce(region)
+    right = right and torch.equal(region, torch.full_like(region, float(sum(range(1, w.world_size + 1)))))
+    return adopted, seen, moved, right, reused, found, region.data_ptr() == address
+
+
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def _mapped_at(address: int, nbytes: int) -> torch.Tensor | None:
+    """Anonymous memory mapped exactly at ``address`` as a uint8 tensor, or None when anything is
+    mapped there already (mmap with MAP_FIXED_NOREPLACE never replaces a mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    got = libc.mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+    if got in (None, ctypes.c_void_p(-1).value):
+        return None
+    if got != address:   # a kernel older than MAP_FIXED_NOREPLACE takes the address as a hint only
+        libc.munmap(ctypes.c_void_p(got), ctypes.c_size_t(nbytes))
+        return None
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
+
+
+def _unmap(tensor: torch.Tensor) -> None:
+    import ctypes
+
+    ctypes.CDLL(None).munmap(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(tensor.numel()))

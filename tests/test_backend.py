@@ -152,6 +152,16 @@ def test_torch_programs_on_the_gradsync_backend_match_gloo(tmp_path):
         ddp = row["ddp"]
         assert max(ddp["no_sync"], ddp["unused"], ddp["static"]) <= DOUBLE, ddp
         assert ddp["fp16_hook"] <= FP16_ON_THE_WIRE, ddp
+        # torch DDP's buckets adopted into shared memory: gloo's parameters, and with
+        # gradient_as_bucket_view the gradients (views of the buckets) lie in shared memory on this
+        # backend only. A program's own all-reduce outside backward leaves its tensor where it was;
+        # during backward a buffer reduced again and again moves, unless NumPy shares its memory
+        wide = row["wide"]
+        for view in ("view=False", "view=True"):
+            assert wide[view]["worst"] <= DOUBLE, wide
+        assert (wide["view=True"]["shared"], wide["view=True"]["shared_on_gloo"]) == (True, False), wide
+        assert wide["outside_backward_kept"], wide
+        assert wide["in_backward_moved"] == {"plain": True, "numpy": False} and wide["numpy_view_true"], wide
         assert row["zero"] <= DOUBLE
         assert "cpu:gradsync,cuda:nccl" in row["cuda_refusal"] and "'gradsync'" in row["cuda_refusal"]
         assert "sparse collectives are not supported" in row["sparse_refusal"], row["sparse_refusal"]

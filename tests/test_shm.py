@@ -273,3 +273,20 @@ def test_a_wait_polls_long_only_on_the_main_thread_and_yields_where_ranks_outnum
     thread.start()
     thread.join(timeout=10)
     assert seen == [shm.BACKGROUND_SPIN_SECONDS, shm.YIELD_SECONDS]
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_adopted_as_a_region_is_read_where_it_lies_and_forgotten_once_freed(world_of):
+    # 1 MiB of float64 per rank. Every rank offers: each reads every rank's values in its copy, the
+    # tensor has moved into shared memory, the all-reduce sums it; once freed, a new mapping at its
+    # old address is not taken for it, and a region allocated where another freed one lay is found.
+    # One rank declines: no rank adopts, and the sums are the same.
+    numel, n = 1 << 17, 3
+    results = world_of(n).run(shm_fns.adopted_region, numel, None)
+    for rank, (adopted, seen, moved, right, reused, readopted, _) in enumerate(results):
+        assert (adopted, seen, moved, right, readopted) == (True, [1.0, 2.0, 3.0], True, True, True), rank
+        assert reused is not True, rank
+    assert any(reused is not None for _, _, _, _, reused, _, _ in results), "nothing mapped at a freed address"
+    assert any(same_address for *_, same_address in results), "no region lay where a freed tensor had been"
+    for rank, (adopted, seen, _, right, _, found, _) in enumerate(world_of(n).run(shm_fns.adopted_region, numel, 1)):
+        assert (adopted, seen, right, found) == (False, None, True, True), rank

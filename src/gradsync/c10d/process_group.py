@@ -20,6 +20,10 @@ tensors as real pairs, ReduceOps to gradsync's op names) is arguments.py's. The 
                                          on a private group): posted at once on the caller's
                                          thread, so send/recv pairs in any order never deadlock
 
+An all-reduce that torch's DDP issues for a bucket during backward may first adopt the bucket into
+shared memory (adoption.py): from then on it is all-reduced where it lies, as gradsync's own
+wrapper's buckets are, with no copy into the staging halves and out again.
+
 Every collective first compares fingerprints with the other ranks (a mismatch names both ranks),
 every wait has the group's timeout, a dead rank on the same host is noticed within a fraction of
 a second, the stall inspector (stall.py) watches the default group's collectives, and every byte
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import join, runtime, stall
+from gradsync.c10d.adoption import BucketAdoption
 from gradsync.c10d.arguments import SUM, as_real, check_complex_op, chosen_algorithm, op_name, routed
 from gradsync.c10d.comm_thread import CommThread
 from gradsync.c10d.work import TransferWork, run_eagerly
@@ -58,6 +63,13 @@ collectives' own, so a program's sends never meet a collective's bytes."""
 
 
 def _all_reduce_one(place: Place, tensors: list[torch.Tensor], op: str, algorithm: str) -> list[torch.Tensor]:
+    all_reduce_in(place, tensors[0], op, algorithm)
+    return tensors
+
+
+def _adopt_and_all_reduce(adoption: BucketAdoption, seen: bool, place: Place, tensors: list[torch.Tensor], op: str,
+                          algorithm: str) -> list[torch.Tensor]:
+    adoption.run(tensors[0], seen)
     all_reduce_in(place, tensors[0], op, algorithm)
     return tensors
 
@@ -86,6 +98,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._group_name, self._group_desc = name, ""
         self.place = Place(world, transport)
         self._thread = CommThread(f"gradsync-c10d-r{world.rank}", world.timeout, world.rank)
+        self._adoption = BucketAdoption(transport, world.world_size)
         self._torch_store = torch_store
         self._nccl = None
 
@@ -167,6 +180,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             done = self._thread.run_now(all_reduce_in, tensors, self.place, tensor, op, chosen_algorithm())
             if done is not None:
                 return done
+            seen = None   # a synchronous call is never adopted, whether it ran at once or not
+        else:
+            seen = self._adoption.consider(tensor)
+        if seen is not None:   # an adoption round first (adoption.py: torch DDP's buckets into shared memory)
+            return self._thread.submit(functools.partial(_adopt_and_all_reduce, self._adoption, seen, self.place,
+                                                         tensors, op, chosen_algorithm()), "allreduce", wake=True)
         return self._thread.submit(functools.partial(_all_reduce_one, self.place, tensors, op, chosen_algorithm()),
                                    "allreduce", wake=asynchronous)
 

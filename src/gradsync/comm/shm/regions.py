@@ -16,6 +16,14 @@ Vocabulary
     peer view    rank j's copy of a tensor that lies inside one of this rank's regions: the same
                  byte range of rank j's segment of the same region (``views_of``)
 
+Adopted regions: a tensor the program already has (torch DDP's gradient buckets, which torch
+allocates itself) becomes a region in place: torch moves its storage into shared memory (the call
+torch.multiprocessing makes, ``UntypedStorage._share_fd_cpu_``: a copy into an unlinked /dev/shm
+file, and every view of the storage follows it), and the other local ranks map that file through
+/proc/<pid>/fd/<fd>. The storage's address changes, so only tensors that nothing outside torch
+points into may be adopted (c10d/adoption.py says which). An adopted region lives as long as its
+storage: ``views_of`` forgets it once the storage is freed, before an address could be reused.
+
 Space: /dev/shm is memory (tmpfs). A region that would not fit its free space is refused with
 ``None`` (the caller falls back to ordinary memory), since touching an over-committed tmpfs page
 kills the process with SIGBUS.
@@ -29,6 +37,7 @@ import weakref
 from datetime import timedelta
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gradsync.comm.shm.segment import SHM_DIR
 
@@ -43,6 +52,7 @@ class SharedRegions:
         self._mappings: list[dict[int, mmap.mmap]] = []
         self._bases: list[tuple[int, int, int]] = []  # (own base address, bytes, region index)
         self._views: dict[tuple, list[torch.Tensor]] = {}
+        self._adopted: dict[int, StorageWeakRef] = {}  # region index -> the adopted storage
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Region k: a zeroed 1-D tensor of ``numel`` x ``dtype`` in shared memory, or None when every
@@ -97,11 +107,54 @@ class SharedRegions:
         weakref.finalize(tensor, self._forget, k)
         return tensor
 
+    def adopt(self, tensor: torch.Tensor, offer: bool) -> bool:
+        """Region k made of ``tensor`` itself, on every local rank or on none. Collective: every local
+        rank calls it for the same call of the same program, ``offer`` saying whether its tensor may be
+        adopted (a 1-D contiguous CPU tensor that is the whole of its storage). True when every rank
+        offered and mapped every other rank's storage; then ``tensor`` lies in shared memory, at a new
+        address, with every view of its storage (see the module docstring)."""
+        t = self._transport
+        k = len(self._mappings)
+        key = f"gradsync/shm/{self._prefix}region{k}"
+        wait = timedelta(seconds=t.timeout)
+        nbytes = tensor.numel() * tensor.element_size()
+        mine = "0"
+        if offer and nbytes > 0:
+            try:
+                fd, size = tensor.untyped_storage()._share_fd_cpu_()
+                mine = f"1 {os.getpid()} {fd} {size}"
+            except RuntimeError:  # a storage torch cannot move (shared by file name already, say)
+                pass
+        self._store.set(f"{key}/adopt/{t.rank}", mine)
+        offers = {peer: t.store_get(self._store, f"{key}/adopt/{peer}", wait, peer, "offer its tensor").split()
+                  for peer in t.local_ranks if peer != t.rank}
+        mappings: dict[int, mmap.mmap] = {}
+        if mine != "0" and all(answer[0] == "1" and int(answer[3]) == nbytes for answer in offers.values()):
+            try:
+                for peer, (_, pid, fd, size) in offers.items():
+                    mappings[peer] = _map_descriptor(f"/proc/{pid}/fd/{fd}", int(size))
+                mappings[t.rank] = _map_descriptor(f"/proc/self/fd/{mine.split()[2]}", nbytes)
+            except OSError:
+                mappings = {}
+        # the owners keep their descriptors open until every rank has mapped (or failed to)
+        self._store.set(f"{key}/mapped/{t.rank}", "1" if mappings else "0")
+        mapped = [t.store_get(self._store, f"{key}/mapped/{peer}", wait, peer, "map an adopted tensor")
+                  for peer in t.local_ranks if peer != t.rank]
+        if not mappings or mapped.count("1") != len(mapped):
+            self._mappings.append({})
+            return False
+        self._mappings.append(mappings)
+        storage = tensor.untyped_storage()
+        self._bases.append((storage.data_ptr(), nbytes, k))
+        self._adopted[k] = StorageWeakRef(storage)
+        return True
+
     def _forget(self, k: int) -> None:
         """Region k's tensor is gone: drop this rank's references to its mappings (each is unmapped
         once nothing else uses it; an address may then be reused by a later region)."""
         self._bases = [entry for entry in self._bases if entry[2] != k]
         self._views = {key: views for key, views in self._views.items() if key[0] != k}
+        self._adopted.pop(k, None)
         if k < len(self._mappings):
             self._mappings[k] = {}
 
@@ -111,8 +164,12 @@ class SharedRegions:
         if not self._bases or tensor.is_cuda or not tensor.is_contiguous():
             return None
         start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for base, size, k in self._bases:
+        for base, size, k in list(self._bases):
             if base <= start and start + nbytes <= base + size:
+                adopted = self._adopted.get(k)
+                if adopted is not None and adopted.expired():   # freed: a later region may lie at its address
+                    self._forget(k)
+                    continue
                 key = (k, start - base, tensor.numel(), tensor.dtype)
                 views = self._views.get(key)
                 if views is None:
@@ -128,6 +185,7 @@ class SharedRegions:
     def close(self) -> None:
         """Unmap every region (a tensor view still alive keeps its mapping until the process ends)."""
         self._views.clear()
+        self._adopted.clear()
         self._bases.clear()
         for mappings in self._mappings:
             for mapping in mappings.values():
@@ -136,3 +194,12 @@ class SharedRegions:
                 except BufferError:
                     pass
         self._mappings.clear()
+
+
+def _map_descriptor(path: str, nbytes: int) -> mmap.mmap:
+    """A shared mapping of the file open as ``path`` (a /proc/<pid>/fd/<fd> link)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
