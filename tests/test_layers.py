@@ -36,6 +36,8 @@ LEVELS = {
     # strategies and the torch backend
     "gradsync.replicas": 3, "gradsync.ddp": 3, "gradsync.ps": 3, "gradsync.zero": 3, "gradsync.c10d": 3,
     "gradsync.diloco": 3,
+    # live fault tolerance: DDP rebuilt over a new world when a rank dies
+    "gradsync.live": 3.5,
     # the public names (DESIGN.md): the package gathers the strategies and collectives below it, and
     # the main job is written with them (``import gradsync as gs``), so it sits between the two
     "gradsync": 4.5,
