@@ -43,7 +43,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from gradsync import trace
-from gradsync.compile_guard import eager
 from gradsync.comm.collectives import ALGORITHMS, shared_allocator
 from gradsync.ddp import hooks, torch_arguments
 from gradsync.ddp.buckets import default_limits
@@ -154,7 +153,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             output = self.module(*args, **kwargs)
         return self._post_forward(output)
 
-    @eager
+    @torch.compiler.disable
     def _pre_forward(self, *args, **kwargs):
         """The wrapper's collectives before the module runs, in the order ddp/uneven_inputs.py gives."""
         grad_enabled = torch.is_grad_enabled()
@@ -177,7 +176,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             args, kwargs = self.precision.cast_for_forward(args, kwargs)
         return args, kwargs
 
-    @eager
+    @torch.compiler.disable
     def _post_forward(self, output):
         if self.precision is not None and not torch.is_grad_enabled():
             self.precision.restore_params()   # no backward will come to restore them
