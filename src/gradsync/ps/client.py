@@ -63,6 +63,7 @@ class Client:
         self.stopping = False
         self.pull_wait_seconds = 0.0
         self.push_seconds = 0.0
+        self.abort_notice_seconds = 5.0   # how long a failed transfer looks for a server's abort notice
 
     def pull(self, rows: dict | None = None) -> None:
         self._check_open("pull")
@@ -218,6 +219,15 @@ class Client:
         self.versions = [whole["version"]] * len(self.servers)
         self.pulled_since_push = False
 
+    def rejoin(self, transport: Transport, channel: wire.Channel, clock: int, version: int, closed: bool) -> None:
+        """Go on in a rebuilt world (live/ps.py): its transport, this worker's agreed clock, and the
+        version every server holds (sync; in async and ssp the servers' versions differ, only pull()
+        reads them). Whatever was in flight is forgotten."""
+        self.transport, self.channel, self.rank = transport, channel, transport.rank
+        self.clock, self.closed = clock, closed
+        self.versions = [version] * len(self.servers)
+        self.pulled_since_push = False
+
     def close(self) -> None:
         if self.closed:
             return
@@ -259,7 +269,7 @@ class Client:
         culprit = header.version if header.version >= 0 else None
         why = wire.REASON_NAMES.get(header.numel, f"reason {header.numel}")
         who = f" (rank {culprit})" if culprit is not None else ""
-        posted = self.channel.read_abort(wait_seconds=1.0)
+        posted = self.channel.read_abort(wait_seconds=min(1.0, self.abort_notice_seconds))
         detail = f": {posted[1]}" if posted else ""
         return ServerAbortedError(f"worker rank {self.rank}: parameter server rank {server} stopped: "
                                   f"{why}{who}{detail}", culprit)
@@ -269,7 +279,7 @@ class Client:
         try:
             handle.wait()
         except PeerError as exc:
-            posted = self.channel.read_abort(wait_seconds=5.0)
+            posted = self.channel.read_abort(wait_seconds=self.abort_notice_seconds)
             if posted is None:
                 raise
             culprit, message = posted

@@ -99,7 +99,8 @@ class ParameterServer:
         self.workers = list(range(num_servers, world.world_size))
         self.is_server = world.rank < num_servers
         transport = default_transport()
-        channel = Channel(world.store, _next_instance())
+        self._instance = _next_instance()
+        channel = Channel(world.store, self._instance)
         server_clips = max_grad_norm is not None and mode == "sync"
         if self.is_server:
             clipping = (ServerClipping(max_grad_norm, norm_type, transport, num_servers, channel.payload_tag)
@@ -203,6 +204,25 @@ class ParameterServer:
             self._server.load_part(state, self.plan.pieces[self.world.rank])
         else:
             self._client.load(state, self.world.rank - self.num_servers)
+
+    # -- live jobs (live/ps.py) -------------------------------------------------------------------
+    def rejoin(self, clocks: list[int], closed: list[bool], version: int) -> None:
+        """Go on in the world rebuilt from the survivors (live/ps.py), after gradsync's rejoin: the
+        servers keep ranks 0..S-1 and their state; ``clocks`` and ``closed`` say each surviving worker's
+        agreed clock and whether it has left, in new-rank order; ``version`` is what every server
+        holds (sync). Collective-free."""
+        self.world = runtime.world()
+        self.workers = list(range(self.num_servers, self.world.world_size))
+        if len(clocks) != len(self.workers) or len(closed) != len(self.workers):
+            raise ValueError(f"rejoin needs one clock and one closed flag per worker ({len(self.workers)}), got "
+                             f"{len(clocks)} and {len(closed)}")
+        transport, channel = default_transport(), Channel(self.world.store, self._instance)
+        if self.is_server:
+            self._server.rejoin(transport, channel, dict(zip(self.workers, clocks)),
+                                {w for w, gone in zip(self.workers, closed) if not gone})
+        else:
+            index = self.world.rank - self.num_servers
+            self._client.rejoin(transport, channel, clocks[index], version, closed[index])
 
     def stats(self) -> dict:
         """This rank's counters: bytes in/out per step, staleness histogram (servers), wait times (workers)."""

@@ -25,6 +25,8 @@ the wrong size. Conversation:
     worker -> server   PUSH + payload        gradient of this server's shard; no answer
     worker -> server   CLOSE                 answered by BYE
     server -> worker   ABORT                 the server stopped on an error (``reason`` in numel)
+    worker -> server   ABORT                 live jobs only (live/ps.py): this worker saw a member die
+                                             (``reason`` REASON_MEMBER_DIED); the server rebuilds the world
 
 A model with T sparse tables (sparse_wire.py) sends every header as a message of 1 + T headers:
 after a PUSH, PULL or PARAMS header come its T ROWS section headers (version word = table index,
@@ -68,8 +70,8 @@ KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE:
               ROWS: "ROWS"}
 
 # ABORT reasons (carried in the numel word)
-REASON_DEAD_WORKER, REASON_PROTOCOL, REASON_SERVER_ERROR = 1, 2, 3
-REASON_NAMES = {REASON_DEAD_WORKER: "a worker stopped answering",
+REASON_DEAD_WORKER, REASON_PROTOCOL, REASON_SERVER_ERROR, REASON_MEMBER_DIED = 1, 2, 3, 4
+REASON_NAMES = {REASON_DEAD_WORKER: "a worker stopped answering", REASON_MEMBER_DIED: "a member of a live job died",
                 REASON_PROTOCOL: "a worker sent a malformed or unexpected message",
                 REASON_SERVER_ERROR: "the server failed"}
 

@@ -47,10 +47,13 @@ whether it ended early. part() and load_part() carry this server's state into a 
 
 Failures: a worker that is not waiting on the server and sends nothing for ``timeout`` seconds is
 declared dead; so is one whose transfer fails. A malformed or unexpected message is refused (never
-applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank.
+applied). Either way every other open worker gets an ABORT header, then serve() raises naming the rank;
+in a live job (live/ps.py) a lost worker sends no ABORT: the survivors rebuild the world and go on
+(server_resizing.py).
 
 The Server is this file's serving loop (reading messages, failures, checkpoints, counters) with
-what it does to a push (server_applying.py) and to a pull (server_answering.py) beside it.
+what it does to a push (server_applying.py), to a pull (server_answering.py) and to a lost worker
+(server_resizing.py) beside it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from gradsync.ps.outbox import Outbox
 from gradsync.ps.row_history import RowHistory
 from gradsync.ps.server_answering import Answering
 from gradsync.ps.server_applying import Applying
+from gradsync.ps.server_resizing import Resizing
 from gradsync.ps.sharding import Piece, gather_shard
 from gradsync.ps.sparse_optim import sparse_rule
 from gradsync.ps.sparse_tables import TableBlock, TableSpec
@@ -102,7 +106,7 @@ class WorkerLostError(RuntimeError):
         self.worker = worker
 
 
-class Server(Applying, Answering):
+class Server(Applying, Answering, Resizing):
     """Serves shard ``rank`` of the parameters to ``workers`` until all of them have closed."""
 
     def __init__(self, transport: Transport, workers: list[int], pieces: list[Piece], params: list[torch.Tensor],
@@ -161,6 +165,7 @@ class Server(Applying, Answering):
         self.update_seconds = 0.0   # in _step: the optimizer, the tables, the published copy
         self.stop_asked = False
         self.final_version: int | None = None   # sync: the version from which answers carry FLAG_STOP
+        self.abort_on_loss = True   # tell the other workers when one is lost (live/ps.py: no, the job goes on)
 
     @property
     def stopped(self) -> bool:
@@ -194,7 +199,8 @@ class Server(Applying, Answering):
             self._abort(wire.REASON_PROTOCOL, exc.sender, str(exc))
             raise
         except WorkerLostError as exc:
-            self._abort(wire.REASON_DEAD_WORKER, exc.worker, str(exc))
+            if self.abort_on_loss:
+                self._abort(wire.REASON_DEAD_WORKER, exc.worker, str(exc))
             raise
         finally:
             self.outbox.abandon()   # after close(): nothing left; after an error: the thread ends
@@ -221,6 +227,9 @@ class Server(Applying, Answering):
 
     def _handle(self, header: Header, message: torch.Tensor) -> None:
         sender = header.sender
+        if header.kind == wire.ABORT and header.numel == wire.REASON_MEMBER_DIED and not self.abort_on_loss:
+            raise WorkerLostError(f"parameter server rank {self.rank}: worker rank {sender} says a member of the live "
+                                  f"job died", None)   # live/ps.py's relay: a receive from any worker names no one
         if sender not in self.open:
             raise ProtocolError(f"server rank {self.rank}: unexpected {header.describe()}: that worker already "
                                 f"closed; the message was refused", sender)

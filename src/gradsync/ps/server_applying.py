@@ -94,6 +94,7 @@ class Applying:
         """One version: the torch optimizer on the dense shard, then each table's sparse rule on its rows.
         ``gradient`` may be overwritten (a push's buffer, or the sync sum)."""
         started = time.perf_counter()
+        self._before_step()
         self.shard.grad = gradient
         self.optimizer.step()
         self.shard.grad = None

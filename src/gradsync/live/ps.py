@@ -1,0 +1,371 @@
+"""LivePS: a parameter-server job that goes on, without a restart, when a worker dies.
+
+    live = LivePS(model, optimizer_fn, num_servers=S, mode="sync")   # ParameterServer's arguments
+    if live.is_server:
+        live.serve()                        # until every worker has closed, rebuilding on the way
+    else:
+        while True:
+            if live.step < total_steps:
+                live.run_step(train_step)   # pull -> train_step(model) -> push; train_step chooses this
+                                            # worker's samples from live.progress and live.world
+            elif live.finish():             # the final pull and close (False: a step is to be redone)
+                break
+    scores = live.collective(evaluate)      # collectives after training: run again in the new world
+    live.close()
+
+Vocabulary: members, generations and the quorum as in membership.py; servers are members 0..S-1
+and keep ranks 0..S-1 in every generation, the surviving workers are renumbered S, S+1, ... in
+member order. A worker's step is its clock: pushes it has completed.
+
+When a member dies, the survivors' transfers fail (PeerError: a transfer with the dead rank within
+LIVENESS_SLICE, 0.2 s; any other once the live world's check sees the death, comm/transport.py's
+abandoned(), or the TCP connection of a survivor that has torn down). Each survivor then, as a
+recipe (the same as LiveDDP's, live/ddp.py):
+
+    declare_broken   the generation is over (store)
+    tear_down        the server's outbox thread ends with serve(); gradsync.shutdown() closes the transport
+    agree            the next generation's members (membership.py's quorum)
+    end_if_a_server_died  a dead server's shard and optimizer state exist nowhere else: every survivor
+                     raises ServerLostError naming the server rank, what was lost and the version
+    rejoin           a new world of the survivors (runtime.rejoin), the parameter server re-pointed at
+                     it (ParameterServer.rejoin)
+    agree_on_clocks  one all-gather of each rank's version, clock and closed flag (below)
+
+The step in flight, sync: the survivors train it again. The servers' versions differ by at most
+one; a server that closed version V_min + 1 rolls back (server_resizing.py), every worker's clock
+becomes V_min, and a worker that had pushed step V_min takes back its progress. Step V_min is then
+trained by the W - 1 survivors on their shares of all its samples (the caller's train_step re-shards
+them by live.world) and closed with the mean of their W - 1 pushes; the dead worker's gradient for
+it is dropped wherever it had arrived. So no sample is lost or trained twice, and with a step's loss
+scaled to the whole step's mean (loss x W / step samples) the run equals one process with the
+global batch, up to floating-point reassociation.
+
+async and ssp: the dead worker is dropped; each server applies a push as gradient / W' from then on
+and SSP's bound counts the open workers only, so nothing waits for the dead worker's clock. A
+survivor's clock is the most pushes any server applied from it (a push whose sends failed after a
+server had read it counts, with the progress train_step returned for it); a server that had not
+read the last of them sets its clock there too, so that push is applied on the servers that read
+it and not on the others. The dead worker's pushes stay where they were applied; what happens to
+the samples it had not trained is the caller's choice (train/loop_ps_live.py).
+
+What this leaves out: sparse tables (refused), stopping early, checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsync import runtime
+from gradsync.comm.collectives import all_gather
+from gradsync.comm.transport import set_abandon_check
+from gradsync.live.ddp import _caused_by_peer
+from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
+from gradsync.ps import protocol as wire
+from gradsync.ps.parameter_server import ParameterServer
+from gradsync.ps.sparse_tables import find_sparse
+
+
+class ServerLostError(RuntimeError):
+    """A parameter server died; ``servers`` are their ranks (= member ids). The live job ends."""
+
+    def __init__(self, message: str, servers: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.servers = servers
+
+
+@dataclass
+class PSRecovery:
+    """What one recovery did (LivePS.recoveries)."""
+
+    generation: int
+    members: tuple[int, ...]
+    """Member ids (original ranks) of the new generation, in new-rank order."""
+    lost: tuple[int, ...]
+    """Member ids of the previous generation that are not in it."""
+    version: int
+    """Sync: the version every server holds afterwards (step ``version`` is trained next)."""
+    step: int
+    """This rank's agreed clock (a worker); the servers' version on a server."""
+    rolled_back: bool
+    """Sync: this server undid the version it had closed, or this worker took back its last step."""
+    seconds: float
+    """From catching the failure to the rebuilt, agreed world."""
+    caught_at: float
+    """When this rank caught the failure (time.time(): compare with the death's)."""
+    cause: str = field(default="", repr=False)
+
+
+TELL_SECONDS = 0.5
+"""How long a survivor waits for its word that the generation broke to leave (_tell)."""
+
+
+def _tell(transport, channel, rank: int, peers: list[int]) -> None:
+    """Send each of ``peers`` an ABORT header (REASON_MEMBER_DIED) on the parameter server's header
+    tag, waiting at most TELL_SECONDS in all; a peer that is gone needs no word."""
+    header = wire.message(wire.Header(wire.ABORT, rank, -1, 0, wire.REASON_MEMBER_DIED), [], 0)
+    sends = []
+    for peer in peers:
+        try:
+            sends.append(transport.isend(header, peer, "ps/header", control=True, tag=channel.header_tag))
+        except Exception:   # noqa: BLE001 - the connection to a dead peer is closed
+            pass
+    deadline = time.monotonic() + TELL_SECONDS
+    for send in sends:
+        try:
+            send.wait(timeout=max(0.01, deadline - time.monotonic()))
+        except Exception:   # noqa: BLE001 - as above; the world is torn down next anyway
+            pass
+
+
+class _Relay(threading.Thread):
+    """Worker side: once the live world's check (membership.broken) says the generation broke, tell
+    the servers (_tell). A server waits for its next message with a receive from any worker over
+    torch.distributed, which gloo does not fail when one peer dies, and which cannot be polled (gloo
+    marks it done only inside wait()); this header ends that wait within CHECK_SECONDS of the death
+    instead of the timeout. A worker whose own transfer failed tells them as it starts to recover, a
+    server tells its workers (they may be waiting for it). ``lock`` keeps the thread off a world being
+    torn down."""
+
+    def __init__(self, live: "LivePS") -> None:
+        super().__init__(name=f"gradsync-live-ps-relay-{live.member}", daemon=True)
+        self.live, self.lock, self.stopped = live, threading.Lock(), threading.Event()
+        self.relayed = -1   # the last generation relayed
+
+    def run(self) -> None:
+        while not self.stopped.wait(CHECK_SECONDS):
+            with self.lock:
+                if self.live.membership.broken() is not None:
+                    self.tell_servers()
+
+    def tell_servers(self) -> None:
+        """Tell the servers, once per generation (hold ``lock``)."""
+        generation = self.live.membership.current.index
+        if self.relayed != generation:
+            self.relayed = generation
+            client = self.live.ps._client
+            _tell(client.transport, client.channel, client.rank, client.servers)
+
+
+class LivePS:
+    """ParameterServer whose job survives the death of its workers (module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
+                 staleness: int = 0, *, max_grad_norm: float | None = None, quorum_timeout: float | None = None) -> None:
+        w = runtime.world()
+        if w.store is None or w.joined:
+            raise RuntimeError("LivePS needs a world of gradsync's own (gs.spawn, gradsync.init()), whose "
+                               "rendezvous store outlives its ranks")
+        if find_sparse(model):
+            raise RuntimeError(f"LivePS does not support sparse tables ({', '.join(find_sparse(model))}): their rows "
+                               f"in flight are not recovered; use dense parameters or --fault-tolerance restart")
+        self.model = model
+        self.ps = ParameterServer(model, optimizer_fn, num_servers=num_servers, mode=mode, staleness=staleness,
+                                  max_grad_norm=max_grad_norm)
+        self.num_servers, self.mode = num_servers, mode
+        self.membership = Membership(w.store.underlying_store, w.rank, tuple(range(w.world_size)),
+                                     quorum_timeout if quorum_timeout is not None else w.timeout)
+        set_abandon_check(self.membership.broken)
+        if self.is_server:
+            self.ps._server.abort_on_loss = False
+            self.ps._server.keep_previous = mode == "sync"
+        else:
+            self.ps._client.abort_notice_seconds = 0.0   # no server posts one: a lost worker ends nothing
+        self._relay = None if self.is_server else _Relay(self)
+        self.step = 0
+        """Worker: steps committed (its clock)."""
+        self.progress: dict = {}
+        """Worker: the caller's counters as of the last committed step (what train_step returned)."""
+        self.closed = False
+        """Worker: close() completed (every server said BYE)."""
+        self.recoveries: list[PSRecovery] = []
+        self._previous_progress: dict = {}
+        self._pending_progress: dict | None = None
+        if self._relay is not None:
+            self._relay.start()
+
+    @property
+    def is_server(self) -> bool:
+        return self.ps.is_server
+
+    @property
+    def world(self) -> runtime.World:
+        return runtime.world()
+
+    @property
+    def member(self) -> int:
+        """This process's member id: its rank in the world it started in."""
+        return self.membership.member
+
+    # -- serving and training ------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serve until every worker has closed, rebuilding the world each time a worker dies."""
+        while True:
+            try:
+                self.ps.serve()
+                return
+            except Exception as exc:
+                failure = self._failure(exc)
+            self.recover(failure)
+
+    def run_step(self, train_step: Callable[[nn.Module], dict]) -> bool:
+        """Pull, ``train_step(model)`` (forward and backward of this worker's share), push; True when
+        committed, False when a member died and the world was rebuilt (live.step and live.progress are
+        then the agreed ones: train the step they say next)."""
+        self._pending_progress = None
+        try:
+            self.ps.pull()
+            self._pending_progress = dict(train_step(self.model))
+            self.ps.push()
+        except Exception as exc:
+            failure = self._failure(exc)
+        else:
+            self._commit(self._pending_progress)
+            return True
+        self.recover(failure)
+        return False
+
+    def finish(self) -> bool:
+        """The final pull (the parameters every server ends with) and close(); False when a member died
+        and a step is to be trained again (live.step went back), True once closed."""
+        try:
+            if not self.closed:
+                self.ps.pull()
+                self.ps.close()
+                self.closed = True
+        except Exception as exc:
+            failure = self._failure(exc)
+        else:
+            return True
+        self.recover(failure)
+        return self.closed
+
+    def collective(self, fn: Callable[[], object]):
+        """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if
+        a member dies during it. Every worker must have finished; the servers must have served."""
+        for _ in range(len(self.membership.current.members)):
+            try:
+                return fn()
+            except Exception as exc:
+                failure = self._failure(exc)
+            self.recover(failure)
+            if self.is_server:
+                self.ps.serve()   # the surviving workers have all closed: returns at once
+        return fn()
+
+    def _commit(self, progress: dict) -> None:
+        self._previous_progress, self.progress = self.progress, progress
+        self.step += 1
+
+    def _failure(self, exc: Exception) -> str:
+        """The first line of ``exc`` when a member's death caused it; otherwise ``exc`` is raised again."""
+        if not _caused_by_peer(exc) and not self._broken_soon():
+            raise exc
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+    def _broken_soon(self) -> bool:
+        """Whether the generation is broken, asking the store once more (membership.py looks at most every
+        CHECK_SECONDS): a peer that tore down after declaring it fails gloo's next send at once."""
+        deadline = time.monotonic() + 2 * CHECK_SECONDS
+        while self.membership.broken() is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def recover(self, why: str) -> PSRecovery:
+        """Form the next generation from the survivors and agree on every worker's clock (module
+        docstring). Every survivor calls it; ``why``: the error it caught."""
+        started, caught_at = time.monotonic(), time.time()
+        self.membership.declare_broken(why)
+        before, previous = self.membership.current, runtime.world()
+        with self._relay.lock if self._relay is not None else contextlib.nullcontext():
+            if self._relay is not None:   # this worker may have seen the death first
+                self._relay.tell_servers()
+            else:   # the workers waiting for this server's answer
+                server = self.ps._server
+                _tell(server.transport, server.channel, server.rank,
+                      [w for w in sorted(server.open) if not self.membership.known_dead(before.members[w])])
+            runtime.shutdown()
+            gc.collect()   # the caught error's frames hold the old world's process group, mappings and sockets
+            generation = self.membership.next_generation()
+            lost = tuple(m for m in before.members if m not in generation.members)
+            self._end_if_a_server_died(lost, why)
+            hosts = {m: self.membership._location(m)[0] for m in generation.members}
+            local = [m for m in generation.members if hosts[m] == hosts[self.member]]
+            runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
+                           local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world")
+            version, rolled_back = self._agree_on_clocks(before)
+        record = PSRecovery(generation.index, generation.members, lost, version,
+                            version if self.is_server else self.step, rolled_back, time.monotonic() - started, caught_at,
+                            why)
+        self.recoveries.append(record)
+        return record
+
+    def _end_if_a_server_died(self, lost: tuple[int, ...], why: str) -> None:
+        servers = tuple(m for m in lost if m < self.num_servers)
+        if not servers:
+            return
+        plan = self.ps.plan
+        shards = ", ".join(f"rank {s}: {plan.shard_numels[s]} of {sum(plan.shard_numels)} parameter elements"
+                           for s in servers)
+        version = f"version {self.ps._server.version}" if self.is_server else f"step {self.step}"
+        raise ServerLostError(
+            f"member {self.member}: parameter server rank {', '.join(map(str, servers))} died ({why}); lost with "
+            f"it: its shard of the parameters and its optimizer state ({shards}), which no other rank holds, so "
+            f"the live job ends here (this rank at {version}); run it again, or without --fault-tolerance live",
+            servers)
+
+    def _agree_on_clocks(self, before) -> tuple[int, bool]:
+        """One all-gather: per rank [is server, version, clock, closed, then per member of the previous
+        generation the pushes this server applied from it]; returns (V_min, whether this rank stepped back)."""
+        members = len(before.members)
+        row = torch.full((4 + members,), -1, dtype=torch.int64)
+        if self.is_server:
+            server = self.ps._server
+            row[:2] = torch.tensor([1, server.version])
+            for old_rank, clock in server.clock.items():
+                row[4 + old_rank] = clock
+        else:
+            row[:4] = torch.tensor([0, -1, self.step, int(self.closed)])
+        table = all_gather(row).view(-1, 4 + members)
+        servers, workers = table[:self.num_servers], table[self.num_servers:]
+        low, high = int(servers[:, 1].min()), int(servers[:, 1].max())
+        assert high - low <= 1, f"server versions {low}..{high} differ by more than one"
+        old_ranks = [before.rank_of(m) for m in self.membership.current.members[self.num_servers:]]
+        if self.mode == "sync":
+            clocks = [low] * len(old_ranks)
+        else:   # the most pushes any server applied from the worker, or its own count
+            clocks = [max(int(w[2]), int(servers[:, 4 + r].max())) for w, r in zip(workers, old_ranks)]
+        stepped_back = False
+        if self.is_server:
+            if self.mode == "sync" and self.ps._server.version == high > low:
+                self.ps._server.roll_back()
+                stepped_back = True
+        else:
+            mine = clocks[self.world.rank - self.num_servers]
+            if mine == self.step - 1:
+                self.step, self.progress, stepped_back = mine, self._previous_progress, True
+            elif mine == self.step + 1 and self._pending_progress is not None:
+                self._commit(self._pending_progress)   # a push whose sends failed after a server read it
+            assert self.step == mine, f"member {self.member}: clock {self.step}, agreed {mine}"
+        self.ps.rejoin(clocks, [bool(w[3]) for w in workers], low)
+        return low, stepped_back
+
+    def stats(self) -> dict:
+        return self.ps.stats()
+
+    def close(self) -> None:
+        """Stop the relay and remove the live world's check."""
+        if self._relay is not None:
+            self._relay.stopped.set()
+            self._relay.join()
+        set_abandon_check(None)

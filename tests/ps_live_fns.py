@@ -1,0 +1,121 @@
+"""Rank functions for the live parameter-server tests (module level: child processes import them)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from gradsync.data import EpochCursor
+from gradsync.live.ps import LivePS, ServerLostError
+from gradsync.ps import protocol as wire
+from tests.live_fns import GLOBAL_BATCH, LR, MOMENTUM, N_SAMPLES, dataset, model
+
+
+def _die(log_dir: str) -> None:
+    (Path(log_dir) / "died").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+class _DieBeforePullingFromServer1:
+    """Test hack on the victim's transport: the PULL header to server 1 is never sent. The one to
+    server 0 is delivered first, so server 0 closes the version the victim pushed for and server 1
+    cannot: the survivors' servers then disagree by one version, the case that rolls one back."""
+
+    def __init__(self, inner, log_dir: str) -> None:
+        self.inner, self.log_dir = inner, log_dir
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.sent_to_0 = []
+
+    def isend(self, tensor, dst, op, **kw):
+        if op == "ps/header" and wire.decode(tensor, self.rank).kind == wire.PULL:
+            if dst == 1:
+                for handle in self.sent_to_0:
+                    handle.wait()
+                time.sleep(0.3)   # server 0 reads the PULL before it can see the death
+                _die(self.log_dir)
+            handle = self.inner.isend(tensor, dst, op, **kw)
+            self.sent_to_0.append(handle)
+            return handle
+        return self.inner.isend(tensor, dst, op, **kw)
+
+    def irecv(self, *args, **kw):
+        return self.inner.irecv(*args, **kw)
+
+
+def train_with_a_kill(num_servers: int, mode: str, victim: int, kill_step: int, where: str, epochs: int,
+                      log_dir: str) -> dict:
+    """Train ``epochs`` epochs of live_fns' recipe on a LivePS; member ``victim`` dies in step
+    ``kill_step`` (0-based): where="forward" after its forward, "pull" in the next pull, after its
+    PULL to server 0 (_DieBeforePullingFromServer1), where="server" SIGKILLs a server member after
+    its ``kill_step``-th version. Each worker appends "step id id ..." per committed step to
+    log_dir/samples.<member> (a step taken back and trained again is written again: the last line of
+    a step counts)."""
+    x, y = dataset()
+    live = LivePS(model(), _optimizer, num_servers=num_servers, mode=mode)
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    total = epochs * cursor.steps_from(0)
+    out = {"member": live.member, "server": live.is_server}
+    try:
+        if live.is_server:
+            if where == "server" and live.member == victim:
+                live.ps._server.optimizer.register_step_post_hook(
+                    lambda *_: _die(log_dir) if live.ps._server.version == kill_step else None)
+            live.serve()
+        else:
+            _train(live, x, y, cursor, total, victim, kill_step, where, log_dir)
+        out["check"] = float(live.collective(lambda: _sum_over_ranks(live)))
+    except ServerLostError as exc:
+        out.update(error=str(exc), servers_lost=exc.servers, at=time.time())
+        return out
+    live.close()
+    out.update(rank=live.world.rank, world_size=live.world.world_size, step=live.step,
+               recoveries=[r.__dict__ for r in live.recoveries], stats=live.stats(),
+               params=[p.detach().clone() for p in live.model.parameters()])
+    return out
+
+
+def _sum_over_ranks(live) -> torch.Tensor:
+    import gradsync as gs
+
+    total = torch.ones(1, dtype=torch.float64)
+    gs.all_reduce(total)
+    return total
+
+
+def _train(live, x, y, cursor, total, victim, kill_step, where, log_dir) -> None:
+    live.progress = {"epoch": 0, "position": 0}
+    log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115 - the victim never closes it
+    trained = {}
+
+    def train_step(module):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w, servers = live.world, live.num_servers
+        share = cursor.share(cursor.order(epoch), position, w.world_size - servers, w.rank - servers)
+        step_size = cursor.step_size(position)
+        out = module(x[share])
+        if live.member == victim and live.step == kill_step:
+            if where == "forward":
+                _die(log_dir)
+            if where == "pull":   # push last (the servers finish a push once a later message arrives)
+                time.sleep(0.5)
+                live.ps._client.transport = _DieBeforePullingFromServer1(live.ps._client.transport, log_dir)
+        # sum of per-sample losses x W / G: the workers' average is the step's mean loss
+        loss = ((out - y[share]) ** 2).sum() * ((w.world_size - servers) / step_size)
+        loss.backward()
+        trained[live.step + 1] = share
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    while True:
+        if live.step < total:
+            if live.run_step(train_step):
+                log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
+        elif live.finish():
+            break
+    log.close()

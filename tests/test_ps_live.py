@@ -1,0 +1,93 @@
+"""Live parameter server: a worker is SIGKILLed mid-run and the job goes on with W - 1; a server is
+SIGKILLed and every survivor ends with an error naming it.
+
+The oracle is a single process that trains the same model on the same epoch order with the step's
+mean loss over the whole global batch (tests/test_live.py's): in sync mode the step in flight is
+trained again by the survivors and the version closed with the mean of their W - 1 pushes, so the
+workers must end within 1e-12 (relative, float64) of it, having trained every sample of each epoch
+exactly once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradsync as gs
+from tests import live_fns, ps_live_fns
+from tests.test_live import _oracle
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+STEPS_PER_EPOCH = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+
+
+def _samples_per_epoch(tmp_path: Path, victim: int, agreed_step: int, epochs: int) -> None:
+    """Every sample of every epoch exactly once over the workers' committed steps: the last line of a
+    step per member, and the victim's steps before the one the survivors trained again."""
+    trained: dict[tuple[int, int], list[int]] = {}
+    for log in tmp_path.glob("samples.*"):
+        member = int(log.suffix[1:])
+        for line in log.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            if member != victim or step <= agreed_step:
+                trained[member, step] = ids
+    for epoch in range(epochs):
+        seen = [i for (member, step), ids in trained.items()
+                if epoch * STEPS_PER_EPOCH < step <= (epoch + 1) * STEPS_PER_EPOCH for i in ids]
+        assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
+
+
+@pytest.mark.timeout(120)
+def test_sync_a_worker_dies_between_servers_and_the_survivors_train_on_to_the_oracle(tmp_path):
+    """2 servers, 3 workers; member 3 pushes step 4 to both servers, then dies after its PULL reached
+    server 0 only: server 0 closes version 5, server 1 cannot; server 0 rolls it back and the two
+    survivors train step 4 again over all its samples."""
+    servers, victim, kill_step, epochs = 2, 3, 4, 2
+    results = gs.spawn(ps_live_fns.train_with_a_kill, nprocs=5,
+                       args=(servers, "sync", victim, kill_step, "pull", epochs, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=90)
+    assert results[victim] is None, "the killed rank returned a value"
+    survivors = [r for r in results if r is not None]
+    assert [r["member"] for r in survivors] == [0, 1, 2, 4] and all(r["world_size"] == 4 for r in survivors)
+    for r in survivors:
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (victim,) and recovery["members"] == (0, 1, 2, 4), recovery
+        assert recovery["version"] == kill_step, f"member {r['member']}: the survivors resumed from {recovery}"
+        detected = recovery["caught_at"] - float((tmp_path / "died").read_text())
+        assert detected < 1.0 and recovery["seconds"] < 3.0, (detected, recovery)
+        assert r["check"] == 4.0   # a collective of the new world after training
+    by_member = {r["member"]: r for r in survivors}
+    assert by_member[0]["recoveries"][0]["rolled_back"], "server 0 had closed the version in flight"
+    assert not by_member[1]["recoveries"][0]["rolled_back"], "server 1 could not close it"
+    assert all(by_member[m]["recoveries"][0]["rolled_back"] for m in (2, 4)), "the survivors had pushed step 4"
+
+    total = epochs * STEPS_PER_EPOCH
+    expected = _oracle(total)
+    for member in (2, 4):
+        assert by_member[member]["step"] == total
+        for got, want in zip(by_member[member]["params"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert by_member[0]["stats"]["version"] == by_member[1]["stats"]["version"] == total
+    _samples_per_epoch(tmp_path, victim, kill_step, epochs)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_dies_and_every_survivor_ends_naming_it(tmp_path):
+    """2 servers, 1 worker; server rank 1 dies after its 3rd version: each survivor raises
+    ServerLostError naming rank 1 and what was lost, well within the 20 s timeout."""
+    servers, victim = 2, 1
+    results = gs.spawn(ps_live_fns.train_with_a_kill, nprocs=3,
+                       args=(servers, "sync", victim, 3, "server", 1, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=90)
+    assert results[victim] is None
+    survivors = [r for r in results if r is not None]
+    assert [r["member"] for r in survivors] == [0, 2]
+    for r in survivors:
+        assert r["servers_lost"] == (1,), r
+        assert "parameter server rank 1 died" in r["error"] and "its shard of the parameters" in r["error"], r["error"]
+        assert "optimizer state" in r["error"], r["error"]
+        took = r["at"] - float((tmp_path / "died").read_text())
+        assert took < 3.0, f"member {r['member']} ended {took:.1f} s after the server died"
