@@ -98,7 +98,7 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
     assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "ps-sync", "ps-async", "ssp", "diloco"])
+@pytest.mark.parametrize("strategy", ["zero1", "ps-async", "ssp", "diloco"])
 def test_live_mode_refuses_what_it_does_not_rebuild_and_says_why(strategy, tmp_path):
     from gradsync.train.config import TrainConfig
 

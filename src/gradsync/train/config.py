@@ -21,9 +21,10 @@ LIVE_BATCH = ("keep-global", "keep-per-rank")
 LIVE_REFUSED = {
     "zero1": "ZeRO-1 keeps each rank's optimizer state shard on that rank alone, and live mode keeps no "
              "buddy copy of it, so a dead rank's shard would be lost",
-    "ps-sync": "a parameter-server job does not rebuild its world when a worker or server dies",
-    "ps-async": "a parameter-server job does not rebuild its world when a worker or server dies",
-    "ssp": "a parameter-server job does not rebuild its world when a worker or server dies",
+    "ps-async": "the library drops a dead worker (gradsync.live.ps.LivePS), but the train job does not yet "
+                "re-shard the samples its own shard had left: each async worker keeps a shard of its own",
+    "ssp": "the library drops a dead worker (gradsync.live.ps.LivePS), but the train job does not yet "
+           "re-shard the samples its own shard had left: each ssp worker keeps a shard of its own",
     "diloco": "DiLoCo's replicas differ between outer steps, and live mode keeps no copy of a dead worker's",
     "local": "one process has no survivors",
 }
@@ -134,8 +135,12 @@ class TrainConfig:
     def _check_live(self) -> None:
         """--fault-tolerance live runs ddp alone and without the features it would have to rebuild."""
         if self.strategy in LIVE_REFUSED:
+            instead = "ddp or ps-sync" if self.strategy in ("ps-async", "ssp") else "ddp"
             raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
-                               f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
+                               f"{LIVE_REFUSED[self.strategy]}; use --strategy {instead}, or --fault-tolerance restart")
+        if self.strategy == "ps-sync" and self.live_batch != "keep-global":
+            raise RuntimeError("--strategy ps-sync --fault-tolerance live keeps the global batch (--live-batch "
+                               "keep-global): the servers' learning rate is not rescaled when a worker dies")
         refused = [(self.max_restarts, "--max-restarts (live mode restarts nothing)"),
                    (self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
                    (self.resume, "--resume (live mode reads no checkpoint)"),
@@ -173,6 +178,9 @@ class TrainConfig:
             raise ValueError(f"--model {self.model} cannot train on --dataset {self.dataset}: charlm reads text "
                              f"(stdlib-text), word2vec reads tokens (stdlib-tokens); cnn and mlp read images "
                              f"(digits, synthetic)")
+        if self.fault_tolerance == "live" and self.strategy == "ps-sync" and self.model == "word2vec":
+            raise RuntimeError("--strategy ps-sync --fault-tolerance live does not support sparse tables (--model "
+                               "word2vec): their rows in flight are not recovered; use --fault-tolerance restart")
         for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -316,9 +316,10 @@ def run(cfg: TrainConfig) -> list[dict]:
         return results
     if cfg.fault_tolerance == "live":
         from gradsync.train.loop_live import train_live_rank, workers_summary
+        from gradsync.train.loop_ps_live import train_ps_live_rank
 
-        results = gs.spawn(train_live_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
-                           fault_tolerance="live")
+        results = gs.spawn(train_ps_live_rank if cfg.strategy == "ps-sync" else train_live_rank, nprocs=cfg.workers,
+                           args=(cfg,), timeout=cfg.timeout, fault_tolerance="live")
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     results = _spawn_with_restarts(cfg)
