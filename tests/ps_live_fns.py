@@ -90,13 +90,17 @@ def _sum_over_ranks(live) -> torch.Tensor:
 
 def _train(live, x, y, cursor, total, victim, kill_step, where, log_dir) -> None:
     live.progress = {"epoch": 0, "position": 0}
+    workers_at_start = live.world.world_size - live.num_servers
     log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115 - the victim never closes it
     trained = {}
 
     def train_step(module):
         epoch, position = live.progress["epoch"], live.progress["position"]
         w, servers = live.world, live.num_servers
-        share = cursor.share(cursor.order(epoch), position, w.world_size - servers, w.rank - servers)
+        if live.mode == "sync":   # the step's samples over the workers there are now
+            share = cursor.share(cursor.order(epoch), position, w.world_size - servers, w.rank - servers)
+        else:   # async, ssp: each worker keeps the share of its first rank; the dead one's are not trained
+            share = cursor.share(cursor.order(epoch), position, workers_at_start, live.member - servers)
         step_size = cursor.step_size(position)
         out = module(x[share])
         if live.member == victim and live.step == kill_step:

@@ -48,7 +48,7 @@ def test_sync_a_worker_dies_between_servers_and_the_survivors_train_on_to_the_or
     servers, victim, kill_step, epochs = 2, 3, 4, 2
     results = gs.spawn(ps_live_fns.train_with_a_kill, nprocs=5,
                        args=(servers, "sync", victim, kill_step, "pull", epochs, str(tmp_path)),
-                       timeout=20, fault_tolerance="live", join_timeout=90)
+                       timeout=20, fault_tolerance="live", join_timeout=60)
     assert results[victim] is None, "the killed rank returned a value"
     survivors = [r for r in results if r is not None]
     assert [r["member"] for r in survivors] == [0, 1, 2, 4] and all(r["world_size"] == 4 for r in survivors)
@@ -81,7 +81,7 @@ def test_a_server_dies_and_every_survivor_ends_naming_it(tmp_path):
     servers, victim = 2, 1
     results = gs.spawn(ps_live_fns.train_with_a_kill, nprocs=3,
                        args=(servers, "sync", victim, 3, "server", 1, str(tmp_path)),
-                       timeout=20, fault_tolerance="live", join_timeout=90)
+                       timeout=20, fault_tolerance="live", join_timeout=60)
     assert results[victim] is None
     survivors = [r for r in results if r is not None]
     assert [r["member"] for r in survivors] == [0, 2]
@@ -91,3 +91,27 @@ def test_a_server_dies_and_every_survivor_ends_naming_it(tmp_path):
         assert "optimizer state" in r["error"], r["error"]
         took = r["at"] - float((tmp_path / "died").read_text())
         assert took < 3.0, f"member {r['member']} ended {took:.1f} s after the server died"
+
+
+@pytest.mark.timeout(120)
+def test_ssp_drops_a_dead_worker_and_its_clock_holds_no_one_back(tmp_path):
+    """1 server, 3 workers, SSP with bound 1: member 2 dies in its step 3, after its forward. The two
+    survivors train all their steps (a bound still counting the dead worker's clock, 3, would stop
+    them at step 5), the server applied exactly the pushes the workers completed, and the open
+    workers' clocks never drifted more than the bound apart."""
+    victim, kill_step, epochs = 2, 3, 1
+    results = gs.spawn(ps_live_fns.train_with_a_kill, nprocs=4,
+                       args=(1, "ssp", victim, kill_step, "forward", epochs, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=60)
+    assert results[victim] is None
+    server, *workers = [r for r in results if r is not None]
+    total = epochs * STEPS_PER_EPOCH
+    assert [w["member"] for w in workers] == [1, 3] and all(w["step"] == total for w in workers)
+    for r in (server, *workers):
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (victim,) and not recovery["rolled_back"], recovery
+        detected = recovery["caught_at"] - float((tmp_path / "died").read_text())
+        assert detected < 1.0, (r["member"], detected)
+    stats = server["stats"]
+    assert stats["pushes"] == kill_step + 2 * total, stats
+    assert stats["workers"] == [1, 2] and stats["max_clock_gap"] <= 1, stats

@@ -298,6 +298,10 @@ class LivePS:
             gc.collect()   # the caught error's frames hold the old world's process group, mappings and sockets
             generation = self.membership.next_generation()
             lost = tuple(m for m in before.members if m not in generation.members)
+            if not lost:   # every member registered: a transfer timed out on a stalled rank
+                raise RuntimeError(f"member {self.member}: generation {before.index} of the live job broke ({why}), "
+                                   f"but every member is alive: a stall, not a death, and live mode recovers "
+                                   f"from deaths only")
             self._end_if_a_server_died(lost, why)
             hosts = {m: self.membership._location(m)[0] for m in generation.members}
             local = [m for m in generation.members if hosts[m] == hosts[self.member]]
