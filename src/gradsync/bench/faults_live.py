@@ -9,6 +9,8 @@ Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epoc
     optimizer   the same after the all-reduce, just before the victim's optimizer step
     two         W+1 ranks (4 by default), two random ranks killed in a row from outside: the second
                 once the survivors of the first have stepped again (4 -> 3 -> 2)
+    ps-forward  --strategy ps-sync with 1 server and W workers (W+1 ranks): a random worker kills itself
+                after its forward at a random step of the first epoch (train/loop_ps_live.py)
 
 Measured per trial, from metrics.jsonl (polled every 5 ms), the sample logs and /proc:
     kill -> next step   from the (last) kill to the first step the new world committed
@@ -38,7 +40,9 @@ from pathlib import Path
 
 from gradsync.bench.faults import _alive, _leftovers, _rank_pids
 
-SCENARIOS = ("random", "forward", "optimizer", "two")
+SCENARIOS = ("random", "forward", "optimizer", "two", "ps-forward")
+EXTRA_RANK = ("two", "ps-forward")
+"""Scenarios that start with one rank more than --workers (a second victim; the parameter server)."""
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -55,16 +59,22 @@ def _fds(pid: int) -> int | None:
         return None
 
 
-def _command(workers: int, epochs: int, timeout: float, out: Path) -> list[str]:
+def _strategy(scenario: str) -> str:
+    return "ps-sync" if scenario.startswith("ps-") else "ddp"
+
+
+def _command(workers: int, epochs: int, timeout: float, out: Path, strategy: str = "ddp") -> list[str]:
     return [sys.executable, "-m", "gradsync.cli", "train", "--fault-tolerance", "live", "--workers", str(workers),
-            "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0", "--out", str(out)]
+            "--strategy", strategy, "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0",
+            "--out", str(out)]
 
 
-def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0) -> float:
+def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0, strategy: str = "ddp") -> float:
     """The final test accuracy of the same command with no kill."""
     out = Path(tempfile.mkdtemp(prefix="gradsync-live-base-"))
     try:
-        subprocess.run(_command(workers, epochs, timeout, out), check=True, capture_output=True, timeout=900)
+        subprocess.run(_command(workers, epochs, timeout, out, strategy), check=True, capture_output=True,
+                       timeout=900)
         return next(r for r in _records(out / "metrics.jsonl") if r["event"] == "summary")["accuracy"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -75,7 +85,7 @@ def live_trial(scenario: str, seed: int, baseline: float, workers: int = 3, epoc
     """One trial (module docstring); returns what happened."""
     out = Path(tempfile.mkdtemp(prefix="gradsync-live-"))
     try:
-        return _trial(scenario, seed, baseline, workers + (scenario == "two"), epochs, timeout, out)
+        return _trial(scenario, seed, baseline, workers + (scenario in EXTRA_RANK), epochs, timeout, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -95,12 +105,12 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     (out / "ids").mkdir()
     env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(out / "ids")}
     victims: list[int] = []
-    if scenario in ("forward", "optimizer"):
-        victims = [rng.randrange(workers)]
-        env["GRADSYNC_LIVE_KILL"] = f"{victims[0]}:{rng.randrange(1, 15)}:{scenario}"
+    if scenario in ("forward", "optimizer", "ps-forward"):
+        victims = [rng.randrange(scenario == "ps-forward", workers)]   # not the parameter server, rank 0
+        env["GRADSYNC_LIVE_KILL"] = f"{victims[0]}:{rng.randrange(1, 15)}:{scenario.removeprefix('ps-')}"
     row = {"scenario": scenario, "seed": seed, "workers": workers, "clean": False}
     metrics = out / "run" / "metrics.jsonl"
-    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run"), stdout=subprocess.PIPE,
+    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", _strategy(scenario)), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = _wait_until(lambda: any(r["event"] == "step" for r in _records(metrics)) or job.poll() is not None,
@@ -111,7 +121,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
         killed_at = None
         for kill in range(2 if scenario == "two" else 1):
             fds_before = {m: _fds(pid) for m, pid in ranks.items()}
-            if scenario in ("forward", "optimizer"):
+            if scenario in ("forward", "optimizer", "ps-forward"):
                 dead = _wait_until(lambda: not _alive(ranks[victims[0]]), 300)
             else:
                 time.sleep(rng.uniform(0.0, 0.5))
@@ -200,12 +210,12 @@ def run(scenarios: list[str], trials: int, workers: int = 3, epochs: int = 2, ti
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown live scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
-    # the uninterrupted run of each world size the trials start with ("two" starts with one rank more)
-    baselines = {size: baseline_accuracy(size, epochs, timeout)
-                 for size in {workers + (s == "two") for s in scenarios}}
+    # the uninterrupted run of each world size and strategy the trials start with
+    starts = {s: (workers + (s in EXTRA_RANK), _strategy(s)) for s in scenarios}
+    baselines = {start: baseline_accuracy(start[0], epochs, timeout, start[1]) for start in set(starts.values())}
     rows = []
     for scenario in scenarios:
-        baseline = baselines[workers + (scenario == "two")]
+        baseline = baselines[starts[scenario]]
         rows += [{**live_trial(scenario, seed, baseline, workers, epochs, timeout), "baseline_accuracy": baseline}
                  for seed in range(trials)]
     return rows

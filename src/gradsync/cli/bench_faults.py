@@ -19,8 +19,8 @@ def add_parser(benches) -> None:
     faults.add_argument("--live", action="store_true",
                         help="kill ranks of `gradsync train --fault-tolerance live` instead: kill -> next step, steps "
                              "lost, samples lost or repeated, accuracy against an uninterrupted run, leaks")
-    faults.add_argument("--scenarios", default="random,forward,optimizer,two",
-                        help="--live: comma-separated scenarios (random, forward, optimizer, two)")
+    faults.add_argument("--scenarios", default="random,forward,optimizer,two,ps-forward",
+                        help="--live: comma-separated scenarios (random, forward, optimizer, two, ps-forward)")
     faults.add_argument("--epochs", type=positive_int, default=2, help="--live: the runs' --epochs")
     faults.add_argument("--preempt", action="store_true",
                         help="SIGTERM instead (every strategy; ps-*/ssp add one server to --workers): work lost, signal to exit, restart to "
@@ -89,7 +89,8 @@ def _bench_live(args) -> int:
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
     rows = faults_live.run(scenarios, args.trials, args.workers, args.epochs, args.timeout)
     table = Table(title=f"SIGKILL ranks of `gradsync train --fault-tolerance live --workers {args.workers} --epochs "
-                        f"{args.epochs} --timeout {args.timeout:g}` (two: {args.workers + 1} workers, two kills); "
+                        f"{args.epochs} --timeout {args.timeout:g}` (two: {args.workers + 1} workers, two kills; "
+                        f"ps-forward: --strategy ps-sync, 1 server + {args.workers} workers); "
                         f"{args.trials} trials per scenario")
     for column in ("scenario", "trials", "clean", "kill -> next step s (median, worst)", "rebuild s (median)",
                    "steps lost (max)", "samples missing / repeated", "accuracy - uninterrupted, points (worst)",

@@ -57,7 +57,7 @@ import contextlib
 import gc
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -66,7 +66,7 @@ from torch import nn
 from gradsync import runtime
 from gradsync.comm.collectives import all_gather
 from gradsync.comm.transport import set_abandon_check
-from gradsync.live.ddp import _caused_by_peer
+from gradsync.live.ddp import LiveDDP, Recovery, _caused_by_peer
 from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
 from gradsync.ps import protocol as wire
 from gradsync.ps.parameter_server import ParameterServer
@@ -82,25 +82,15 @@ class ServerLostError(RuntimeError):
 
 
 @dataclass
-class PSRecovery:
-    """What one recovery did (LivePS.recoveries)."""
+class PSRecovery(Recovery):
+    """What one recovery did (LivePS.recoveries): LiveDDP's record, where ``step`` is a worker's agreed
+    clock (a server's version) and ``rolled_back`` says that this server undid the version it had
+    closed, or that this worker took back its last step (sync)."""
 
-    generation: int
-    members: tuple[int, ...]
-    """Member ids (original ranks) of the new generation, in new-rank order."""
-    lost: tuple[int, ...]
-    """Member ids of the previous generation that are not in it."""
-    version: int
+    version: int = 0
     """Sync: the version every server holds afterwards (step ``version`` is trained next)."""
-    step: int
-    """This rank's agreed clock (a worker); the servers' version on a server."""
-    rolled_back: bool
-    """Sync: this server undid the version it had closed, or this worker took back its last step."""
-    seconds: float
-    """From catching the failure to the rebuilt, agreed world."""
-    caught_at: float
+    caught_at: float = 0.0
     """When this rank caught the failure (time.time(): compare with the death's)."""
-    cause: str = field(default="", repr=False)
 
 
 TELL_SECONDS = 0.5
@@ -170,6 +160,8 @@ class LivePS:
         self.ps = ParameterServer(model, optimizer_fn, num_servers=num_servers, mode=mode, staleness=staleness,
                                   max_grad_norm=max_grad_norm)
         self.num_servers, self.mode = num_servers, mode
+        self.member = w.rank
+        """This process's member id: its rank in the world it started in."""
         self.membership = Membership(w.store.underlying_store, w.rank, tuple(range(w.world_size)),
                                      quorum_timeout if quorum_timeout is not None else w.timeout)
         set_abandon_check(self.membership.broken)
@@ -198,11 +190,6 @@ class LivePS:
     @property
     def world(self) -> runtime.World:
         return runtime.world()
-
-    @property
-    def member(self) -> int:
-        """This process's member id: its rank in the world it started in."""
-        return self.membership.member
 
     # -- serving and training ------------------------------------------------------------------------
     def serve(self) -> None:
@@ -247,18 +234,10 @@ class LivePS:
         self.recover(failure)
         return self.closed
 
-    def collective(self, fn: Callable[[], object]):
-        """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if
-        a member dies during it. Every worker must have finished; the servers must have served."""
-        for _ in range(len(self.membership.current.members)):
-            try:
-                return fn()
-            except Exception as exc:
-                failure = self._failure(exc)
-            self.recover(failure)
-            if self.is_server:
-                self.ps.serve()   # the surviving workers have all closed: returns at once
-        return fn()
+    collective = LiveDDP.collective
+    """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if a
+    member dies during it (LiveDDP's loop, over this class's _failure and recover). Every worker has
+    closed by then, so a server that recovers here has no one left to serve."""
 
     def _commit(self, progress: dict) -> None:
         self._previous_progress, self.progress = self.progress, progress
@@ -308,9 +287,8 @@ class LivePS:
             runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
                            local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world")
             version, rolled_back = self._agree_on_clocks(before)
-        record = PSRecovery(generation.index, generation.members, lost, version,
-                            version if self.is_server else self.step, rolled_back, time.monotonic() - started, caught_at,
-                            why)
+        record = PSRecovery(generation.index, generation.members, lost, version if self.is_server else self.step,
+                            rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at)
         self.recoveries.append(record)
         return record
 
