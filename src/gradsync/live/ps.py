@@ -17,19 +17,26 @@ Vocabulary: members, generations and the quorum as in membership.py; servers are
 and keep ranks 0..S-1 in every generation, the surviving workers are renumbered S, S+1, ... in
 member order. A worker's step is its clock: pushes it has completed.
 
-When a member dies, the survivors' transfers fail (PeerError: a transfer with the dead rank within
-LIVENESS_SLICE, 0.2 s; any other once the live world's check sees the death, comm/transport.py's
-abandoned(), or the TCP connection of a survivor that has torn down). Each survivor then, as a
-recipe (the same as LiveDDP's, live/ddp.py):
+When a member dies, the survivors' transfers fail. The parameter server's messages are tagged, so
+they travel over torch.distributed (gloo) even between ranks of one host: a transfer with the dead
+rank fails at once (its connection closes). A server waiting for its next message from any worker
+is not woken by gloo, so the others tell it (_Relay, _tell): a worker sends each server an ABORT
+header (REASON_MEMBER_DIED) once the live world's check (membership.broken: a member of this host
+dead in /proc, or the generation marked broken in the store; asked every CHECK_SECONDS) sees the
+death, or as soon as its own transfer failed; a server that caught a failure tells the workers
+waiting for its answers. Each survivor then, as a recipe (LiveDDP's, live/ddp.py, plus the parts
+of a parameter server):
 
     declare_broken   the generation is over (store)
-    tear_down        the server's outbox thread ends with serve(); gradsync.shutdown() closes the transport
-    agree            the next generation's members (membership.py's quorum)
+    tell             the other side, as above
+    tear_down        gradsync.shutdown() closes the transport (a server's outbox thread ended with serve())
+    agree            the next generation's members (membership.py's quorum); every member alive (a
+                     transfer timed out on a stalled rank) ends the job with that error
     end_if_a_server_died  a dead server's shard and optimizer state exist nowhere else: every survivor
-                     raises ServerLostError naming the server rank, what was lost and the version
+                     raises ServerLostError naming the server rank, what was lost and its version
     rejoin           a new world of the survivors (runtime.rejoin), the parameter server re-pointed at
                      it (ParameterServer.rejoin)
-    agree_on_clocks  one all-gather of each rank's version, clock and closed flag (below)
+    agree_on_clocks  one all-gather of each rank's version, clock, closed flag and pushes applied (below)
 
 The step in flight, sync: the survivors train it again. The servers' versions differ by at most
 one; a server that closed version V_min + 1 rolls back (server_resizing.py), every worker's clock
@@ -46,9 +53,11 @@ survivor's clock is the most pushes any server applied from it (a push whose sen
 server had read it counts, with the progress train_step returned for it); a server that had not
 read the last of them sets its clock there too, so that push is applied on the servers that read
 it and not on the others. The dead worker's pushes stay where they were applied; what happens to
-the samples it had not trained is the caller's choice (train/loop_ps_live.py).
+the samples it had not trained is the caller's choice (gradsync train refuses ps-async and ssp in
+live mode for that reason: train/config.py).
 
-What this leaves out: sparse tables (refused), stopping early, checkpoints.
+What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm), stopping
+early, checkpoints.
 """
 
 from __future__ import annotations
@@ -148,7 +157,7 @@ class LivePS:
     """ParameterServer whose job survives the death of its workers (module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
-                 staleness: int = 0, *, max_grad_norm: float | None = None, quorum_timeout: float | None = None) -> None:
+                 staleness: int = 0, *, quorum_timeout: float | None = None) -> None:
         w = runtime.world()
         if w.store is None or w.joined:
             raise RuntimeError("LivePS needs a world of gradsync's own (gs.spawn, gradsync.init()), whose "
@@ -157,8 +166,7 @@ class LivePS:
             raise RuntimeError(f"LivePS does not support sparse tables ({', '.join(find_sparse(model))}): their rows "
                                f"in flight are not recovered; use dense parameters or --fault-tolerance restart")
         self.model = model
-        self.ps = ParameterServer(model, optimizer_fn, num_servers=num_servers, mode=mode, staleness=staleness,
-                                  max_grad_norm=max_grad_norm)
+        self.ps = ParameterServer(model, optimizer_fn, num_servers=num_servers, mode=mode, staleness=staleness)
         self.num_servers, self.mode = num_servers, mode
         self.member = w.rank
         """This process's member id: its rank in the world it started in."""
