@@ -62,7 +62,6 @@ def train_ps_live_rank(cfg: TrainConfig) -> dict:
         compute_s = _train(cfg, live, train_set, cursor, total_steps, report, plan.peak_lr)
     wall = time.perf_counter() - started
     report.enabled = live.world.rank == cfg.servers   # the first worker may have died: the new one reports
-    workers = live.world.world_size - cfg.servers
     evaluation = live.collective(lambda: evaluate(cfg, model, test_set,
                                                   ranks=list(range(cfg.servers, live.world.world_size))))
     stats = live.stats()
@@ -70,7 +69,8 @@ def train_ps_live_rank(cfg: TrainConfig) -> dict:
     updates = sum(stats.get("staleness_histogram", {}).values())   # sync: every push at staleness 0
     mine = torch.tensor([compute_s, wait_s, wait_s, gs.traffic()["bytes_sent"], -1.0, updates], dtype=torch.float64)
     per_rank = live.collective(lambda: gs.all_gather(mine).view(live.world.world_size, -1))
-    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers,
+    # workers=W at the start: with keep-global every step trains the global batch G = b x accumulation x W
+    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=plan.workers,
                             staleness={"mean": 0.0, "max": 0.0, "updates": float(per_rank[:, 5].sum())})
     live.close()
     return {"summary": summary, "digest": param_digest(model), "member": live.member, "ps": stats,
