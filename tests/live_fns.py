@@ -26,6 +26,20 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
 
 
+def committed_samples(ids_dir: Path, live: dict) -> list[int]:
+    """The sample ids of every step committed, sorted, from the CLI's GRADSYNC_SAMPLE_LOG files
+    ("step epoch id id ..." per step started): the last line of each step per member, and a member
+    lost in the recovery ``live`` (its metrics record) only up to the step the survivors resumed from."""
+    last_line: dict[tuple[int, int], list[int]] = {}
+    for path in ids_dir.glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                last_line[member, step] = ids
+    return sorted(i for ids in last_line.values() for i in ids)
+
+
 def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
     in step ``kill_step`` (0-based, after its forward, before its backward). Every member appends the

@@ -146,12 +146,5 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path)
     assert live["lost"] == [1] and live["world_size"] == 2
     assert live["global_batch"] == start["global_batch"] // 3 * 2
     assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
-    last_line: dict[tuple[int, int], list[int]] = {}
-    for path in (tmp_path / "ids").glob("live.*"):
-        member = int(path.name.rsplit(".m", 1)[1])
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if member not in live["lost"] or step <= live["step"]:
-                last_line[member, step] = ids
-    seen = sorted(i for ids in last_line.values() for i in ids)
+    seen = live_fns.committed_samples(tmp_path / "ids", live)
     assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"

@@ -155,14 +155,7 @@ def test_train_cli_ps_sync_live_after_a_worker_dies(tmp_path):
     records = train(tmp_path / "run", GRADSYNC_SAMPLE_LOG=str(tmp_path / "ids"), GRADSYNC_LIVE_KILL="2:5:forward")
     (live,) = [r for r in records if r["event"] == "live"]
     assert live["lost"] == [2] and live["world_size"] == 3 and live["version"] == 5, live
-    last_line: dict[tuple[int, int], list[int]] = {}
-    for path in (tmp_path / "ids").glob("live.*"):
-        member = int(path.name.rsplit(".m", 1)[1])
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if member not in live["lost"] or step <= live["step"]:
-                last_line[member, step] = ids
-    seen = sorted(i for ids in last_line.values() for i in ids)
+    seen = live_fns.committed_samples(tmp_path / "ids", live)
     assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
     killed = next(r for r in records if r["event"] == "summary")["accuracy"]
     uninterrupted = next(r for r in train(tmp_path / "base") if r["event"] == "summary")["accuracy"]
