@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -26,18 +27,28 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
 
 
-def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) -> dict:
+def _wait_for_a_joiner(live: LiveDDP, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not live.pending_joiners():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"member {live.member}: no replacement asked to join within {seconds:.0f} s")
+        time.sleep(0.01)
+
+
+def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, steps_before_growth: int | None = None
+                      ) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
     in step ``kill_step`` (0-based, after its forward, before its backward). Every member appends the
     sample ids of each step it committed to log_dir/samples.<member> (and its pid to
-    log_dir/pid.<member>), so a dead member's steps count too."""
+    log_dir/pid.<member>), so a dead member's steps count too. ``steps_before_growth``: after that many
+    steps in the shrunk world, the members wait (at most 60 s) for a replacement to ask to join, so it
+    joins before the run ends (the replacement, member 3 under gs.spawn(replacements=1), runs this too)."""
     x, y = dataset()
     module = model()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    live = LiveDDP(module, optimizer, bucket_cap_mb=1)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0})
     cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
     total = epochs * cursor.steps_from(0)
-    live.progress = {"epoch": 0, "position": 0}
     trained: dict[int, list[int]] = {}
     world_sizes = []
     (Path(log_dir) / f"pid.{live.member}").write_text(str(os.getpid()))
@@ -59,10 +70,17 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) ->
         return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
 
     fds = {}
+    since_change = 0   # steps committed since the world last changed
     while live.step < total:
         if live.step == kill_step:   # open descriptors before the kill and at the end
             fds.setdefault("before", len(os.listdir("/proc/self/fd")))
-        if live.run_step(train_step):
+        shrunk = live.recoveries and not live.recoveries[-1].joined
+        if steps_before_growth is not None and shrunk and since_change == steps_before_growth:
+            _wait_for_a_joiner(live)
+        since_change += 1
+        if not live.run_step(train_step):
+            since_change = 0
+        else:
             log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
             world_sizes.append(live.world.world_size)
     live.check_replicas()

@@ -1,9 +1,12 @@
-"""Live fault tolerance: a rank is SIGKILLed mid-run and the survivors train on without a restart.
+"""Live fault tolerance: a rank is SIGKILLed mid-run, the survivors train on without a restart, and a
+replacement the launcher starts joins them at a step boundary.
 
 The oracle is a single process that trains the same model on the same epoch order with the step's
 mean loss over the whole global batch: with the keep-global policy, the world shrinking from 3 to 2
-ranks changes only how the sum is associated, so the survivors must end within 1e-12 (relative,
-float64) of it, bitwise equal to each other, having seen every sample of the epoch exactly once.
+ranks and growing back to 3 changes only how the sum is associated, so every member must end within
+1e-12 (relative, float64) of it, bitwise equal to each other (the replacement too: it received the
+parameters, the momentum buffers and the sampler position from a live peer), having seen every
+sample of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -52,20 +55,27 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
+def test_rank_0_dies_the_survivors_train_on_and_a_replacement_joins_to_the_oracle(tmp_path):
     victim, kill_step, epochs = 0, 4, 2
     before = _shm_entries()
-    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path)),
-                       timeout=20, fault_tolerance="live", join_timeout=90)
-    assert results[victim] is None, "the killed rank returned a value"
+    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path), 2),
+                       timeout=20, fault_tolerance="live", join_timeout=90, replacements=1)
+    assert len(results) == 4 and results[victim] is None, "the killed rank returned a value"
     survivors = [r for r in results if r is not None]
-    assert [r["member"] for r in survivors] == [1, 2]
-    assert [r["rank"] for r in survivors] == [0, 1] and all(r["world_size"] == 2 for r in survivors)
-    for r in survivors:
-        (recovery,) = r["recoveries"]
+    assert [r["member"] for r in survivors] == [1, 2, 3], "the replacement is member 3, its value appended"
+    assert [r["rank"] for r in survivors] == [0, 1, 2] and all(r["world_size"] == 3 for r in survivors)
+    for r in survivors[:2]:
+        recovery, growth = r["recoveries"]
         assert recovery["lost"] == (victim,) and recovery["members"] == (1, 2), recovery
         assert recovery["step"] == kill_step, f"member {r['member']}: the survivors resumed from step {recovery['step']}"
-        assert r["world_sizes"][:kill_step] == [3] * kill_step and set(r["world_sizes"][kill_step:]) == {2}
+        assert growth["joined"] == (3,) and growth["members"] == (1, 2, 3) and growth["lost"] == (), growth
+        # the world went 3 -> 2 -> 3: two steps at least in the shrunk world (the members waited for the joiner)
+        at_two = growth["step"] - kill_step
+        assert at_two >= 2 and r["world_sizes"] == [3] * kill_step + [2] * at_two + [3] * (len(r["world_sizes"])
+                                                                                           - kill_step - at_two)
+    (joined,) = survivors[2]["recoveries"]
+    assert joined["joined"] == (3,) and joined["step"] == survivors[0]["recoveries"][1]["step"], joined
+    assert len(survivors[2]["world_sizes"]) == len(survivors[0]["world_sizes"]) - joined["step"]
 
     # the run's final parameters: the oracle's, and bitwise the same on both survivors
     steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
@@ -73,8 +83,9 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
     for r in survivors:
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for a, b in zip(survivors[0]["params"], survivors[1]["params"]):
-        assert torch.equal(a, b), "the survivors' replicas differ"
+    for other in survivors[1:]:
+        for a, b in zip(survivors[0]["params"], other["params"]):
+            assert torch.equal(a, b), f"member {other['member']}'s replica differs from member 1's"
 
     # every sample of every epoch exactly once, over the ranks' committed steps (the victim's included)
     trained: dict[tuple[int, int], list[int]] = {}
@@ -88,12 +99,12 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
                 if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
         assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
 
-    # nothing left behind: no descriptor of the old world (the world shrank and the log is closed: at
-    # least 2 fewer), no process, no /dev/shm entry
-    for r in survivors:
-        assert r["fds"]["after"] <= r["fds"]["before"] - 2, f"member {r['member']}: open descriptors {r['fds']}"
+    # nothing left behind: no descriptor of the old worlds (the world is as large as before the kill and the
+    # log is closed: at least 1 fewer), no process, no /dev/shm entry
+    for r in survivors[:2]:
+        assert r["fds"]["after"] <= r["fds"]["before"] - 1, f"member {r['member']}: open descriptors {r['fds']}"
     pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
+    assert len(pids) == 4 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
     leaked = sorted(_shm_entries() - before)
     assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
 
