@@ -116,12 +116,15 @@ def test_live_mode_refuses_what_it_does_not_rebuild_and_says_why(strategy, tmp_p
     with pytest.raises(RuntimeError, match=f"--fault-tolerance live is not supported with --strategy {strategy}: .*"
                                            f"use --strategy ddp"):
         TrainConfig(strategy=strategy, workers=3, fault_tolerance="live", out=str(tmp_path))
-    with pytest.raises(RuntimeError, match="--max-restarts"):
-        TrainConfig(workers=3, fault_tolerance="live", max_restarts=1, out=str(tmp_path))
+    assert TrainConfig(workers=3, fault_tolerance="live", max_restarts=2, out=str(tmp_path)).max_restarts == 2
     with pytest.raises(ValueError, match="--fault-tolerance 'sometimes' is not one of: restart, live"):
         TrainConfig(workers=3, fault_tolerance="sometimes", out=str(tmp_path))
     with pytest.raises(ValueError, match="fault_tolerance must be one of stop, live"):
         gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="restart")
+    with pytest.raises(ValueError, match="replacements=1 needs fault_tolerance='live'"):
+        gs.spawn(live_fns.dataset, nprocs=1, replacements=1)
+    with pytest.raises(ValueError, match="replacements must be an integer >= 0, got -1"):
+        gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="live", replacements=-1)
 
 
 def test_batch_policies_in_closed_form():
@@ -129,6 +132,7 @@ def test_batch_policies_in_closed_form():
 
     assert resized("keep-global", 96, 0.06, 3, 2) == (96, 0.06)
     assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
+    assert resized("keep-per-rank", 8, 0.2, 2, 3) == (12, pytest.approx(0.3))   # a replacement joined: back up
     with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
         resized("keep-nothing", 12, 0.3, 3, 2)
 
