@@ -2,7 +2,6 @@
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
@@ -25,14 +24,6 @@ def dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
-
-
-def _wait_for_a_joiner(live: LiveDDP, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not live.pending_joiners():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"member {live.member}: no replacement asked to join within {seconds:.0f} s")
-        time.sleep(0.01)
 
 
 def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, steps_before_growth: int | None = None
@@ -76,7 +67,7 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, st
             fds.setdefault("before", len(os.listdir("/proc/self/fd")))
         shrunk = live.recoveries and not live.recoveries[-1].joined
         if steps_before_growth is not None and shrunk and since_change == steps_before_growth:
-            _wait_for_a_joiner(live)
+            live.await_joiner(60.0)
         since_change += 1
         if not live.run_step(train_step):
             since_change = 0

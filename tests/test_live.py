@@ -139,10 +139,11 @@ def test_batch_policies_in_closed_form():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path):
-    """`gradsync train --fault-tolerance live --live-batch keep-per-rank`: member 1 dies in step 5 after
-    the all-reduce, before its optimizer step; the job exits 0, the new world's global batch and
-    learning rate follow b x W' and lr x W'/W, and every sample of the epoch is trained exactly once."""
+def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_replacement(tmp_path):
+    """`gradsync train --fault-tolerance live --live-batch keep-per-rank --max-restarts 1`: member 1 dies in
+    step 5 after the all-reduce, before its optimizer step, and a replacement (member 3) joins; the job
+    exits 0, the global batch and learning rate follow b x W' and lr x W'/W down to 2 ranks and back up
+    to 3, and every sample of the epoch is trained exactly once (the replacement's steps included)."""
     import json
     import subprocess
     import sys
@@ -150,17 +151,22 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path)
     from gradsync.train.datasets import digits
 
     (tmp_path / "ids").mkdir()
-    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer"}
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer",
+           "GRADSYNC_LIVE_AWAIT_JOINER": "1"}
     job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
-                          "--live-batch", "keep-per-rank", "--epochs", "1", "--quiet", "--timeout", "20",
+                          "--live-batch", "keep-per-rank", "--max-restarts", "1", "--epochs", "1", "--quiet",
+                          "--timeout", "20",
                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=500)
     assert job.returncode == 0, job.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in records if r["event"] == "start")
-    (live,) = [r for r in records if r["event"] == "live"]
+    live, grown = [r for r in records if r["event"] == "live"]
     assert live["lost"] == [1] and live["world_size"] == 2
     assert live["global_batch"] == start["global_batch"] // 3 * 2
     assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
+    assert grown["joined"] == [3] and grown["members"] == [0, 2, 3] and grown["world_size"] == 3
+    assert grown["global_batch"] == start["global_batch"] and grown["peak_lr"] == pytest.approx(start["peak_lr"])
+    assert "3 of 4 members finished" in job.stderr and "1 replacement(s) joined" in job.stderr
     last_line: dict[tuple[int, int], list[int]] = {}
     for path in (tmp_path / "ids").glob("live.*"):
         member = int(path.name.rsplit(".m", 1)[1])

@@ -294,6 +294,15 @@ class LiveDDP:
         """Joiners that took a ticket and were not yet dealt with (a store lookup; growth.py)."""
         return growth.tickets(self.membership.store) - self.door.seen
 
+    def await_joiner(self, timeout: float = 60.0) -> None:
+        """Block until a joiner has asked to join (tests and benchmarks: so that a replacement joins before
+        a short run ends); raises after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.pending_joiners():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"member {self.member}: no replacement asked to join within {timeout:.0f} s")
+            time.sleep(0.01)
+
     def _tear_down(self) -> None:
         if self.model is not None:
             self.model.close()

@@ -28,6 +28,9 @@ line of a step number is the one that counts, and a dead member's count up to th
 resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
 in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
 its gradients in the all-reduce) or optimizer (after the all-reduce, before its optimizer step).
+GRADSYNC_LIVE_AWAIT_JOINER=1 makes the members, after a recovery from a death and one step in the
+shrunk world, wait (at most 60 s) until a replacement asks to join, so that it joins a short run
+before it ends.
 """
 
 from __future__ import annotations
@@ -140,7 +143,11 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     def more() -> bool:
         return live.step < cfg.steps if cfg.steps is not None else live.progress["epoch"] < cfg.epochs
 
+    await_joiner = os.environ.get("GRADSYNC_LIVE_AWAIT_JOINER", "") not in ("", "0")
     while more():
+        if await_joiner and live.recoveries and not live.recoveries[-1].joined and live.step > live.recoveries[-1].step:
+            live.await_joiner(60.0)
+            await_joiner = False
         step_started = time.perf_counter()
         if not live.run_step(train_step):   # the world changed (a death or a joiner): the step is trained next
             cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
