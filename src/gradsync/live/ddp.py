@@ -1,12 +1,15 @@
 """LiveDDP: data-parallel training that goes on, without a restart, when ranks die.
 
-    live = LiveDDP(module, optimizer, bucket_cap_mb=25, ...)   # DistributedDataParallel's options
+    live = LiveDDP(module, optimizer, bucket_cap_mb=25, ...,   # DistributedDataParallel's options
+                   progress={"epoch": 0, "position": 0})      # numbers a replacement receives
     while live.step < total_steps:
         live.run_step(train_step)       # train_step(model) -> progress: forward + backward of this
                                         # rank's share, chosen from live.progress and live.world
     scores = live.collective(evaluate)  # other collectives: run again in the new world if one fails
 
-One step, as a recipe: zero the gradients -> ``train_step(model)`` (forward, backward; the gradient
+One step, as a recipe: the boundary (rank 0 says in a one-element all-reduce whether a joiner is
+admitted now: growth.py; if so the world grows and run_step returns False) -> zero the gradients ->
+``train_step(model)`` (forward, backward; the gradient
 all-reduce runs inside backward) -> snapshot -> optimizer.step() -> commit (step + 1, the progress
 train_step returned). When a member dies, the survivors' collectives fail (PeerError: the dead rank's
 own transfers within LIVENESS_SLICE, 0.2 s, and everyone else's once the live world's check sees the
@@ -36,6 +39,11 @@ Why the snapshot: the state after step S must exist on every survivor, and only 
 committed S+1 has lost it; keeping one copy of the parameters and optimizer state, taken just
 before optimizer.step(), is the price (about the model's size plus its optimizer state in memory, a
 copy per step).
+
+A replacement rank (gs.spawn's ``replacements``) runs the same program: its LiveDDP(...) joins the
+running world (growth.py: announce, admission at a boundary, rejoin) and returns once it holds rank
+0's parameters, buffers, optimizer state, step, ``progress`` and ``shared`` (transfer.py) and
+check_replicas() passed. It then steps with the others.
 
 The store must outlive every rank: under gs.spawn the launcher hosts it (launch.py).
 """
