@@ -81,3 +81,15 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, st
     return {"member": live.member, "rank": live.world.rank, "world_size": live.world.world_size,
             "params": [p.detach().clone() for p in module.parameters()],
             "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes, "fds": fds}
+
+
+def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
+    """train_with_a_kill (member 0 dies in step 4; the members wait for a joiner after 2 steps), where
+    member 3, the first replacement, SIGKILLs itself as the state transfer to it begins."""
+    from gradsync import runtime
+    from gradsync.live import transfer
+
+    replacement = runtime.replacement()
+    if replacement is not None and replacement[0] == 3:
+        transfer.share_state = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    return train_with_a_kill(0, 4, 2, log_dir, 2)

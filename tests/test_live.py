@@ -176,3 +176,23 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_rep
                 last_line[member, step] = ids
     seen = sorted(i for ids in last_line.values() for i in ids)
     assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_replacement_that_dies_while_joining_is_recovered_from_and_the_next_one_joins(tmp_path):
+    """Member 0 dies, member 3 (the first replacement) dies as the state transfer to it begins: the
+    members recover from that death like any other (generation of members 1, 2), then member 4 joins;
+    all end bitwise equal and equal to the oracle."""
+    results = gs.spawn(live_fns.train_where_the_first_replacement_dies_joining, nprocs=3, args=(str(tmp_path),),
+                       timeout=20, fault_tolerance="live", join_timeout=150, replacements=2)
+    assert [r is None for r in results] == [True, False, False, True, False]
+    survivors = [r for r in results if r is not None]
+    for r in survivors[:2]:
+        assert [(c["lost"], c["joined"], c["members"]) for c in r["recoveries"]] == [
+            ((0,), (), (1, 2)), ((3,), (), (1, 2)), ((), (4,), (1, 2, 4))], r["recoveries"]
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    for r in survivors:
+        for got, want, first in zip(r["params"], _oracle(2 * steps_per_epoch), survivors[0]["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got, first), f"member {r['member']}'s replica differs from member 1's"
