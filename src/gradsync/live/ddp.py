@@ -74,7 +74,7 @@ MISSING = -(1 << 62)
 
 @dataclass
 class Recovery:
-    """What one recovery did (LiveDDP.recoveries)."""
+    """What one change of the world did (LiveDDP.recoveries): a recovery from deaths, or a growth (joined)."""
 
     generation: int
     """The generation the survivors formed."""
