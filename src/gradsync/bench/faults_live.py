@@ -9,6 +9,9 @@ Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epoc
     optimizer   the same after the all-reduce, just before the victim's optimizer step
     two         W+1 ranks (4 by default), two random ranks killed in a row from outside: the second
                 once the survivors of the first have stepped again (4 -> 3 -> 2)
+    replace     as random, with --max-restarts 1: the launcher starts a replacement that joins the
+                survivors (3 -> 2 -> 3); GRADSYNC_LIVE_AWAIT_JOINER=1 makes them wait for it after
+                one step in the shrunk world, so that it joins before the short run ends
 
 Measured per trial, from metrics.jsonl (polled every 5 ms), the sample logs and /proc:
     kill -> next step   from the (last) kill to the first step the new world committed
@@ -17,6 +20,8 @@ Measured per trial, from metrics.jsonl (polled every 5 ms), the sample logs and 
     samples             every epoch's ids over the committed steps of all members (a dead member's up to
                         the step the survivors agreed on): missing and repeated counts
     accuracy            the final test accuracy minus an uninterrupted run's (same seed, same command)
+    join                (replace) from the replacement process appearing in /proc to the first step the
+                        grown world committed
     leaks               a rank process alive after the job, a /dev/shm entry or spawn directory of the
                         job left, or a survivor holding more open file descriptors after the recovery than
                         before the kill
@@ -38,7 +43,7 @@ from pathlib import Path
 
 from gradsync.bench.faults import _alive, _leftovers, _rank_pids
 
-SCENARIOS = ("random", "forward", "optimizer", "two")
+SCENARIOS = ("random", "forward", "optimizer", "two", "replace")
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -55,9 +60,10 @@ def _fds(pid: int) -> int | None:
         return None
 
 
-def _command(workers: int, epochs: int, timeout: float, out: Path) -> list[str]:
+def _command(workers: int, epochs: int, timeout: float, out: Path, replacements: int = 0) -> list[str]:
     return [sys.executable, "-m", "gradsync.cli", "train", "--fault-tolerance", "live", "--workers", str(workers),
-            "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0", "--out", str(out)]
+            "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0", "--out", str(out),
+            "--max-restarts", str(replacements)]
 
 
 def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0) -> float:
@@ -98,10 +104,12 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     if scenario in ("forward", "optimizer"):
         victims = [rng.randrange(workers)]
         env["GRADSYNC_LIVE_KILL"] = f"{victims[0]}:{rng.randrange(1, 15)}:{scenario}"
+    if scenario == "replace":
+        env["GRADSYNC_LIVE_AWAIT_JOINER"] = "1"
     row = {"scenario": scenario, "seed": seed, "workers": workers, "clean": False}
     metrics = out / "run" / "metrics.jsonl"
-    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)
+    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", int(scenario == "replace")),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = _wait_until(lambda: any(r["event"] == "step" for r in _records(metrics)) or job.poll() is not None,
                               300)
@@ -131,7 +139,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
 
             def first_new_step():
                 records = _records(metrics)
-                recoveries = [i for i, r in enumerate(records) if r["event"] == "live"]
+                recoveries = [i for i, r in enumerate(records) if r["event"] == "live" and not r["joined"]]
                 return len(recoveries) > kill and any(r["event"] == "step" for r in records[recoveries[kill]:])
             if not _wait_until(first_new_step, timeout + 60):
                 job.kill()
@@ -141,6 +149,13 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
             row.setdefault("kill_to_next_step_s", []).append(time.monotonic() - killed_at)
             row.setdefault("fds", []).append({m: (fds_before[m], _fds(pid)) for m, pid in ranks.items()
                                               if m not in victims})
+        if scenario == "replace":
+            joined = _join_time(job.pid, workers, metrics, timeout + 60)
+            if joined is None:
+                job.kill()
+                stdout, stderr = job.communicate()
+                return {**row, "why": "no replacement joined", "victims": victims, "stderr": stderr[-3000:]}
+            row["join_s"], ranks[workers] = joined
         _, err_text = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
@@ -149,11 +164,29 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     return _judge(row, job.returncode, err_text, metrics, out / "ids", ranks, victims, baseline, job.pid, epochs)
 
 
+def _join_time(launcher: int, workers: int, metrics: Path, limit: float) -> tuple[float, int] | None:
+    """(seconds from the replacement (member ``workers``) appearing in /proc to the grown world's first
+    committed step, its pid), or None if that does not happen within ``limit`` seconds."""
+    pid = _wait_until(lambda: _rank_pids(launcher).get(workers), limit)
+    if pid is None:
+        return None
+    appeared = time.monotonic()
+
+    def first_grown_step():
+        records = _records(metrics)
+        grown = [i for i, r in enumerate(records) if r["event"] == "live" and r["joined"]]
+        return grown and any(r["event"] == "step" for r in records[grown[0]:])
+    if not _wait_until(first_grown_step, limit):
+        return None
+    return time.monotonic() - appeared, pid
+
+
 def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline, launcher, epochs) -> dict:
     from gradsync.train.datasets import digits
 
     records = _records(metrics)
-    recoveries = [r for r in records if r["event"] == "live"]
+    recoveries = [r for r in records if r["event"] == "live" and not r["joined"]]
+    joins = [r for r in records if r["event"] == "live" and r["joined"]]
     lost = 0
     for index, recovery in enumerate(recoveries):
         before = records[:records.index(recovery)]
@@ -187,6 +220,7 @@ def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline,
     problems = [why for why, bad in (
         (f"exit code {exit_code}", exit_code != 0), (f"{len(recoveries)} recoveries for {len(victims)} kills",
                                                      len(recoveries) != len(victims)),
+        (f"{len(joins)} joins", len(joins) != (row["scenario"] == "replace")),
         (f"{lost} steps lost", lost > 1), ("samples missing", row["samples_missing"]),
         ("samples repeated", row["samples_repeated"]),
         ("accuracy off by > 0.5 points", row["accuracy_delta_points"] is None or abs(row["accuracy_delta_points"]) > 0.5),

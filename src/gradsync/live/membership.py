@@ -15,7 +15,9 @@ agent hosts it):
     gradsync/live/<g>/broken         why generation g broke, set by the first member that saw it
     gradsync/live/<g>/here/<id>      member <id> survived generation g and waits for g+1
     gradsync/live/<g>/next           generation g+1's member ids "0,2,3": the first proposal stored
-                                     wins (compare_set), so every member reads the same list
+                                     wins (compare_set), so every member reads the same list; a
+                                     quorum proposes the survivors, a growth (growth.py) the members
+                                     and a joiner
 
 A member that registers after the membership closed (it was alive but slower than
 ``quorum_timeout``) is not in it and raises, naming itself and the generation.
@@ -114,9 +116,23 @@ class Membership:
                 self.store.compare_set(decided, "", ",".join(map(str, sorted(here))))
                 break
             time.sleep(0.005)
-        members = tuple(int(m) for m in self.store.get(decided).decode().split(","))
+        return self._enter(g, f"it registered after the quorum closed ({self.quorum_timeout:.0f} s)")
+
+    def propose(self, members: tuple[int, ...]) -> Generation:
+        """Propose ``members`` as the next generation (growth.py: the current members and a joiner) and
+        return the one agreed: this proposal, or one stored before it (a quorum after a death)."""
+        g = self.current.index
+        self.store.compare_set(f"{PREFIX}/{g}/next", "", ",".join(map(str, sorted(members))))
+        return self._enter(g, "a quorum after a death was agreed first")
+
+    def agreed(self, g: int) -> tuple[int, ...]:
+        """Generation g+1's member ids, as stored under gradsync/live/<g>/next."""
+        return tuple(int(m) for m in self.store.get(f"{PREFIX}/{g}/next").decode().split(","))
+
+    def _enter(self, g: int, why_not: str) -> Generation:
+        members = self.agreed(g)
         if self.member not in members:
             raise RuntimeError(f"member {self.member}: generation {g + 1} was agreed without it (members "
-                               f"{list(members)}); it registered after the quorum closed ({self.quorum_timeout:.0f} s)")
+                               f"{list(members)}); {why_not}")
         self.current = Generation(g + 1, members)
         return self.current

@@ -95,7 +95,9 @@ class TrainConfig:
     """No progress bar (for tests and logs)."""
     max_restarts: int = 0
     """Local launcher: after a failure, start the workers again from the last checkpoint this many
-    times (under torchrun use its own --max-restarts with --resume)."""
+    times (under torchrun use its own --max-restarts with --resume). With --fault-tolerance live: start
+    a replacement for a dead rank, at most this many in the whole run (gs.spawn's replacements), each
+    joining the running world at a step boundary with the state of a live peer (live/growth.py)."""
     checkpoint_every: str = ""
     """Also checkpoint between epochs: every N steps ("200") or every span of wall time ("30s", "5m",
     "1h"; rank 0's clock, agreed with the preemption flag in one 2-element all-reduce per step). Empty:
@@ -136,8 +138,7 @@ class TrainConfig:
         if self.strategy in LIVE_REFUSED:
             raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
                                f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
-        refused = [(self.max_restarts, "--max-restarts (live mode restarts nothing)"),
-                   (self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
+        refused = [(self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
                    (self.resume, "--resume (live mode reads no checkpoint)"),
                    (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
                    (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]

@@ -318,7 +318,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         from gradsync.train.loop_live import train_live_rank, workers_summary
 
         results = gs.spawn(train_live_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
-                           fault_tolerance="live")
+                           fault_tolerance="live", replacements=cfg.max_restarts)
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     results = _spawn_with_restarts(cfg)

@@ -7,10 +7,16 @@ from the survivors and the step in flight is trained again by them: EpochCursor'
 not depend on how many ranks consumed the first P samples, so the epoch's remaining samples are
 re-sharded over the survivors with none lost or repeated.
 
+With --max-restarts K the launcher starts a replacement for a dead rank (at most K): it joins the
+running world at a step boundary (live/growth.py) and receives the parameters, the optimizer state,
+the epoch position and the batch policy's global batch and learning rate from rank 0; the world
+grows back and the next step's samples are split over it the same way.
+
 Batch and learning rate after a resize (--live-batch, live/policy.py): keep-global keeps the global
 batch G (each survivor's share grows to about G / W'), keep-per-rank keeps each rank's batch and
-scales the learning rate by W' / W. Each rank's loss is its share's summed loss x W / (step's
-samples), so the ranks' average is the step's mean loss however unevenly the share falls.
+scales the learning rate by W' / W (back up when the world grows). Each rank's loss is its share's
+summed loss x W / (step's samples), so the ranks' average is the step's mean loss however unevenly
+the share falls.
 
 What this mode leaves out: checkpoints (nothing is read back; --checkpoint-every is refused),
 preemption, tracing, --clip-grad, --compress powersgd and every strategy but ddp (train/config.py
@@ -22,6 +28,9 @@ line of a step number is the one that counts, and a dead member's count up to th
 resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
 in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
 its gradients in the all-reduce) or optimizer (after the all-reduce, before its optimizer step).
+GRADSYNC_LIVE_AWAIT_JOINER=1 makes the members, after a recovery from a death and one step in the
+shrunk world, wait (at most 60 s) until a replacement asks to join, so that it joins a short run
+before it ends.
 """
 
 from __future__ import annotations
@@ -77,34 +86,29 @@ def _die() -> None:
 
 def train_live_rank(cfg: TrainConfig) -> dict:
     """One member's job (see the module docstring); returns its statistics and recoveries."""
-    w = gs.world()
     torch.manual_seed(cfg.seed)
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    plan = resume.BatchPlan.fresh(cfg, w.world_size)
-    batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}
-    cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
+    plan = resume.BatchPlan.fresh(cfg, cfg.workers)
+    batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}   # a replacement receives rank 0's
     model = build_model(cfg.model, cfg.dataset)
     optimizer = build_optimizer(cfg, model.parameters(), plan.peak_lr)
 
     def on_resize(live: LiveDDP, old_world: int) -> None:
-        nonlocal cursor
         batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
                                                     live.world.world_size)
-        cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
-        report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
-        report.live({"event": "live", **{k: v for k, v in live.recoveries[-1].__dict__.items()},
-                     "world_size": live.world.world_size, "global_batch": batch["global"],
-                     "peak_lr": batch["peak_lr"], "at": time.time()})
 
-    live = LiveDDP(model, optimizer, on_resize=on_resize, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
+    # a replacement joins the running world here, receiving the state, the progress and the batch
+    live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": 0, "position": 0}, shared=batch,
+                   bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                    comm_hook=None if cfg.compress == "none" else cfg.compress)
-    live.progress = {"epoch": 0, "position": 0}
+    w = live.world
+    cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
     kill = _planted_kill(live.member)
     if kill is not None and kill[1] == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
-    report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
+    report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0), resumed_at=None)
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)
@@ -139,9 +143,17 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     def more() -> bool:
         return live.step < cfg.steps if cfg.steps is not None else live.progress["epoch"] < cfg.epochs
 
+    await_joiner = os.environ.get("GRADSYNC_LIVE_AWAIT_JOINER", "") not in ("", "0")
     while more():
+        if await_joiner and live.recoveries and not live.recoveries[-1].joined and live.step > live.recoveries[-1].step:
+            live.await_joiner(60.0)
+            await_joiner = False
         step_started = time.perf_counter()
-        if not live.run_step(train_step):
+        if not live.run_step(train_step):   # the world changed (a death or a joiner): the step is trained next
+            cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
+            report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
+            report.live({"event": "live", **live.recoveries[-1].__dict__, "world_size": live.world.world_size,
+                         "global_batch": batch["global"], "peak_lr": batch["peak_lr"], "at": time.time()})
             continue
         elapsed = time.perf_counter() - step_started
         stats["comm_s"] += live.model.comm_seconds
@@ -170,7 +182,9 @@ def train_live_rank(cfg: TrainConfig) -> dict:
 def workers_summary(results: list[dict | None]) -> str:
     """One line for the launcher: which members finished and what the recoveries cost."""
     finished = [r for r in results if r is not None]
-    recoveries = finished[0]["recoveries"] if finished else []
-    seconds = [r["seconds"] for r in recoveries]
-    return (f"live: {len(finished)} of {len(results)} members finished; {len(recoveries)} recovery(ies)"
-            + (f", median {statistics.median(seconds):.3f} s from the error to the rebuilt world" if seconds else ""))
+    changes = finished[0]["recoveries"] if finished else []
+    seconds = [r["seconds"] for r in changes if not r["joined"]]
+    joins = [r for r in changes if r["joined"]]
+    return (f"live: {len(finished)} of {len(results)} members finished; {len(seconds)} recovery(ies)"
+            + (f", median {statistics.median(seconds):.3f} s from the error to the rebuilt world" if seconds else "")
+            + (f"; {len(joins)} replacement(s) joined" if joins else ""))
