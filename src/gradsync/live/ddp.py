@@ -368,8 +368,9 @@ class LiveDDP:
                                            f"between rank 0 and rank {difference[0]}")
 
     def close(self) -> None:
-        """Stop the wrapper's communication thread and the live world's check; a joiner still waiting is
-        not needed any more (growth.py)."""
+        """Stop the wrapper's communication thread, the live world's check and the heartbeat; a joiner
+        still waiting is not needed any more (growth.py)."""
         self.door.close()
         self.model.close()
         set_abandon_check(None)
+        self.membership.close()

@@ -7,11 +7,13 @@ Vocabulary
                 renumbered densely in member-id order (members [0, 2, 3] are ranks 0, 1, 2)
     quorum      how generation g+1 is agreed: every survivor of g registers under g, and the
                 membership closes once every member of g has either registered or is known dead
-                (same host: /proc says so), or after ``quorum_timeout`` seconds with those that did
+                (same host: /proc says so; another host: its heartbeat went silent, heartbeat.py),
+                or after ``quorum_timeout`` seconds with those that did
 
 Store keys (the job's store, which outlives every rank: gs.spawn's launcher hosts it, torchrun's
 agent hosts it):
     gradsync/live/member/<id>        "<host id>|<pid>", written once by the member as it starts
+    gradsync/live/beat/<id>          the member's heartbeat counter (heartbeat.py)
     gradsync/live/<g>/broken         why generation g broke, set by the first member that saw it
     gradsync/live/<g>/here/<id>      member <id> survived generation g and waits for g+1
     gradsync/live/<g>/next           generation g+1's member ids "0,2,3": the first proposal stored
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from gradsync.comm.shm.waiting import alive
+from gradsync.live.heartbeat import Heart, Listener
 from gradsync.world_info import host_id
 
 PREFIX = "gradsync/live"
@@ -61,6 +64,8 @@ class Membership:
         self._dead_seen: str | None = None
         store.set(f"{PREFIX}/member/{member}", f"{self.me}|{os.getpid()}")
         self._where: dict[int, tuple[str, int]] = {}
+        self._heart = Heart(store, PREFIX, member)
+        self._listener = Listener(store, PREFIX)
 
     # -- who is alive -------------------------------------------------------------------------------
     def _location(self, member: int) -> tuple[str, int] | None:
@@ -74,15 +79,23 @@ class Membership:
         return self._where[member]
 
     def known_dead(self, member: int) -> bool:
-        """True when ``member`` shares this host and /proc says its process is gone."""
+        """True when ``member`` shares this host and /proc says its process is gone, or lives on
+        another host and its heartbeat has gone silent."""
         where = self._location(member)
-        return where is not None and where[0] == self.me and not alive(where[1])
+        if where is None:
+            return False
+        return not alive(where[1]) if where[0] == self.me else self._listener.silent(member)
 
     def dead_members(self) -> list[int]:
         return [m for m in self.current.members if m != self.member and self.known_dead(m)]
 
+    def close(self) -> None:
+        """Stop beating (this member leaves the job)."""
+        self._heart.stop()
+
     def broken(self) -> str | None:
-        """Why the current generation is broken: a member on this host died, or a member said so
+        """Why the current generation is broken: a member died (on this host: /proc; elsewhere: its
+        heartbeat went silent), or a member said so
         in the store (looked up at most every CHECK_SECONDS); None while it is whole."""
         dead = self.dead_members()
         if dead:

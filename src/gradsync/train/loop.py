@@ -303,8 +303,13 @@ def run(cfg: TrainConfig) -> list[dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     hold_signals(_preempt_signals(cfg))   # a preemption during start-up stops the job after its first step
     if _under_torchrun() and cfg.fault_tolerance == "live":
-        raise RuntimeError("--fault-tolerance live runs under gradsync's own launcher (gradsync train --workers N): "
-                           "torchrun's agent stops every worker of a node when one fails")
+        from gradsync.train.loop_live import train_live_rank
+
+        gs.init(timeout=cfg.timeout)
+        try:
+            return [train_live_rank(cfg)]
+        finally:
+            gs.shutdown()
     if _under_torchrun() or cfg.strategy == "local":
         gs.init(timeout=cfg.timeout)
         try:
