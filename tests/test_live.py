@@ -196,3 +196,50 @@ def test_a_replacement_that_dies_while_joining_is_recovered_from_and_the_next_on
         for got, want, first in zip(r["params"], _oracle(2 * steps_per_epoch), survivors[0]["params"]):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
             assert torch.equal(got, first), f"member {r['member']}'s replica differs from member 1's"
+
+
+def test_live_mode_under_torchrun_refuses_replacements(tmp_path, monkeypatch):
+    """Under torchrun nothing starts a replacement rank: --max-restarts in live mode is refused before
+    the world is joined, naming what to do."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    cfg = TrainConfig(fault_tolerance="live", max_restarts=1, preempt_signal="none", out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="under torchrun a lost node is not replaced"):
+        run(cfg)
+
+
+def test_heartbeat_a_stopped_member_goes_silent_a_beating_one_does_not(monkeypatch):
+    """live/heartbeat.py on a store: a member whose heart beats is never silent; once it stops, it is
+    silent after SILENT_SECONDS and not before; a member never heard is not silent."""
+    import time
+
+    import torch.distributed as dist
+
+    from gradsync.live import heartbeat
+
+    monkeypatch.setattr(heartbeat, "BEAT_SECONDS", 0.02)
+    monkeypatch.setattr(heartbeat, "SILENT_SECONDS", 0.4)
+    monkeypatch.setattr(heartbeat, "READ_SECONDS", 0.0)
+    store = dist.HashStore()
+    beating, stopping = heartbeat.Heart(store, "t", 1), heartbeat.Heart(store, "t", 2)
+    listener = heartbeat.Listener(store, "t")
+    try:
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert not listener.silent(1) and not listener.silent(2) and not listener.silent(3)
+        stopping.stop()
+        time.sleep(0.05)   # its last beat is written
+        listener.silent(2)
+        first_read = time.monotonic()
+        while not listener.silent(2):
+            assert time.monotonic() - first_read < 5, "a stopped heart never went silent"
+            assert not listener.silent(1)
+            time.sleep(0.01)
+        assert time.monotonic() - first_read >= 0.4 - 0.05 and time.monotonic() - started >= 0.4
+        assert not listener.silent(1) and not listener.silent(3)
+    finally:
+        beating.stop()
+        stopping.stop()

@@ -305,6 +305,10 @@ def run(cfg: TrainConfig) -> list[dict]:
     if _under_torchrun() and cfg.fault_tolerance == "live":
         from gradsync.train.loop_live import train_live_rank
 
+        if cfg.max_restarts:
+            raise RuntimeError("--fault-tolerance live --max-restarts starts replacement ranks from gradsync's own "
+                               "launcher (gradsync train --workers N); under torchrun a lost node is not replaced: "
+                               "drop --max-restarts (and keep torchrun's own --max-restarts at 0)")
         gs.init(timeout=cfg.timeout)
         try:
             return [train_live_rank(cfg)]
