@@ -243,3 +243,46 @@ def test_heartbeat_a_stopped_member_goes_silent_a_beating_one_does_not(monkeypat
     finally:
         beating.stop()
         stopping.stop()
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_live_checkpoints_and_rank_0_dies_writing_one(tmp_path):
+    """`gradsync train --fault-tolerance live --checkpoint-every 5`: member 0, rank 0, dies while writing
+    step 10's checkpoint (the knob writes half of the temporary file checkpoint.save would write, then
+    SIGKILLs itself: what a death inside save leaves; save's own atomicity is
+    tests/test_data_checkpoint.py's). The survivors train on; the new rank 0 removes the half-written
+    file and writes the later checkpoints; the last one is intact, at the final step, and records the
+    batch as it stands (keep-global: the global batch of the 3 workers it started with); every sample
+    of the epoch is trained exactly once."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync import checkpoint
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    out = tmp_path / "run"
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "0:10:checkpoint"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--checkpoint-every", "5", "--epochs", "1", "--quiet", "--timeout", "20", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start, summary = (next(r for r in records if r["event"] == e) for e in ("start", "summary"))
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [0] and live["world_size"] == 2 and live["step"] >= 10, live
+    assert not list(out.glob(".checkpoint.pt.tmp-*")), "a half-written checkpoint was left behind"
+    state = checkpoint.load(out / "checkpoint.pt")
+    assert state["step"] == summary["steps"] == 15 and state["epoch"] == 1 and state["position"] == 0
+    assert state["batch"]["workers"] == 3 and state["batch"]["peak_lr"] == pytest.approx(start["peak_lr"])
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in (tmp_path / "ids").glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                last_line[member, step] = (epoch, ids)
+    n = len(digits(0)[0])
+    seen = sorted(i for _, ids in last_line.values() for i in ids)
+    assert seen == list(range(n)), "samples lost or repeated"

@@ -68,6 +68,10 @@ class Membership:
         self._listener = Listener(store, PREFIX)
 
     # -- who is alive -------------------------------------------------------------------------------
+    def location(self, member: int) -> tuple[str, int] | None:
+        """(host id, pid) of ``member``, once it has published them."""
+        return self._location(member)
+
     def _location(self, member: int) -> tuple[str, int] | None:
         """(host id, pid) of ``member``, once it has published them."""
         if member not in self._where:

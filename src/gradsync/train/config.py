@@ -138,8 +138,11 @@ class TrainConfig:
         if self.strategy in LIVE_REFUSED:
             raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
                                f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
-        refused = [(self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
-                   (self.resume, "--resume (live mode reads no checkpoint)"),
+        if self.checkpoint_interval()[1] is not None:
+            raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
+                               f"of steps (200), not a time ({self.checkpoint_every!r})")
+        refused = [(self.resume, "--resume (live mode reads no checkpoint: continue a live job's checkpoint with "
+                                 "--fault-tolerance restart --resume)"),
                    (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
                    (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]
         for given, flag in refused:
