@@ -7,6 +7,9 @@ Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epoc
                 its forward: the others are waiting for its gradients in the all-reduce
                 (GRADSYNC_LIVE_KILL, train/loop_live.py)
     optimizer   the same after the all-reduce, just before the victim's optimizer step
+    checkpoint  with --checkpoint-every 5: member 0, rank 0, dies halfway through writing the
+                checkpoint of step 5 or 10 (train/loop_live.py's knob); the trial also needs the last
+                checkpoint intact at the final step and no temporary checkpoint file left
     two         W+1 ranks (4 by default), two random ranks killed in a row from outside: the second
                 once the survivors of the first have stepped again (4 -> 3 -> 2)
     replace     as random, with --max-restarts 1: the launcher starts a replacement that joins the
@@ -43,7 +46,10 @@ from pathlib import Path
 
 from gradsync.bench.faults import _alive, _leftovers, _rank_pids
 
-SCENARIOS = ("random", "forward", "optimizer", "two", "replace")
+SCENARIOS = ("random", "forward", "optimizer", "checkpoint", "two", "replace")
+KILLED_FROM_INSIDE = ("forward", "optimizer", "checkpoint")
+"""Scenarios whose victim kills itself at a planted point (GRADSYNC_LIVE_KILL)."""
+CHECKPOINT_EVERY = 5
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -60,10 +66,25 @@ def _fds(pid: int) -> int | None:
         return None
 
 
-def _command(workers: int, epochs: int, timeout: float, out: Path, replacements: int = 0) -> list[str]:
+def _command(workers: int, epochs: int, timeout: float, out: Path, replacements: int = 0,
+             extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "gradsync.cli", "train", "--fault-tolerance", "live", "--workers", str(workers),
             "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0", "--out", str(out),
-            "--max-restarts", str(replacements)]
+            "--max-restarts", str(replacements), *extra]
+
+
+def _checkpoint_problem(out: Path, steps: int | None) -> str:
+    """What is wrong with the checkpoints a 'checkpoint' trial left in ``out`` ('' when nothing)."""
+    from gradsync import checkpoint
+
+    left = sorted(p.name for p in out.glob(".checkpoint.pt.tmp-*"))
+    if left:
+        return f"temporary checkpoint files left: {left}"
+    try:
+        step = checkpoint.load(out / "checkpoint.pt")["step"]
+    except checkpoint.CheckpointError as exc:
+        return f"last checkpoint unreadable: {exc}"
+    return "" if step == steps else f"last checkpoint at step {step}, the run ended at {steps}"
 
 
 def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0) -> float:
@@ -104,11 +125,15 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     if scenario in ("forward", "optimizer"):
         victims = [rng.randrange(workers)]
         env["GRADSYNC_LIVE_KILL"] = f"{victims[0]}:{rng.randrange(1, 15)}:{scenario}"
+    if scenario == "checkpoint":
+        victims = [0]
+        env["GRADSYNC_LIVE_KILL"] = f"0:{rng.choice([CHECKPOINT_EVERY, 2 * CHECKPOINT_EVERY])}:checkpoint"
     if scenario == "replace":
         env["GRADSYNC_LIVE_AWAIT_JOINER"] = "1"
     row = {"scenario": scenario, "seed": seed, "workers": workers, "clean": False}
     metrics = out / "run" / "metrics.jsonl"
-    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", int(scenario == "replace")),
+    extra = ("--checkpoint-every", str(CHECKPOINT_EVERY)) if scenario == "checkpoint" else ()
+    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", int(scenario == "replace"), extra),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = _wait_until(lambda: any(r["event"] == "step" for r in _records(metrics)) or job.poll() is not None,
@@ -119,7 +144,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
         killed_at = None
         for kill in range(2 if scenario == "two" else 1):
             fds_before = {m: _fds(pid) for m, pid in ranks.items()}
-            if scenario in ("forward", "optimizer"):
+            if scenario in KILLED_FROM_INSIDE:
                 dead = _wait_until(lambda: not _alive(ranks[victims[0]]), 300)
             else:
                 time.sleep(rng.uniform(0.0, 0.5))
@@ -157,6 +182,9 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
                 return {**row, "why": "no replacement joined", "victims": victims, "stderr": stderr[-3000:]}
             row["join_s"], ranks[workers] = joined
         _, err_text = job.communicate(timeout=600)
+        if scenario == "checkpoint":
+            summary = next((r for r in _records(metrics) if r["event"] == "summary"), {})
+            row["checkpoint_problem"] = _checkpoint_problem(out / "run", summary.get("steps"))
     finally:
         if job.poll() is None:
             job.kill()
@@ -224,7 +252,8 @@ def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline,
         (f"{lost} steps lost", lost > 1), ("samples missing", row["samples_missing"]),
         ("samples repeated", row["samples_repeated"]),
         ("accuracy off by > 0.5 points", row["accuracy_delta_points"] is None or abs(row["accuracy_delta_points"]) > 0.5),
-        (f"orphans {orphans}", orphans), (f"leaked {leaked}", leaked), (f"fds grew on members {fd_growth}", fd_growth))
+        (f"orphans {orphans}", orphans), (f"leaked {leaked}", leaked), (f"fds grew on members {fd_growth}", fd_growth),
+        (row.get("checkpoint_problem", ""), row.get("checkpoint_problem")))
         if bad]
     row.update(clean=not problems, why="; ".join(problems), stderr=err_text[-2000:] if problems else "")
     return row

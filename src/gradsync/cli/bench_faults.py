@@ -19,8 +19,8 @@ def add_parser(benches) -> None:
     faults.add_argument("--live", action="store_true",
                         help="kill ranks of `gradsync train --fault-tolerance live` instead: kill -> next step, steps "
                              "lost, samples lost or repeated, accuracy against an uninterrupted run, leaks")
-    faults.add_argument("--scenarios", default="random,forward,optimizer,two,replace",
-                        help="--live: comma-separated scenarios (random, forward, optimizer, two, replace)")
+    faults.add_argument("--scenarios", default="random,forward,optimizer,checkpoint,two,replace",
+                        help="--live: comma-separated scenarios (random, forward, optimizer, checkpoint, two, replace)")
     faults.add_argument("--epochs", type=positive_int, default=2, help="--live: the runs' --epochs")
     faults.add_argument("--preempt", action="store_true",
                         help="SIGTERM instead (every strategy; ps-*/ssp add one server to --workers): work lost, signal to exit, restart to "
