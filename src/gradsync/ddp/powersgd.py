@@ -31,8 +31,9 @@ Orthonormalization: Gram-Schmidt for r <= 2 (and half precision), QR above: torc
 makes the same choices, and every step above is its arithmetic, so the two agree (tested, float64).
 torch's hook all-reduces the uncompressed tensors and P separately; here they share one all-reduce
 (each element is still the sum of the same N values, though from N = 3 the ring may add them in
-another order: equal within rounding), so a compressed step is two all-reduces per bucket, not three. On a slow CPU or link each all-reduce costs 2(N-1) message latencies whatever its
-size, and P's and the uncompressed tensors' are both small: see docs/studies/slow-links.md for the
+another order: equal within rounding), so a compressed step is two all-reduces per bucket, not
+three. On a slow CPU or link each all-reduce costs 2(N-1) message latencies whatever its size, and
+P's and the uncompressed tensors' are both small: see docs/studies/slow-links.md for the
 measurement behind this.
 
 Traffic per bucket and step, with the all-reduce's own factor (ring: 2(N-1)/N bytes sent per byte):
