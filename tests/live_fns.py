@@ -40,18 +40,20 @@ def committed_samples(ids_dir: Path, live: dict) -> list[int]:
     return sorted(i for ids in last_line.values() for i in ids)
 
 
-def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) -> dict:
+def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, steps_before_growth: int | None = None
+                      ) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
     in step ``kill_step`` (0-based, after its forward, before its backward). Every member appends the
     sample ids of each step it committed to log_dir/samples.<member> (and its pid to
-    log_dir/pid.<member>), so a dead member's steps count too."""
+    log_dir/pid.<member>), so a dead member's steps count too. ``steps_before_growth``: after that many
+    steps in the shrunk world, the members wait (at most 60 s) for a replacement to ask to join, so it
+    joins before the run ends (the replacement, member 3 under gs.spawn(replacements=1), runs this too)."""
     x, y = dataset()
     module = model()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    live = LiveDDP(module, optimizer, bucket_cap_mb=1)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0})
     cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
     total = epochs * cursor.steps_from(0)
-    live.progress = {"epoch": 0, "position": 0}
     trained: dict[int, list[int]] = {}
     world_sizes = []
     (Path(log_dir) / f"pid.{live.member}").write_text(str(os.getpid()))
@@ -73,10 +75,17 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) ->
         return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
 
     fds = {}
+    since_change = 0   # steps committed since the world last changed
     while live.step < total:
         if live.step == kill_step:   # open descriptors before the kill and at the end
             fds.setdefault("before", len(os.listdir("/proc/self/fd")))
-        if live.run_step(train_step):
+        shrunk = live.recoveries and not live.recoveries[-1].joined
+        if steps_before_growth is not None and shrunk and since_change == steps_before_growth:
+            live.await_joiner(60.0)
+        since_change += 1
+        if not live.run_step(train_step):
+            since_change = 0
+        else:
             log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
             world_sizes.append(live.world.world_size)
     live.check_replicas()
@@ -86,3 +95,15 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str) ->
     return {"member": live.member, "rank": live.world.rank, "world_size": live.world.world_size,
             "params": [p.detach().clone() for p in module.parameters()],
             "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes, "fds": fds}
+
+
+def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
+    """train_with_a_kill (member 0 dies in step 4; the members wait for a joiner after 2 steps), where
+    member 3, the first replacement, SIGKILLs itself as the state transfer to it begins."""
+    from gradsync import runtime
+    from gradsync.live import transfer
+
+    replacement = runtime.replacement()
+    if replacement is not None and replacement[0] == 3:
+        transfer.share_state = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    return train_with_a_kill(0, 4, 2, log_dir, 2)

@@ -107,11 +107,19 @@ def test_bench_ddp_of_torch_ddp_on_each_backend(tmp_path, capsys, backends):
     assert main(["bench", "ddp", "--backend", backends, "--workers", "2", "--model", "mlp", "--steps", "1",
                  "--rounds", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    steps = {r["backend"]: r for r in result["steps"]}
+    rows = {(r["backend"], r["program"]): r for r in result["steps"]}
+    programs = ["torch DDP", "no communication", "torch DDP, no-op hook", "torch DDP, bucket views"]
+    assert list(rows) == [(b, p) for b in backends.split(",") for p in programs]
     first = backends.split(",")[0]
-    assert list(steps) == backends.split(",") and steps[first]["ratio"] == 1.0
-    assert steps["gradsync"]["ratio"] == pytest.approx(steps["gradsync"]["step_ms"] / steps[first]["step_ms"])
-    assert all(r["step_ms"] > 0 and len(r["runs_ms"]) == 1 for r in steps.values())
+    for program in programs:
+        assert rows[(first, program)]["ratio"] == 1.0
+        assert rows[("gradsync", program)]["ratio"] == pytest.approx(
+            rows[("gradsync", program)]["step_ms"] / rows[(first, program)]["step_ms"])
+    for b in backends.split(","):
+        assert rows[(b, "torch DDP")]["comm_ms"] == pytest.approx(
+            rows[(b, "torch DDP")]["step_ms"] - rows[(b, "torch DDP, no-op hook")]["step_ms"])
+        assert rows[(b, "no communication")]["vs_floor"] == 1.0
+    assert all(r["step_ms"] > 0 and len(r["runs_ms"]) == 1 for r in rows.values())
     assert [r["bytes"] for r in result["api"]] == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     assert all(r["api_us"] > 0 and r["direct_us"] > 0 for r in result["api"])
     assert "api/direct" in capsys.readouterr().out

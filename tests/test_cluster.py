@@ -479,3 +479,35 @@ def test_a_ps_rows_measured_fan_replaces_the_host_term_in_the_prediction():
     assert predict({**fast, "strategy": "ssp"}).step_s == pytest.approx(cost.closed_loop_step(4, (32e6 * beta + 0.01) / 4,
                                                                                                  away))
     assert predict(sync, wire_only=True).step_s == pytest.approx(0.02 + 2 * (4e-4 + 32e6 * beta))
+
+
+def test_diloco_settings_of_a_time_to_loss_job_reach_the_workers_optimizers(monkeypatch):
+    """Job -> torchrun's argv -> loss_worker's flags -> the inner AdamW and gs.DiLoCo's arguments
+    (gs.DiLoCo replaced by a recorder: no world needed), and the bad values refused."""
+    from pathlib import Path
+
+    from gradsync.cluster import jobs, loss_worker
+    from gradsync.train.models import CharLM
+
+    class NoNamespaces:
+        def exec_prefix(self, host):
+            return []
+
+        def address(self, host):
+            return "10.0.0.1"
+
+    def built(job):
+        argv = jobs._torchrun(NoNamespaces(), job, 0, Path("out"))
+        args = loss_worker.parse_args(argv[argv.index("gradsync.cluster.loss_worker") + 1:])
+        _, optimizer, recorded = loss_worker._build(args, CharLM())
+        return optimizer.param_groups[0]["lr"], recorded
+
+    monkeypatch.setattr(loss_worker.gs, "DiLoCo", lambda model, optimizer, **settings: settings)
+    lr, settings = built(Job("diloco", 4, 0.0, max_steps=16, target=2.5, outer_lr=1.0, outer_momentum=0.0, inner_lr=2e-3))
+    assert lr == 2e-3 and settings["outer_lr"] == 1.0
+    assert settings["outer_momentum"] == 0.0 and settings["nesterov"] is False
+    lr, settings = built(Job("diloco", 4, 0.0, max_steps=16))   # the paper's outer step, every strategy's lr
+    assert lr == 1e-3 and (settings["outer_lr"], settings["outer_momentum"], settings["nesterov"]) == (0.7, 0.9, True)
+    for bad in ({"outer_momentum": 1.0}, {"outer_momentum": -0.1}, {"inner_lr": 0.0}):
+        with pytest.raises(ValueError, match=r"outer_momentum must be in \[0, 1\) and inner_lr > 0"):
+            Job("diloco", 4, 0.0, max_steps=16, **bad)

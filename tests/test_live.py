@@ -1,9 +1,12 @@
-"""Live fault tolerance: a rank is SIGKILLed mid-run and the survivors train on without a restart.
+"""Live fault tolerance: a rank is SIGKILLed mid-run, the survivors train on without a restart, and a
+replacement the launcher starts joins them at a step boundary.
 
 The oracle is a single process that trains the same model on the same epoch order with the step's
 mean loss over the whole global batch: with the keep-global policy, the world shrinking from 3 to 2
-ranks changes only how the sum is associated, so the survivors must end within 1e-12 (relative,
-float64) of it, bitwise equal to each other, having seen every sample of the epoch exactly once.
+ranks and growing back to 3 changes only how the sum is associated, so every member must end within
+1e-12 (relative, float64) of it, bitwise equal to each other (the replacement too: it received the
+parameters, the momentum buffers and the sampler position from a live peer), having seen every
+sample of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -52,20 +55,27 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
+def test_rank_0_dies_the_survivors_train_on_and_a_replacement_joins_to_the_oracle(tmp_path):
     victim, kill_step, epochs = 0, 4, 2
     before = _shm_entries()
-    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path)),
-                       timeout=20, fault_tolerance="live", join_timeout=90)
-    assert results[victim] is None, "the killed rank returned a value"
+    results = gs.spawn(live_fns.train_with_a_kill, nprocs=3, args=(victim, kill_step, epochs, str(tmp_path), 2),
+                       timeout=20, fault_tolerance="live", join_timeout=90, replacements=1)
+    assert len(results) == 4 and results[victim] is None, "the killed rank returned a value"
     survivors = [r for r in results if r is not None]
-    assert [r["member"] for r in survivors] == [1, 2]
-    assert [r["rank"] for r in survivors] == [0, 1] and all(r["world_size"] == 2 for r in survivors)
-    for r in survivors:
-        (recovery,) = r["recoveries"]
+    assert [r["member"] for r in survivors] == [1, 2, 3], "the replacement is member 3, its value appended"
+    assert [r["rank"] for r in survivors] == [0, 1, 2] and all(r["world_size"] == 3 for r in survivors)
+    for r in survivors[:2]:
+        recovery, growth = r["recoveries"]
         assert recovery["lost"] == (victim,) and recovery["members"] == (1, 2), recovery
         assert recovery["step"] == kill_step, f"member {r['member']}: the survivors resumed from step {recovery['step']}"
-        assert r["world_sizes"][:kill_step] == [3] * kill_step and set(r["world_sizes"][kill_step:]) == {2}
+        assert growth["joined"] == (3,) and growth["members"] == (1, 2, 3) and growth["lost"] == (), growth
+        # the world went 3 -> 2 -> 3: two steps at least in the shrunk world (the members waited for the joiner)
+        at_two = growth["step"] - kill_step
+        assert at_two >= 2 and r["world_sizes"] == [3] * kill_step + [2] * at_two + [3] * (len(r["world_sizes"])
+                                                                                           - kill_step - at_two)
+    (joined,) = survivors[2]["recoveries"]
+    assert joined["joined"] == (3,) and joined["step"] == survivors[0]["recoveries"][1]["step"], joined
+    assert len(survivors[2]["world_sizes"]) == len(survivors[0]["world_sizes"]) - joined["step"]
 
     # the run's final parameters: the oracle's, and bitwise the same on both survivors
     steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
@@ -73,8 +83,9 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
     for r in survivors:
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for a, b in zip(survivors[0]["params"], survivors[1]["params"]):
-        assert torch.equal(a, b), "the survivors' replicas differ"
+    for other in survivors[1:]:
+        for a, b in zip(survivors[0]["params"], other["params"]):
+            assert torch.equal(a, b), f"member {other['member']}'s replica differs from member 1's"
 
     # every sample of every epoch exactly once, over the ranks' committed steps (the victim's included)
     trained: dict[tuple[int, int], list[int]] = {}
@@ -88,12 +99,12 @@ def test_rank_0_dies_and_the_survivors_train_on_to_the_oracle(tmp_path):
                 if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
         assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
 
-    # nothing left behind: no descriptor of the old world (the world shrank and the log is closed: at
-    # least 2 fewer), no process, no /dev/shm entry
-    for r in survivors:
-        assert r["fds"]["after"] <= r["fds"]["before"] - 2, f"member {r['member']}: open descriptors {r['fds']}"
+    # nothing left behind: no descriptor of the old worlds (the world is as large as before the kill and the
+    # log is closed: at least 1 fewer), no process, no /dev/shm entry
+    for r in survivors[:2]:
+        assert r["fds"]["after"] <= r["fds"]["before"] - 1, f"member {r['member']}: open descriptors {r['fds']}"
     pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
+    assert len(pids) == 4 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
     leaked = sorted(_shm_entries() - before)
     assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
 
@@ -105,12 +116,15 @@ def test_live_mode_refuses_what_it_does_not_rebuild_and_says_why(strategy, tmp_p
     with pytest.raises(RuntimeError, match=f"--fault-tolerance live is not supported with --strategy {strategy}: .*"
                                            f"use --strategy ddp"):
         TrainConfig(strategy=strategy, workers=3, fault_tolerance="live", out=str(tmp_path))
-    with pytest.raises(RuntimeError, match="--max-restarts"):
-        TrainConfig(workers=3, fault_tolerance="live", max_restarts=1, out=str(tmp_path))
+    assert TrainConfig(workers=3, fault_tolerance="live", max_restarts=2, out=str(tmp_path)).max_restarts == 2
     with pytest.raises(ValueError, match="--fault-tolerance 'sometimes' is not one of: restart, live"):
         TrainConfig(workers=3, fault_tolerance="sometimes", out=str(tmp_path))
     with pytest.raises(ValueError, match="fault_tolerance must be one of stop, live"):
         gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="restart")
+    with pytest.raises(ValueError, match="replacements=1 needs fault_tolerance='live'"):
+        gs.spawn(live_fns.dataset, nprocs=1, replacements=1)
+    with pytest.raises(ValueError, match="replacements must be an integer >= 0, got -1"):
+        gs.spawn(live_fns.dataset, nprocs=1, fault_tolerance="live", replacements=-1)
 
 
 def test_batch_policies_in_closed_form():
@@ -118,16 +132,18 @@ def test_batch_policies_in_closed_form():
 
     assert resized("keep-global", 96, 0.06, 3, 2) == (96, 0.06)
     assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
+    assert resized("keep-per-rank", 8, 0.2, 2, 3) == (12, pytest.approx(0.3))   # a replacement joined: back up
     with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
         resized("keep-nothing", 12, 0.3, 3, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path):
-    """`gradsync train --fault-tolerance live --live-batch keep-per-rank`: member 1 dies in step 5 after
-    the all-reduce, before its optimizer step; the job exits 0, the new world's global batch and
-    learning rate follow b x W' and lr x W'/W, and every sample of the epoch is trained exactly once."""
+def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_replacement(tmp_path):
+    """`gradsync train --fault-tolerance live --live-batch keep-per-rank --max-restarts 1`: member 1 dies in
+    step 5 after the all-reduce, before its optimizer step, and a replacement (member 3) joins; the job
+    exits 0, the global batch and learning rate follow b x W' and lr x W'/W down to 2 ranks and back up
+    to 3, and every sample of the epoch is trained exactly once (the replacement's steps included)."""
     import json
     import subprocess
     import sys
@@ -135,16 +151,131 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce(tmp_path)
     from gradsync.train.datasets import digits
 
     (tmp_path / "ids").mkdir()
-    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer"}
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:optimizer",
+           "GRADSYNC_LIVE_AWAIT_JOINER": "1"}
     job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
-                          "--live-batch", "keep-per-rank", "--epochs", "1", "--quiet", "--timeout", "20",
+                          "--live-batch", "keep-per-rank", "--max-restarts", "1", "--epochs", "1", "--quiet",
+                          "--timeout", "20",
                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=500)
     assert job.returncode == 0, job.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in records if r["event"] == "start")
-    (live,) = [r for r in records if r["event"] == "live"]
+    live, grown = [r for r in records if r["event"] == "live"]
     assert live["lost"] == [1] and live["world_size"] == 2
     assert live["global_batch"] == start["global_batch"] // 3 * 2
     assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
+    assert grown["joined"] == [3] and grown["members"] == [0, 2, 3] and grown["world_size"] == 3
+    assert grown["global_batch"] == start["global_batch"] and grown["peak_lr"] == pytest.approx(start["peak_lr"])
+    assert "3 of 4 members finished" in job.stderr and "1 replacement(s) joined" in job.stderr
     seen = live_fns.committed_samples(tmp_path / "ids", live)
     assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_replacement_that_dies_while_joining_is_recovered_from_and_the_next_one_joins(tmp_path):
+    """Member 0 dies, member 3 (the first replacement) dies as the state transfer to it begins: the
+    members recover from that death like any other (generation of members 1, 2), then member 4 joins;
+    all end bitwise equal and equal to the oracle."""
+    results = gs.spawn(live_fns.train_where_the_first_replacement_dies_joining, nprocs=3, args=(str(tmp_path),),
+                       timeout=20, fault_tolerance="live", join_timeout=150, replacements=2)
+    assert [r is None for r in results] == [True, False, False, True, False]
+    survivors = [r for r in results if r is not None]
+    for r in survivors[:2]:
+        assert [(c["lost"], c["joined"], c["members"]) for c in r["recoveries"]] == [
+            ((0,), (), (1, 2)), ((3,), (), (1, 2)), ((), (4,), (1, 2, 4))], r["recoveries"]
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    for r in survivors:
+        for got, want, first in zip(r["params"], _oracle(2 * steps_per_epoch), survivors[0]["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got, first), f"member {r['member']}'s replica differs from member 1's"
+
+
+def test_live_mode_under_torchrun_refuses_replacements(tmp_path, monkeypatch):
+    """Under torchrun nothing starts a replacement rank: --max-restarts in live mode is refused before
+    the world is joined, naming what to do."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    cfg = TrainConfig(fault_tolerance="live", max_restarts=1, preempt_signal="none", out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="under torchrun a lost node is not replaced"):
+        run(cfg)
+
+
+def test_heartbeat_a_stopped_member_goes_silent_a_beating_one_does_not(monkeypatch):
+    """live/heartbeat.py on a store: a member whose heart beats is never silent; once it stops, it is
+    silent after SILENT_SECONDS and not before; a member never heard is not silent."""
+    import time
+
+    import torch.distributed as dist
+
+    from gradsync.live import heartbeat
+
+    monkeypatch.setattr(heartbeat, "BEAT_SECONDS", 0.02)
+    monkeypatch.setattr(heartbeat, "SILENT_SECONDS", 0.4)
+    monkeypatch.setattr(heartbeat, "READ_SECONDS", 0.0)
+    store = dist.HashStore()
+    beating, stopping = heartbeat.Heart(store, "t", 1), heartbeat.Heart(store, "t", 2)
+    listener = heartbeat.Listener(store, "t")
+    try:
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert not listener.silent(1) and not listener.silent(2) and not listener.silent(3)
+        stopping.stop()
+        time.sleep(0.05)   # its last beat is written
+        listener.silent(2)
+        first_read = time.monotonic()
+        while not listener.silent(2):
+            assert time.monotonic() - first_read < 5, "a stopped heart never went silent"
+            assert not listener.silent(1)
+            time.sleep(0.01)
+        assert time.monotonic() - first_read >= 0.4 - 0.05 and time.monotonic() - started >= 0.4
+        assert not listener.silent(1) and not listener.silent(3)
+    finally:
+        beating.stop()
+        stopping.stop()
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_live_checkpoints_and_rank_0_dies_writing_one(tmp_path):
+    """`gradsync train --fault-tolerance live --checkpoint-every 5`: member 0, rank 0, dies while writing
+    step 10's checkpoint (the knob writes half of the temporary file checkpoint.save would write, then
+    SIGKILLs itself: what a death inside save leaves; save's own atomicity is
+    tests/test_data_checkpoint.py's). The survivors train on; the new rank 0 removes the half-written
+    file and writes the later checkpoints; the last one is intact, at the final step, and records the
+    batch as it stands (keep-global: the global batch of the 3 workers it started with); every sample
+    of the epoch is trained exactly once."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync import checkpoint
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    out = tmp_path / "run"
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "0:10:checkpoint"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--checkpoint-every", "5", "--epochs", "1", "--quiet", "--timeout", "20", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start, summary = (next(r for r in records if r["event"] == e) for e in ("start", "summary"))
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [0] and live["world_size"] == 2 and live["step"] >= 10, live
+    assert not list(out.glob(".checkpoint.pt.tmp-*")), "a half-written checkpoint was left behind"
+    state = checkpoint.load(out / "checkpoint.pt")
+    assert state["step"] == summary["steps"] == 15 and state["epoch"] == 1 and state["position"] == 0
+    assert state["batch"]["workers"] == 3 and state["batch"]["peak_lr"] == pytest.approx(start["peak_lr"])
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in (tmp_path / "ids").glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                last_line[member, step] = (epoch, ids)
+    n = len(digits(0)[0])
+    seen = sorted(i for _, ids in last_line.values() for i in ids)
+    assert seen == list(range(n)), "samples lost or repeated"

@@ -233,3 +233,71 @@ def test_elastic_torchrun_goes_on_without_a_lost_node_and_admits_it_back(two_hos
     summary = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
                if '"summary"' in x][-1]
     assert summary["steps"] == 25 * 45 and summary["accuracy"] >= 0.95, summary
+
+
+@pytest.mark.timeout(300)
+def test_live_torchrun_a_node_lost_the_other_trains_on(two_hosts, tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m gradsync.train --fault-tolerance live`: every process of
+    host 1 (agent and both workers) is SIGKILLed mid-training, a machine lost. Host 0's two workers go
+    on without a restart: one recovery, members [2, 3] lost, a world of 2 ranks on one host (shared
+    memory), found by the heartbeats (live/heartbeat.py) well inside the 30-s quorum timeout; host 0's
+    workers succeed, and every sample of every epoch is trained exactly once over the committed steps.
+    (Host 0's agent then waits in torchrun's exit barrier, 300 s, for host 1's agent, which is gone:
+    the test stops it once the agent has logged that its workers succeeded.)"""
+    import json
+    import signal
+    import time
+
+    from gradsync.train.datasets import digits
+
+    epochs, timeout = 8, 30
+    (tmp_path / "ids").mkdir()
+    procs = []
+    for node, (namespace, link) in enumerate(two_hosts):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
+               "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids")}
+        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+               "--master-addr", HOST_ADDRESSES[0], "--master-port", "29500",
+               "-m", "gradsync.train", "--fault-tolerance", "live", "--epochs", str(epochs), "--seed", "0",
+               "--timeout", str(timeout), "--quiet", "--preempt-signal", "none", "--out", str(tmp_path / f"node{node}")]
+        with open(tmp_path / f"host{node}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    metrics, log0 = tmp_path / "node0" / "metrics.jsonl", tmp_path / "host0.log"
+    try:
+        started = time.monotonic()
+        while not (metrics.exists() and metrics.read_text().count('"event": "step"') >= 5):
+            assert all(p.poll() is None for p in procs), "a node ended before host 1 was lost"
+            assert time.monotonic() - started < 150, "training never started"
+            time.sleep(0.05)
+        for pid in _ip("netns", "pids", two_hosts[1][0]).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        while "Local worker group finished" not in log0.read_text() and procs[0].poll() is None:
+            assert time.monotonic() - killed < 200, f"host 0 did not finish:\n{log0.read_text()[-4000:]}"
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+    host0 = log0.read_text()
+    assert "Local worker group finished (WorkerState.SUCCEEDED)" in host0, f"host 0 failed:\n{host0[-4000:]}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [2, 3] and live["members"] == [0, 1] and live["world_size"] == 2, live
+    assert live["seconds"] < timeout / 3, f"the recovery took {live['seconds']:.1f} s: the quorum waited out its timeout"
+    start, summary = (next(r for r in records if r["event"] == event) for event in ("start", "summary"))
+    n = len(digits(0)[0])
+    steps_per_epoch = -(-n // start["global_batch"])   # keep-global: the same global batch after the loss
+    assert len(summary["bytes_sent_per_rank"]) == 2 and summary["steps"] == epochs * steps_per_epoch, summary
+    seen: dict[tuple[int, int], tuple[int, list[int]]] = {}   # (member, step) -> (epoch, ids), the last line
+    for path in (tmp_path / "ids").glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in live["lost"] or step <= live["step"]:
+                seen[member, step] = (epoch, ids)
+    for epoch in range(epochs):
+        ids = sorted(i for e, chunk in seen.values() if e == epoch for i in chunk)
+        assert ids == list(range(n)), f"epoch {epoch}: samples lost or repeated"

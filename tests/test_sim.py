@@ -116,11 +116,12 @@ def test_powersgd_and_diloco_rows_follow_their_closed_forms():
     diloco = strategy_cost("diloco", m, n, link, c, sync_every=8)
     assert diloco.step_s == pytest.approx(c + ring / 8) and diloco.busiest_link_bytes == pytest.approx(
         2 * 15 / 16 * m / 8)
-    sent = 0.01 * m   # P, Q and the uncompressed tensors: three all-reduces, 1% of the bytes
-    powersgd = strategy_cost("powersgd", m, n, link, c, powersgd_ratio=0.01)
-    expected = 3 * 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * sent * 1e-9 + (n - 1) / n * sent * 2e-10
-    assert powersgd.comm_s == pytest.approx(expected) and powersgd.busiest_link_bytes == pytest.approx(
-        2 * 15 / 16 * sent)
+    sent = 0.01 * m   # P with the uncompressed tensors, then Q: two all-reduces a bucket, 1% of the bytes
+    for bucket_bytes, buckets in ((m, 1), (m / 3, 3), (m / 2.5, 3)):
+        powersgd = strategy_cost("powersgd", m, n, link, c, powersgd_ratio=0.01, bucket_bytes=bucket_bytes)
+        expected = 2 * buckets * 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * sent * 1e-9 + (n - 1) / n * sent * 2e-10
+        assert powersgd.comm_s == pytest.approx(expected) and powersgd.busiest_link_bytes == pytest.approx(
+            2 * 15 / 16 * sent)
     with pytest.raises(ValueError, match="integer >= 1"):
         strategy_cost("diloco", m, n, link, c, sync_every=0)
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):

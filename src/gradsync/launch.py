@@ -208,9 +208,14 @@ def _name_process(name: str) -> None:
             pass
 
 
+class NotNeeded(Exception):
+    """Raised by a replacement rank (spawn's ``replacements``) whose job finished before it could join:
+    its value is None and it is no failure."""
+
+
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, job: str, forward_signals: tuple[int, ...] = (),
-               launcher: dict | None = None) -> None:
+               launcher: dict | None = None, replacement: bool = False) -> None:
     hold_signals(forward_signals)
     (Path(out_dir) / f"{rank}.ready").touch()
     parent = os.getppid()   # the launcher, or the forkserver it started
@@ -220,9 +225,11 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
         os._exit(1)
     if launcher is not None:
         _take_launcher_state(launcher)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1", "GRADSYNC_JOB_ID": job})
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1",
+                       "GRADSYNC_JOB_ID": job})
+    if not replacement:
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": str(nprocs)})
     threads = os.environ.get("OMP_NUM_THREADS", "")
     # torch read OMP_NUM_THREADS when it was imported, which in a forked rank was in the forkserver
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
@@ -231,8 +238,15 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     stack_file = open(out / f"{rank}.stack", "w")  # noqa: SIM115 - must stay open for the handler
     faulthandler.register(STOP_SIGNAL, file=stack_file, all_threads=True, chain=True)
     try:
-        runtime.init(**init_kwargs)
-        result = fn(*args)
+        if replacement:   # no world yet: gradsync.live.LiveDDP joins it to the running one
+            runtime.expect_replacement(rank, **init_kwargs)
+        else:
+            runtime.init(**init_kwargs)
+        try:
+            result = fn(*args)
+        except NotNeeded:
+            sys.stdout.flush()
+            return
         for signum in forward_signals:   # fn is done: a relayed signal now would only lose its result
             signal.signal(signum, signal.SIG_IGN)
         tmp = out / f"{rank}.result.tmp"
@@ -282,7 +296,7 @@ rebuild their world, gradsync.live)."""
 
 def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | None = None,
           timeout: float = 60.0, debug: bool | None = None, join_timeout: float | None = None,
-          forward_signals: tuple[int, ...] = (), fault_tolerance: str = "stop") -> list[Any]:
+          forward_signals: tuple[int, ...] = (), fault_tolerance: str = "stop", replacements: int = 0) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks after gradsync.init(); return values in rank order.
 
     ``timeout`` is every rank's per-wait timeout (gradsync.init); ``join_timeout`` bounds the whole
@@ -291,7 +305,19 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
     ``fault_tolerance="live"``: a rank killed by a signal is not a failure; the others run on (their
     program rebuilds the world: gradsync.live.LiveDDP) and the dead rank's value is None. A rank that
     raises, or every rank dying, is still a SpawnError.
+    ``replacements`` (live only): for each rank killed by a signal while others still run, start a
+    replacement process, at most this many in the whole run. Replacement k (0, 1, ...) is member
+    ``nprocs + k`` (a new member id: a dead one is never reused) and joins the running world at a
+    step boundary when its fn creates gradsync.live.LiveDDP (live/growth.py); it calls no
+    gradsync.init() and must create LiveDDP before any other collective. Its return value is
+    appended: the result has ``nprocs + started`` entries, entry ``nprocs + k`` being replacement
+    k's (None if the job finished before it joined: launch.NotNeeded).
     """
+    if not isinstance(replacements, int) or isinstance(replacements, bool) or replacements < 0:
+        raise ValueError(f"replacements must be an integer >= 0, got {replacements!r}")
+    if replacements and fault_tolerance != "live":
+        raise ValueError(f"replacements={replacements} needs fault_tolerance='live' (a replacement joins a world "
+                         f"whose survivors ran on), got fault_tolerance={fault_tolerance!r}")
     if fault_tolerance not in FAULT_TOLERANCE:
         raise ValueError(f"fault_tolerance must be one of {', '.join(FAULT_TOLERANCE)}, got {fault_tolerance!r}")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
@@ -312,22 +338,33 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
     job = f"{os.getpid()}x{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix=f"gradsync-spawn-{os.getpid()}-") as out_dir:
         launcher = _launcher_state()
-        processes = [ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
-                                 args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, job,
-                                       tuple(forward_signals), launcher))
-                     for rank in range(nprocs)]
+        def process(rank: int, replacement: bool = False):
+            return ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
+                               args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, job,
+                                     tuple(forward_signals), launcher, replacement))
+
+        processes = [process(rank) for rank in range(nprocs)]
+
+        def replace() -> Any:
+            if len(processes) - nprocs >= replacements:
+                return None
+            processes.append(process(len(processes), replacement=True))
+            processes[-1].start()
+            return processes[-1]
+
         try:
             for p in processes:
                 p.start()
             with _relaying(forward_signals, processes, Path(out_dir)):
-                failed = _watch(processes, join_timeout, live=fault_tolerance == "live")
+                failed = _watch(processes, join_timeout, live=fault_tolerance == "live", replace=replace)
             if failed is not None:
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
                 _stop(processes)
                 raise _spawn_error(exit_codes, failed, Path(out_dir))
             return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False)
-                    if processes[rank].exitcode == 0 else None for rank in range(nprocs)]
+                    if processes[rank].exitcode == 0 and (Path(out_dir) / f"{rank}.result").exists() else None
+                    for rank in range(len(processes))]
         finally:
             _stop(processes)
             _remove_segments(job)
@@ -387,9 +424,11 @@ def _remove_segments(job: str) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def _watch(processes: list, join_timeout: float | None, live: bool = False) -> int | None:
+def _watch(processes: list, join_timeout: float | None, live: bool = False, replace: Callable = lambda: None
+           ) -> int | None:
     """Wait until all ranks exit; return the first failed rank (None: all succeeded). ``live``: a rank
-    killed by a signal is no failure while another rank is still running (spawn's fault_tolerance)."""
+    killed by a signal is no failure while another rank is still running (spawn's fault_tolerance);
+    ``replace()`` then starts a replacement process (appended to ``processes``) or returns None."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     running = {p.sentinel: rank for rank, p in enumerate(processes)}
     killed = []
@@ -404,6 +443,9 @@ def _watch(processes: list, join_timeout: float | None, live: bool = False) -> i
             code = processes[rank].exitcode
             if live and code is not None and code < 0:
                 killed.append(rank)
+                started = replace() if running else None
+                if started is not None:
+                    running[started.sentinel] = len(processes) - 1
             elif code != 0:
                 return rank
     if killed and len(killed) == len(processes):

@@ -225,11 +225,13 @@ def _meet(wanted: World, store, prefix: str, generation: int) -> World:
 
 
 def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: int, local_world_size: int,
-           prefix: str) -> World:
+           prefix: str, generation: int | None = None) -> World:
     """Form a new world from the survivors of ``previous`` (live fault tolerance, live/): after shutdown(),
     every member calls this with its new dense ``rank`` of ``world_size`` and the same ``prefix``, a
     namespace of ``job_store`` (the store the old world's keys lived in) that no world used before.
-    Backend, timeout and rendezvous address stay those of ``previous``."""
+    Backend, timeout and rendezvous address stay those of ``previous``; ``generation`` (the World's,
+    which names its shared-memory segments) too unless given: every member must pass the same (a
+    replacement rank that never called init() has none of its own)."""
     if _WORLD is not None:
         raise RuntimeError(f"rank {previous.rank}: rejoin() needs the old world shut down first (gradsync.shutdown())")
     if previous.joined:
@@ -237,7 +239,37 @@ def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: i
                            "torchrun), not one joined from the program's torch.distributed.init_process_group()")
     wanted = dataclasses.replace(previous, rank=rank, world_size=world_size, local_rank=local_rank,
                                  local_world_size=local_world_size, store=None, hosts=(), group_key=None)
-    return _meet(wanted, job_store, prefix, previous.generation)
+    return _meet(wanted, job_store, prefix, previous.generation if generation is None else generation)
+
+
+_REPLACEMENT: list[tuple[int, World]] = []
+"""(member id, settings) of a replacement process that is to join a live world (expect_replacement)."""
+
+
+def expect_replacement(member: int, backend: str | None = None, timeout: float | None = None,
+                       debug: bool | None = None) -> None:
+    """Mark this process as a replacement rank of a live job (gs.spawn's ``replacements``): it calls no
+    init(); gradsync.live.LiveDDP joins it to the running world as member ``member`` (live/growth.py),
+    with these settings and the rendezvous address of the environment (MASTER_ADDR, MASTER_PORT)."""
+    for hook in list(_BEFORE_INIT):
+        hook()
+    settings = _resolve(backend, DEFAULT_TIMEOUT if timeout is None else timeout, 0, 1, 0, 1, None, None, debug)
+    _REPLACEMENT[:] = [(member, settings)]
+
+
+def replacement() -> tuple[int, World] | None:
+    """(member id, settings) when this process is a replacement not yet joined (expect_replacement), else None."""
+    return _REPLACEMENT[0] if _REPLACEMENT and _WORLD is None else None
+
+
+def connect_store(settings: World):
+    """A client of the job's rendezvous store at ``settings``' address (a replacement rank's way in)."""
+    try:
+        return dist.TCPStore(settings.master_addr, settings.master_port, 1, is_master=False,
+                             timeout=timedelta(seconds=settings.timeout), wait_for_workers=False)
+    except Exception as exc:
+        raise RuntimeError(f"could not reach the rendezvous store at {settings.master_addr}:{settings.master_port} "
+                           f"within {settings.timeout:.0f} s: {exc}") from exc
 
 
 def _connect_or_undo(new: World) -> None:

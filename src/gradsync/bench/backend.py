@@ -4,13 +4,20 @@ The program is the same for every backend: init_process_group(backend), torch's
 DistributedDataParallel around the benchmark model, timed full steps (bench/ddp.py's timed_step:
 barrier, forward, backward with the bucket all-reduces, optimizer step; the slowest rank's time).
 In the same run, interleaved step by step in a rotating order, the bare model's step on every rank
-at once (no communication: the floor), and with ``compiled`` both again under torch.compile
+at once (no communication: the floor), torch's DDP with a comm hook that returns each bucket as it is
+(no-op hook: everything DDP does itself, the bucket copies, its autograd hooks and futures, and no
+communication: the least any backend can reach), torch's DDP with gradient_as_bucket_view=True (the
+gradients are views of the buckets: DDP copies each gradient into its bucket once instead of in and
+out), and with ``compiled`` torch DDP and the floor again under torch.compile
 (compile(DDP(model)), the order torch's docs use, so DDPOptimizer splits the graph at the buckets;
 inductor). Each backend runs in its own torchrun, alternately, ``rounds`` times, so machine noise
 hits them alike; a row's step time is the median over every round's median.
 
     ratio     = step time on this backend / the same row's step time on the first backend (gloo)
     vs floor  = step time / the floor's in the same runs (compiled rows: the compiled floor's)
+    comm (ms) = torch DDP's step time - the no-op hook's in the same runs: what the backend's
+                communication adds to DDP's own work (the torch DDP row alone: the others'
+                DDP work differs from the no-op hook's)
 
 On the gradsync backend the same run also times the torch API layer: ``dist.all_reduce(t)``
 through the ProcessGroup (c10d/) beside ``gs.all_reduce(t)`` called directly on the same ranks
@@ -36,7 +43,15 @@ API_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 
 
 TORCH_DDP, FLOOR = "torch DDP", "no communication"
+NO_OP_HOOK, BUCKET_VIEW = "torch DDP, no-op hook", "torch DDP, bucket views"
 COMPILED = " (compiled)"
+
+
+def _no_op_hook(state, bucket):
+    """A comm hook that communicates nothing: the bucket comes back as it went in."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def run(workers: int, model: str, batch: int, steps: int, backends: list[str], rounds: int = 3,
@@ -59,10 +74,12 @@ def run(workers: int, model: str, batch: int, steps: int, backends: list[str], r
     for (backend, label), times in step_medians.items():
         median = statistics.median(times)
         floor = statistics.median(step_medians[(backend, FLOOR + (COMPILED if label.endswith(COMPILED) else ""))])
+        no_op = statistics.median(step_medians[(backend, NO_OP_HOOK)])
         step_rows.append({"backend": backend, "program": label, "workers": workers, "model": model,
                           "step_ms": median, "runs_ms": times,
                           "ratio": median / statistics.median(step_medians[(backends[0], label)]),
-                          "vs_floor": median / floor})
+                          "vs_floor": median / floor,
+                          "comm_ms": median - no_op if label == TORCH_DDP else None})
     api_rows = []
     for size, times in sorted(api.items()):
         through_api, direct = statistics.median(times["api_us"]), statistics.median(times["direct_us"])
@@ -90,10 +107,14 @@ def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int, co
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     runners = {}
-    for label in (TORCH_DDP, FLOOR) + ((TORCH_DDP + COMPILED, FLOOR + COMPILED) if compiled else ()):
+    for label in (TORCH_DDP, FLOOR, NO_OP_HOOK, BUCKET_VIEW) + ((TORCH_DDP + COMPILED, FLOOR + COMPILED) if compiled
+                                                                else ()):
         torch.manual_seed(0)
         model, x, y = _model_and_batch(model_name, batch)
-        wrapped = model if label.startswith(FLOOR) else nn.parallel.DistributedDataParallel(model)
+        wrapped = (model if label.startswith(FLOOR) else
+                   nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=label == BUCKET_VIEW))
+        if label == NO_OP_HOOK:
+            wrapped.register_comm_hook(None, _no_op_hook)
         if label.endswith(COMPILED):
             wrapped = torch.compile(wrapped)
         runners[label] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.01), x, y)

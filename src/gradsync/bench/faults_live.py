@@ -7,10 +7,16 @@ Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epoc
                 its forward: the others are waiting for its gradients in the all-reduce
                 (GRADSYNC_LIVE_KILL, train/loop_live.py)
     optimizer   the same after the all-reduce, just before the victim's optimizer step
+    checkpoint  with --checkpoint-every 5: member 0, rank 0, dies halfway through writing the
+                checkpoint of step 5 or 10 (train/loop_live.py's knob); the trial also needs the last
+                checkpoint intact at the final step and no temporary checkpoint file left
     two         W+1 ranks (4 by default), two random ranks killed in a row from outside: the second
                 once the survivors of the first have stepped again (4 -> 3 -> 2)
     ps-forward  --strategy ps-sync with 1 server and W workers (W+1 ranks): a random worker kills itself
                 after its forward at a random step of the first epoch (train/loop_ps_live.py)
+    replace     as random, with --max-restarts 1: the launcher starts a replacement that joins the
+                survivors (3 -> 2 -> 3); GRADSYNC_LIVE_AWAIT_JOINER=1 makes them wait for it after
+                one step in the shrunk world, so that it joins before the short run ends
 
 Measured per trial, from metrics.jsonl (polled every 5 ms), the sample logs and /proc:
     kill -> next step   from the (last) kill to the first step the new world committed
@@ -19,6 +25,8 @@ Measured per trial, from metrics.jsonl (polled every 5 ms), the sample logs and 
     samples             every epoch's ids over the committed steps of all members (a dead member's up to
                         the step the survivors agreed on): missing and repeated counts
     accuracy            the final test accuracy minus an uninterrupted run's (same seed, same command)
+    join                (replace) from the replacement process appearing in /proc to the first step the
+                        grown world committed
     leaks               a rank process alive after the job, a /dev/shm entry or spawn directory of the
                         job left, or a survivor holding more open file descriptors after the recovery than
                         before the kill
@@ -40,9 +48,10 @@ from pathlib import Path
 
 from gradsync.bench.faults import _alive, _leftovers, _rank_pids
 
-SCENARIOS = ("random", "forward", "optimizer", "two", "ps-forward")
-EXTRA_RANK = ("two", "ps-forward")
-"""Scenarios that start with one rank more than --workers (a second victim; the parameter server)."""
+SCENARIOS = ("random", "forward", "optimizer", "checkpoint", "two", "replace", "ps-forward")
+KILLED_FROM_INSIDE = ("forward", "optimizer", "checkpoint", "ps-forward")
+"""Scenarios whose victim kills itself at a planted point (GRADSYNC_LIVE_KILL)."""
+CHECKPOINT_EVERY = 5
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -59,21 +68,40 @@ def _fds(pid: int) -> int | None:
         return None
 
 
-def _strategy(scenario: str) -> str:
-    return "ps-sync" if scenario.startswith("ps-") else "ddp"
+EXTRA_RANK = ("two", "ps-forward")
+"""Scenarios that start with one rank more than --workers (a second victim; the parameter server)."""
 
 
-def _command(workers: int, epochs: int, timeout: float, out: Path, strategy: str = "ddp") -> list[str]:
+def _strategy(scenario: str) -> tuple[str, ...]:
+    return ("--strategy", "ps-sync") if scenario.startswith("ps-") else ()
+
+
+def _command(workers: int, epochs: int, timeout: float, out: Path, replacements: int = 0,
+             extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "gradsync.cli", "train", "--fault-tolerance", "live", "--workers", str(workers),
-            "--strategy", strategy, "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0",
-            "--out", str(out)]
+            "--epochs", str(epochs), "--timeout", str(timeout), "--quiet", "--seed", "0", "--out", str(out),
+            "--max-restarts", str(replacements), *extra]
 
 
-def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0, strategy: str = "ddp") -> float:
+def _checkpoint_problem(out: Path, steps: int | None) -> str:
+    """What is wrong with the checkpoints a 'checkpoint' trial left in ``out`` ('' when nothing)."""
+    from gradsync import checkpoint
+
+    left = sorted(p.name for p in out.glob(".checkpoint.pt.tmp-*"))
+    if left:
+        return f"temporary checkpoint files left: {left}"
+    try:
+        step = checkpoint.load(out / "checkpoint.pt")["step"]
+    except checkpoint.CheckpointError as exc:
+        return f"last checkpoint unreadable: {exc}"
+    return "" if step == steps else f"last checkpoint at step {step}, the run ended at {steps}"
+
+
+def baseline_accuracy(workers: int = 3, epochs: int = 2, timeout: float = 10.0, extra: tuple[str, ...] = ()) -> float:
     """The final test accuracy of the same command with no kill."""
     out = Path(tempfile.mkdtemp(prefix="gradsync-live-base-"))
     try:
-        subprocess.run(_command(workers, epochs, timeout, out, strategy), check=True, capture_output=True,
+        subprocess.run(_command(workers, epochs, timeout, out, extra=extra), check=True, capture_output=True,
                        timeout=900)
         return next(r for r in _records(out / "metrics.jsonl") if r["event"] == "summary")["accuracy"]
     finally:
@@ -108,10 +136,16 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     if scenario in ("forward", "optimizer", "ps-forward"):
         victims = [rng.randrange(scenario == "ps-forward", workers)]   # not the parameter server, rank 0
         env["GRADSYNC_LIVE_KILL"] = f"{victims[0]}:{rng.randrange(1, 15)}:{scenario.removeprefix('ps-')}"
+    if scenario == "checkpoint":
+        victims = [0]
+        env["GRADSYNC_LIVE_KILL"] = f"0:{rng.choice([CHECKPOINT_EVERY, 2 * CHECKPOINT_EVERY])}:checkpoint"
+    if scenario == "replace":
+        env["GRADSYNC_LIVE_AWAIT_JOINER"] = "1"
     row = {"scenario": scenario, "seed": seed, "workers": workers, "clean": False}
     metrics = out / "run" / "metrics.jsonl"
-    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", _strategy(scenario)), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)
+    extra = ("--checkpoint-every", str(CHECKPOINT_EVERY)) if scenario == "checkpoint" else _strategy(scenario)
+    job = subprocess.Popen(_command(workers, epochs, timeout, out / "run", int(scenario == "replace"), extra),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = _wait_until(lambda: any(r["event"] == "step" for r in _records(metrics)) or job.poll() is not None,
                               300)
@@ -121,7 +155,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
         killed_at = None
         for kill in range(2 if scenario == "two" else 1):
             fds_before = {m: _fds(pid) for m, pid in ranks.items()}
-            if scenario in ("forward", "optimizer", "ps-forward"):
+            if scenario in KILLED_FROM_INSIDE:
                 dead = _wait_until(lambda: not _alive(ranks[victims[0]]), 300)
             else:
                 time.sleep(rng.uniform(0.0, 0.5))
@@ -141,7 +175,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
 
             def first_new_step():
                 records = _records(metrics)
-                recoveries = [i for i, r in enumerate(records) if r["event"] == "live"]
+                recoveries = [i for i, r in enumerate(records) if r["event"] == "live" and not r["joined"]]
                 return len(recoveries) > kill and any(r["event"] == "step" for r in records[recoveries[kill]:])
             if not _wait_until(first_new_step, timeout + 60):
                 job.kill()
@@ -151,7 +185,17 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
             row.setdefault("kill_to_next_step_s", []).append(time.monotonic() - killed_at)
             row.setdefault("fds", []).append({m: (fds_before[m], _fds(pid)) for m, pid in ranks.items()
                                               if m not in victims})
+        if scenario == "replace":
+            joined = _join_time(job.pid, workers, metrics, timeout + 60)
+            if joined is None:
+                job.kill()
+                stdout, stderr = job.communicate()
+                return {**row, "why": "no replacement joined", "victims": victims, "stderr": stderr[-3000:]}
+            row["join_s"], ranks[workers] = joined
         _, err_text = job.communicate(timeout=600)
+        if scenario == "checkpoint":
+            summary = next((r for r in _records(metrics) if r["event"] == "summary"), {})
+            row["checkpoint_problem"] = _checkpoint_problem(out / "run", summary.get("steps"))
     finally:
         if job.poll() is None:
             job.kill()
@@ -159,11 +203,29 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     return _judge(row, job.returncode, err_text, metrics, out / "ids", ranks, victims, baseline, job.pid, epochs)
 
 
+def _join_time(launcher: int, workers: int, metrics: Path, limit: float) -> tuple[float, int] | None:
+    """(seconds from the replacement (member ``workers``) appearing in /proc to the grown world's first
+    committed step, its pid), or None if that does not happen within ``limit`` seconds."""
+    pid = _wait_until(lambda: _rank_pids(launcher).get(workers), limit)
+    if pid is None:
+        return None
+    appeared = time.monotonic()
+
+    def first_grown_step():
+        records = _records(metrics)
+        grown = [i for i, r in enumerate(records) if r["event"] == "live" and r["joined"]]
+        return grown and any(r["event"] == "step" for r in records[grown[0]:])
+    if not _wait_until(first_grown_step, limit):
+        return None
+    return time.monotonic() - appeared, pid
+
+
 def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline, launcher, epochs) -> dict:
     from gradsync.train.datasets import digits
 
     records = _records(metrics)
-    recoveries = [r for r in records if r["event"] == "live"]
+    recoveries = [r for r in records if r["event"] == "live" and not r["joined"]]
+    joins = [r for r in records if r["event"] == "live" and r["joined"]]
     lost = 0
     for index, recovery in enumerate(recoveries):
         before = records[:records.index(recovery)]
@@ -197,10 +259,12 @@ def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline,
     problems = [why for why, bad in (
         (f"exit code {exit_code}", exit_code != 0), (f"{len(recoveries)} recoveries for {len(victims)} kills",
                                                      len(recoveries) != len(victims)),
+        (f"{len(joins)} joins", len(joins) != (row["scenario"] == "replace")),
         (f"{lost} steps lost", lost > 1), ("samples missing", row["samples_missing"]),
         ("samples repeated", row["samples_repeated"]),
         ("accuracy off by > 0.5 points", row["accuracy_delta_points"] is None or abs(row["accuracy_delta_points"]) > 0.5),
-        (f"orphans {orphans}", orphans), (f"leaked {leaked}", leaked), (f"fds grew on members {fd_growth}", fd_growth))
+        (f"orphans {orphans}", orphans), (f"leaked {leaked}", leaked), (f"fds grew on members {fd_growth}", fd_growth),
+        (row.get("checkpoint_problem", ""), row.get("checkpoint_problem")))
         if bad]
     row.update(clean=not problems, why="; ".join(problems), stderr=err_text[-2000:] if problems else "")
     return row

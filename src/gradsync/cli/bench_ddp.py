@@ -66,12 +66,12 @@ def _bench_backends(args) -> int:
                              compiled=args.compile)
     table = Table(title=f"torch DDP step, {args.model}, {args.workers} ranks, batch {args.batch_size}/rank; median "
                         f"of {args.rounds} alternating runs (each the median of {args.steps} steps); floor: the bare "
-                        f"model's step in the same runs")
-    for column in ("backend", "program", "step (ms)", f"/{backends[0]}", "vs floor", "each run (ms)"):
+                        f"model's step in the same runs; comm: the step minus the no-op hook's (DDP's own work)")
+    for column in ("backend", "program", "step (ms)", f"/{backends[0]}", "vs floor", "comm (ms)", "each run (ms)"):
         table.add_column(column, justify="right")
     for r in steps:
         table.add_row(r["backend"], r["program"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['vs_floor']:.2f}x",
-                      ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
+                      "-" if r["comm_ms"] is None else f"{r['comm_ms']:.1f}", ", ".join(f"{t:.1f}" for t in r["runs_ms"]))
     show(table, steps, None, 110)
     if api:
         table = Table(title="all_reduce through torch's API on the gradsync backend beside gs.all_reduce, same ranks")

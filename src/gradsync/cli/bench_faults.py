@@ -19,8 +19,9 @@ def add_parser(benches) -> None:
     faults.add_argument("--live", action="store_true",
                         help="kill ranks of `gradsync train --fault-tolerance live` instead: kill -> next step, steps "
                              "lost, samples lost or repeated, accuracy against an uninterrupted run, leaks")
-    faults.add_argument("--scenarios", default="random,forward,optimizer,two,ps-forward",
-                        help="--live: comma-separated scenarios (random, forward, optimizer, two, ps-forward)")
+    faults.add_argument("--scenarios", default="random,forward,optimizer,checkpoint,two,replace,ps-forward",
+                        help="--live: comma-separated scenarios (random, forward, optimizer, checkpoint, two, replace, "
+                             "ps-forward)")
     faults.add_argument("--epochs", type=positive_int, default=2, help="--live: the runs' --epochs")
     faults.add_argument("--preempt", action="store_true",
                         help="SIGTERM instead (every strategy; ps-*/ssp add one server to --workers): work lost, signal to exit, restart to "
@@ -93,6 +94,7 @@ def _bench_live(args) -> int:
                         f"ps-forward: --strategy ps-sync, 1 server + {args.workers} workers); "
                         f"{args.trials} trials per scenario")
     for column in ("scenario", "trials", "clean", "kill -> next step s (median, worst)", "rebuild s (median)",
+                   "replacement join s (median, worst)",
                    "steps lost (max)", "samples missing / repeated", "accuracy - uninterrupted, points (worst)",
                    "leaks", "problems"):
         table.add_column(column, justify="right")
@@ -104,6 +106,7 @@ def _bench_live(args) -> int:
         table.add_row(scenario, str(len(mine)), str(sum(r["clean"] for r in mine)),
                       faults_live.median_and_worst([t for r in mine for t in r.get("kill_to_next_step_s", [])]),
                       f"{rebuild[len(rebuild) // 2]:.3f}" if rebuild else "-",
+                      faults_live.median_and_worst([r["join_s"] for r in mine if "join_s" in r]),
                       str(max((r.get("steps_lost", 0) for r in mine), default=0)),
                       f"{sum(r.get('samples_missing', 0) for r in mine)} / {sum(r.get('samples_repeated', 0) for r in mine)}",
                       f"{max(deltas, key=abs):+.2f}" if deltas else "-", str(leaks),

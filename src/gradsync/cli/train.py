@@ -48,7 +48,9 @@ def add_parser(commands) -> None:
     train.add_argument("--timeout", type=float, default=60.0, help="seconds any wait between ranks may take")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--max-restarts", type=int, default=0,
-                       help="after a failure, restart the workers from the last checkpoint up to this many times")
+                       help="after a failure, restart the workers from the last checkpoint up to this many times; "
+                            "with --fault-tolerance live: start up to this many replacement ranks for dead ones, "
+                            "each joining the running world")
     train.add_argument("--fault-tolerance", choices=FAULT_TOLERANCE, default="restart",
                        help="when a rank dies: restart (stop every rank; see --max-restarts) or live (the survivors "
                             "rebuild their world and train on, no restart; --strategy ddp)")

@@ -61,6 +61,10 @@ class Job:
     """PowerSGD's r (powersgd only)."""
     outer_lr: float = 0.7
     """DiLoCo's outer learning rate (time-to-loss jobs; diloco only)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer momentum, Nesterov when > 0, plain SGD at 0 (time-to-loss jobs; diloco only)."""
+    inner_lr: float | None = None
+    """DiLoCo's inner AdamW learning rate (time-to-loss jobs; None: the lr every strategy uses, 1e-3)."""
     max_steps: int | None = None
     """Set: a time-to-loss job (loss_worker.py, charlm) of at most this many steps; None: a step-time job."""
     target: float | None = None
@@ -75,6 +79,9 @@ class Job:
                self.powersgd_rank, self.max_steps or 1) < 1:
             raise ValueError(f"workers, servers, ranks_per_host, steps, reps, sync_every, powersgd_rank and "
                              f"max_steps must be >= 1: {self}")
+        if not 0 <= self.outer_momentum < 1 or not (self.inner_lr is None or self.inner_lr > 0):
+            raise ValueError(f"outer_momentum must be in [0, 1) and inner_lr > 0 (or None): got outer_momentum="
+                             f"{self.outer_momentum!r}, inner_lr={self.inner_lr!r}")
         if self.ranks % self.ranks_per_host:
             raise ValueError(f"{self.strategy}: {self.ranks} ranks do not fill hosts of {self.ranks_per_host} "
                              f"(ranks % ranks_per_host = {self.ranks % self.ranks_per_host}); pick --ranks-per-host "
@@ -103,7 +110,9 @@ def _torchrun(cluster: EmulatedCluster, job: Job, host: int, out: Path) -> list[
               "--powersgd-rank", str(job.powersgd_rank), "--out", str(out)]
     if job.max_steps is not None:
         return [*launch, "-m", "gradsync.cluster.loss_worker", *common, "--max-steps", str(job.max_steps),
-                "--outer-lr", f"{job.outer_lr:g}", *([] if job.target is None else ["--target", repr(job.target)])]
+                "--outer-lr", f"{job.outer_lr:g}", "--outer-momentum", f"{job.outer_momentum:g}",
+                *([] if job.inner_lr is None else ["--inner-lr", f"{job.inner_lr:g}"]),
+                *([] if job.target is None else ["--target", repr(job.target)])]
     return [*launch, "-m", "gradsync.cluster.worker", *common, "--params", f"{job.params:g}",
             "--steps", str(job.steps), "--reps", str(job.reps), "--staleness", str(job.staleness)]
 

@@ -12,7 +12,8 @@ Vocabulary
                same order
     optimizer  AdamW, lr --lr (constant, no warm-up), weight decay 0.01: each rank's own for ring and
                powersgd, the servers' for ps-sync (on the averaged gradient: the same arithmetic as
-               ring DDP), DiLoCo's inner one (its outer: Nesterov SGD, --outer-lr, momentum 0.9)
+               ring DDP), DiLoCo's inner one (lr --inner-lr, by default --lr; its outer: SGD, --outer-lr,
+               Nesterov momentum --outer-momentum, plain SGD at 0)
     evaluation every --eval-every steps (= H, right after DiLoCo's outer step, when the replicas agree)
                the evaluating rank (rank 0; ps-sync: the first worker, on the parameters it pulled)
                computes the mean loss over the first --eval-windows windows of the test set, and tells
@@ -97,8 +98,10 @@ def _build(args, model):
     """ring, powersgd, diloco: (the module to call, its optimizer, DiLoCo or None), made before the
     counters start (the wrapper's and DiLoCo's first broadcast of the parameters stay out of them)."""
     if args.strategy == "diloco":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        return model, optimizer, gs.DiLoCo(model, optimizer, outer_lr=args.outer_lr, outer_momentum=0.9,
+        inner_lr = args.lr if args.inner_lr is None else args.inner_lr
+        optimizer = torch.optim.AdamW(model.parameters(), lr=inner_lr, weight_decay=0.01)
+        return model, optimizer, gs.DiLoCo(model, optimizer, outer_lr=args.outer_lr,
+                                           outer_momentum=args.outer_momentum, nesterov=args.outer_momentum > 0,
                                            sync_every=args.sync_every, algorithm="ring")
     wrapped = gs.DistributedDataParallel(model, algorithm="ring")
     if args.strategy == "powersgd":
@@ -144,7 +147,8 @@ def _train_ps(args, model, ps, batches, evaluate) -> tuple[int, str]:
     return step, "worker"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's flags (cluster/jobs.py writes them)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=STRATEGIES, required=True)
     parser.add_argument("--target", type=float, default=None, help="stop at this test loss (none: run --max-steps)")
@@ -157,10 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--powersgd-rank", type=int, default=2)
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--inner-lr", type=float, default=None, help="diloco's inner lr (none: --lr)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", required=True, help="directory for rank<r>.json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     w = gs.init(timeout=args.timeout)
     servers = args.servers if args.strategy == "ps-sync" else 0

@@ -112,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the others stop after this many times --loss-steps (default 3)")
     slow.add_argument("--loss-margin", type=_fraction, default=0.02, help="target = ring's loss x (1 + this)")
     slow.add_argument("--outer-lr", type=_fraction, default=0.7, help="diloco's outer lr (default 0.7)")
+    slow.add_argument("--outer-momentum", type=float, default=0.9,
+                      help="diloco's outer Nesterov momentum in [0, 1); 0: plain SGD (default 0.9, the paper's)")
+    slow.add_argument("--inner-lr", type=_fraction, default=None,
+                      help="diloco's inner AdamW lr (default: 1e-3, every strategy's lr)")
 
 
 def plan(args) -> list[tuple[str, Job]]:

@@ -46,7 +46,8 @@ def summarize(result: dict, rate: str) -> dict:
             "busiest": {**busiest, "kernel_tx_per_step": busiest["kernel_tx"] / max(1, steps),
                         "kernel_rx_per_step": busiest["kernel_rx"] / max(1, steps)},
             "meter_sent_max": max(r["bytes_sent"] for r in ranks), "sync_every": job.sync_every,
-            "powersgd_rank": job.powersgd_rank, "outer_lr": job.outer_lr}
+            "powersgd_rank": job.powersgd_rank, "outer_lr": job.outer_lr, "outer_momentum": job.outer_momentum,
+            "inner_lr": job.inner_lr}
 
 
 def reached_at(curve: list[dict], target: float) -> tuple[float | None, int | None]:
@@ -64,7 +65,7 @@ def run(args) -> tuple[list[dict], list[str]]:
     """Every (link, W): the ring's reference run, then each other strategy to its target."""
     rows, failures = [], []
     common = {"params": 0.0, "sync_every": args.sync_every, "powersgd_rank": args.powersgd_rank,
-              "outer_lr": args.outer_lr}
+              "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "inner_lr": args.inner_lr}
     cap = int(args.step_cap * args.loss_steps)
     for rate in args.link:
         for w in args.workers:

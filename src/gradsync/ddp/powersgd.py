@@ -19,15 +19,22 @@ Vocabulary
 
 One step, per bucket (once ``start_iter`` steps have been averaged plainly, as torch's
 start_powerSGD_iter: the first steps' gradients change fastest, and error feedback needs a start):
-    1. M_i += e_i (error feedback); keep a copy of the bucket
-    2. the uncompressed tensors: one all-reduce of their concatenation, divided by N
-    3. P = M_i Q for each compressed M (Q: the last step's, orthonormalized; the first time random,
-       seeded alike on every rank); all-reduce P (sum); orthonormalize P's columns
+    1. M_i += e_i (error feedback); keep a copy of the bucket (in e_i's own buffer: no new memory)
+    2. P = M_i Q for each compressed M (Q: the last step's, orthonormalized; the first time random,
+       seeded alike on every rank)
+    3. one all-reduce (sum) of P and the uncompressed tensors, back to back in one buffer; the
+       uncompressed part divided by N; orthonormalize P's columns
     4. Q = M_i^T P; all-reduce Q (sum), divide by N
     5. M <- P Q^T: the rank-r approximation of the average, written into the gradients
     6. e_i = (the copy of step 1) - (the bucket now)
 Orthonormalization: Gram-Schmidt for r <= 2 (and half precision), QR above: torch's powerSGD_hook
 makes the same choices, and every step above is its arithmetic, so the two agree (tested, float64).
+torch's hook all-reduces the uncompressed tensors and P separately; here they share one all-reduce
+(each element is still the sum of the same N values, though from N = 3 the ring may add them in
+another order: equal within rounding), so a compressed step is two all-reduces per bucket, not
+three. On a slow CPU or link each all-reduce costs 2(N-1) message latencies whatever its size, and
+P's and the uncompressed tensors' are both small: see docs/studies/slow-links.md for the
+measurement behind this.
 
 Traffic per bucket and step, with the all-reduce's own factor (ring: 2(N-1)/N bytes sent per byte):
     (sum over compressed M of (n + m) r  +  uncompressed elements) x element size
@@ -72,6 +79,7 @@ class PowerSGDState:
     """[elements before compression, elements sent] over every compressed step, for the ratio."""
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
     ps: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per bucket: the uncompressed tensors' elements, then every P (n x r), in one buffer."""
     qs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,6 +124,8 @@ class _Plan:
 
     matrices: list[torch.Tensor]
     uncompressed: list[torch.Tensor]
+    flat_uncompressed: torch.Tensor
+    """The head of the P buffer: where the uncompressed tensors travel."""
     ps: list[torch.Tensor]
     qs: list[torch.Tensor]
     fresh: bool
@@ -138,15 +148,16 @@ def _plan(state: PowerSGDState, bucket) -> _Plan:
             state.elements[1] += n * m
         state.elements[0] += n * m
     fresh = not state.warm_start or index not in state.ps
+    uncompressed_elements = sum(t.numel() for t in uncompressed)
     if fresh:
-        state.ps[index] = buffer.new_empty(sum(n * r for n, _, r in shapes))
+        state.ps[index] = buffer.new_empty(uncompressed_elements + sum(n * r for n, _, r in shapes))
         state.qs[index] = buffer.new_empty(sum(m * r for _, m, r in shapes))
-    ps, qs, p_at, q_at = [], [], 0, 0
+    ps, qs, p_at, q_at = [], [], uncompressed_elements, 0
     for n, m, rank in shapes:
         ps.append(state.ps[index][p_at:p_at + n * rank].view(n, rank))
         qs.append(state.qs[index][q_at:q_at + m * rank].view(m, rank))
         p_at, q_at = p_at + n * rank, q_at + m * rank
-    return _Plan(matrices, uncompressed, ps, qs, fresh)
+    return _Plan(matrices, uncompressed, state.ps[index][:uncompressed_elements], ps, qs, fresh)
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:
@@ -167,11 +178,12 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
         return _done(buffer)
     index = bucket.index()
     if state.error_feedback:
-        if index in state.errors:
-            buffer.add_(state.errors[index])
+        error = state.errors.get(index)
+        if error is None:
+            error = state.errors[index] = torch.empty_like(buffer)
         else:
-            state.errors[index] = torch.zeros_like(buffer)
-        before = buffer.detach().clone()
+            buffer.add_(error)
+        error.copy_(buffer)   # the copy of step 1, in the error's buffer (step 6 subtracts in place)
     plan = _plan(state, bucket)
     if plan.fresh:   # seeded alike on every rank: every rank starts from the same Q
         with torch.random.fork_rng(devices=[]):
@@ -182,18 +194,20 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
     else:
         for q in plan.qs:
             orthonormalize(q, state.epsilon)
+    # 2. P = M Q
     for matrix, q, p in zip(plan.matrices, plan.qs, plan.ps):
         torch.matmul(matrix, q, out=p)
-    # 2. the uncompressed tensors, averaged
-    if plan.uncompressed:
-        flat = torch.cat([t.reshape(-1) for t in plan.uncompressed])
-        group.all_reduce(flat, op="sum", algorithm=state.algorithm).div_(group.size)
-        offset = 0
-        for tensor in plan.uncompressed:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-    # 3. P: summed, orthonormalized
+    # 3. the uncompressed tensors and P: one all-reduce (sum); the tensors averaged, P orthonormalized
+    offset = 0
+    for tensor in plan.uncompressed:
+        plan.flat_uncompressed[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+        offset += tensor.numel()
     group.all_reduce(state.ps[index], op="sum", algorithm=state.algorithm)
+    plan.flat_uncompressed.div_(group.size)
+    offset = 0
+    for tensor in plan.uncompressed:
+        tensor.copy_(plan.flat_uncompressed[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
     for p in plan.ps:
         orthonormalize(p, state.epsilon)
     # 4. Q = M^T P, averaged
@@ -205,7 +219,7 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
         torch.matmul(p, q.t(), out=matrix)
     # 6. what it left out
     if state.error_feedback:
-        state.errors[index] = before - buffer
+        error.sub_(buffer)
     if not state.warm_start:
         state.ps.clear()
         state.qs.clear()

@@ -4,11 +4,14 @@ restart and without reading a checkpoint.
     membership.py   who is in each generation, agreed through the rendezvous store (the quorum)
     ddp.py          LiveDDP: DistributedDataParallel whose world is rebuilt from the survivors, the
                     step in flight redone by them
-    policy.py       what a smaller world does to the global batch and the learning rate
+    policy.py       what a smaller (or grown back) world does to the global batch and the learning rate
+    growth.py       a replacement rank joins at a step boundary: the protocol, the members' decision
+    transfer.py     the training state sent from rank 0 to a joiner over the transport
 
 Run it under gs.spawn(fn, nprocs, fault_tolerance="live") (the launcher then lets the survivors run
-on instead of stopping them, and hosts the store they meet through) or `gradsync train
---fault-tolerance live`.
+on instead of stopping them, and hosts the store they meet through; with replacements=K it starts
+up to K replacement ranks, which join the running world) or `gradsync train --fault-tolerance live`
+(--max-restarts K for the replacements).
 """
 
 from gradsync.live.ddp import LiveDDP, Recovery

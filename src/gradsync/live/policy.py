@@ -1,4 +1,5 @@
-"""What a world that shrinks from W to W' ranks does to the batch and the learning rate.
+"""What a world that changes from W to W' ranks (shrinks after a death, grows back when a replacement
+joins) does to the batch and the learning rate.
 
     keep-global    the global batch G stays; each survivor's share grows to about G / W' samples
                    (the epoch's remaining samples are split over W', EpochCursor.share), and the
@@ -7,6 +8,8 @@
     keep-per-rank  each rank keeps b = G / W samples a step, so the global batch becomes
                    G' = b W' and the learning rate is scaled with it, lr' = lr W' / W (the linear
                    scaling rule, Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1).
+                   Growing back (2 -> 3 after 3 -> 2) gives G and lr x 2/3 x 3/2 again: exact for G,
+                   lr within floating-point rounding.
 """
 
 from __future__ import annotations

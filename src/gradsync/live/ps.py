@@ -290,10 +290,11 @@ class LivePS:
                                    f"but every member is alive: a stall, not a death, and live mode recovers "
                                    f"from deaths only")
             self._end_if_a_server_died(lost, why)
-            hosts = {m: self.membership._location(m)[0] for m in generation.members}
+            hosts = {m: self.membership.location(m)[0] for m in generation.members}
             local = [m for m in generation.members if hosts[m] == hosts[self.member]]
             runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
-                           local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world")
+                           local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world",
+                           generation=generation.index)
             version, rolled_back = self._agree_on_clocks(before)
         record = PSRecovery(generation.index, generation.members, lost, version if self.is_server else self.step,
                             rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at)
@@ -354,8 +355,9 @@ class LivePS:
         return self.ps.stats()
 
     def close(self) -> None:
-        """Stop the relay and remove the live world's check."""
+        """Stop the relay, the live world's check and the heartbeat."""
         if self._relay is not None:
             self._relay.stopped.set()
             self._relay.join()
         set_abandon_check(None)
+        self.membership.close()

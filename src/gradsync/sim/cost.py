@@ -48,10 +48,11 @@ backward pass takes b = backward_share * c):
                   wire, moves the bytes): ps-async's server wire time is W*M/S*beta*D
     ring, halving_doubling, tree, naive, hierarchical
                   step = c + T_allreduce(M)                  (no overlap with backward)
-    powersgd      ddp/powersgd.py: each step three ring all-reduces one after another, the factors
-                  P and Q and the uncompressed tensors, rho*M bytes in all (rho: the compressed share
-                  of the gradient, ``powersgd_ratio``; sum over matrices of (n + m) r / (n m)):
-                  T_comm = 3 * 2(N-1)*alpha + 2(N-1)/N*rho*M*beta + (N-1)/N*rho*M*gamma;
+    powersgd      ddp/powersgd.py: each step, per bucket, two ring all-reduces one after another
+                  (P with the uncompressed tensors, then Q), rho*M bytes in all (rho: the compressed
+                  share of the gradient, ``powersgd_ratio``; sum over matrices of (n + m) r / (n m));
+                  K = ceil(M / B) buckets of B = ``bucket_bytes`` (the wrapper's smaller first bucket
+                  not counted): T_comm = 2K * 2(N-1)*alpha + 2(N-1)/N*rho*M*beta + (N-1)/N*rho*M*gamma;
                   step = c + T_comm (no overlap; the factorisation's own flops, 4 n m r a matrix,
                   are left out). Busiest link: 2(N-1)/N*rho*M
     diloco        diloco.py: one ring all-reduce of M every H steps (``sync_every``):
@@ -256,9 +257,10 @@ def strategy_cost(strategy: str, nbytes: float, workers: int, link: Link, comput
         if not 0 < powersgd_ratio <= 1:
             raise ValueError(f"powersgd_ratio is the share of the gradient sent, in (0, 1]; got {powersgd_ratio}")
         sent = powersgd_ratio * m
-        comm = allreduce_time("ring", sent, w, link) + 2 * 2 * (w - 1) * link.alpha   # + the P and Q phases' messages
+        buckets = math.ceil(m / bucket_bytes)
+        comm = allreduce_time("ring", sent, w, link) + (2 * buckets - 1) * 2 * (w - 1) * link.alpha   # every phase's messages
         return StrategyCost(strategy, allreduce_bytes_per_rank("ring", sent, w), comm, c + comm, c / (c + comm),
-                            f"{powersgd_ratio:.3g} of the gradient, three all-reduces a step")
+                            f"{powersgd_ratio:.3g} of the gradient, {2 * buckets} all-reduces a step")
     if strategy == "diloco":
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (DiLoCo's H) must be an integer >= 1, got {sync_every!r}")

@@ -96,7 +96,9 @@ class TrainConfig:
     """No progress bar (for tests and logs)."""
     max_restarts: int = 0
     """Local launcher: after a failure, start the workers again from the last checkpoint this many
-    times (under torchrun use its own --max-restarts with --resume)."""
+    times (under torchrun use its own --max-restarts with --resume). With --fault-tolerance live: start
+    a replacement for a dead rank, at most this many in the whole run (gs.spawn's replacements), each
+    joining the running world at a step boundary with the state of a live peer (live/growth.py)."""
     checkpoint_every: str = ""
     """Also checkpoint between epochs: every N steps ("200") or every span of wall time ("30s", "5m",
     "1h"; rank 0's clock, agreed with the preemption flag in one 2-element all-reduce per step). Empty:
@@ -141,9 +143,11 @@ class TrainConfig:
         if self.strategy == "ps-sync" and self.live_batch != "keep-global":
             raise RuntimeError("--strategy ps-sync --fault-tolerance live keeps the global batch (--live-batch "
                                "keep-global): the servers' learning rate is not rescaled when a worker dies")
-        refused = [(self.max_restarts, "--max-restarts (live mode restarts nothing)"),
-                   (self.checkpoint_every, "--checkpoint-every (live mode writes no checkpoint between epochs)"),
-                   (self.resume, "--resume (live mode reads no checkpoint)"),
+        if self.checkpoint_interval()[1] is not None:
+            raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
+                               f"of steps (200), not a time ({self.checkpoint_every!r})")
+        refused = [(self.resume, "--resume (live mode reads no checkpoint: continue a live job's checkpoint with "
+                                 "--fault-tolerance restart --resume)"),
                    (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
                    (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]
         for given, flag in refused:

@@ -303,8 +303,20 @@ def run(cfg: TrainConfig) -> list[dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     hold_signals(_preempt_signals(cfg))   # a preemption during start-up stops the job after its first step
     if _under_torchrun() and cfg.fault_tolerance == "live":
-        raise RuntimeError("--fault-tolerance live runs under gradsync's own launcher (gradsync train --workers N): "
-                           "torchrun's agent stops every worker of a node when one fails")
+        from gradsync.train.loop_live import train_live_rank
+
+        if cfg.strategy == "ps-sync":
+            raise RuntimeError("--strategy ps-sync --fault-tolerance live runs under gradsync's own launcher "
+                               "(gradsync train --workers N), not under torchrun")
+        if cfg.max_restarts:
+            raise RuntimeError("--fault-tolerance live --max-restarts starts replacement ranks from gradsync's own "
+                               "launcher (gradsync train --workers N); under torchrun a lost node is not replaced: "
+                               "drop --max-restarts (and keep torchrun's own --max-restarts at 0)")
+        gs.init(timeout=cfg.timeout)
+        try:
+            return [train_live_rank(cfg)]
+        finally:
+            gs.shutdown()
     if _under_torchrun() or cfg.strategy == "local":
         gs.init(timeout=cfg.timeout)
         try:
@@ -319,7 +331,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         from gradsync.train.loop_ps_live import train_ps_live_rank
 
         results = gs.spawn(train_ps_live_rank if cfg.strategy == "ps-sync" else train_live_rank, nprocs=cfg.workers,
-                           args=(cfg,), timeout=cfg.timeout, fault_tolerance="live")
+                           args=(cfg,), timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts)
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     results = _spawn_with_restarts(cfg)

@@ -7,38 +7,58 @@ from the survivors and the step in flight is trained again by them: EpochCursor'
 not depend on how many ranks consumed the first P samples, so the epoch's remaining samples are
 re-sharded over the survivors with none lost or repeated.
 
+With --max-restarts K the launcher starts a replacement for a dead rank (at most K): it joins the
+running world at a step boundary (live/growth.py) and receives the parameters, the optimizer state,
+the epoch position and the batch policy's global batch and learning rate from rank 0; the world
+grows back and the next step's samples are split over it the same way.
+
 Batch and learning rate after a resize (--live-batch, live/policy.py): keep-global keeps the global
 batch G (each survivor's share grows to about G / W'), keep-per-rank keeps each rank's batch and
-scales the learning rate by W' / W. Each rank's loss is its share's summed loss x W / (step's
-samples), so the ranks' average is the step's mean loss however unevenly the share falls.
+scales the learning rate by W' / W (back up when the world grows). Each rank's loss is its share's
+summed loss x W / (step's samples), so the ranks' average is the step's mean loss however unevenly
+the share falls.
 
-What this mode leaves out: checkpoints (nothing is read back; --checkpoint-every is refused),
-preemption, tracing, --clip-grad, --compress powersgd and every strategy but ddp (train/config.py
-says why for each).
+Checkpoints (--checkpoint-every N, steps only): after each N-th committed step the rank 0 of the
+world as it is then snapshots the state and writes it in the background (checkpoint.py: a temporary
+file, then an atomic rename), and again at the end. A rank 0 that dies while writing leaves the
+previous checkpoint whole; the new rank 0 removes the dead member's temporary file and writes the
+next one. The checkpoint records the batch as it is then (the world size whose global batch it is,
+the learning rate after a resize), so `--fault-tolerance restart --resume` continues it.
+
+What this mode leaves out: reading a checkpoint back (--resume), preemption, tracing, --clip-grad,
+--compress powersgd and every strategy but ddp (train/config.py says why for each).
 
 Test knobs: GRADSYNC_SAMPLE_LOG=DIR makes every member append "step epoch id id ..." for each step
 it starts to DIR/live.<pid>.m<member> (a step tried again after a recovery is written again: the last
 line of a step number is the one that counts, and a dead member's count up to the step the survivors
 resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
 in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
-its gradients in the all-reduce) or optimizer (after the all-reduce, before its optimizer step).
+its gradients in the all-reduce), optimizer (after the all-reduce, before its optimizer step) or
+checkpoint (member M, rank 0 then, writes half of step S's checkpoint, S a multiple of N, and dies).
+GRADSYNC_LIVE_AWAIT_JOINER=1 makes the members, after a recovery from a death and one step in the
+shrunk world, wait (at most 60 s) until a replacement asks to join, so that it joins a short run
+before it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import gradsync as gs
+from gradsync import checkpoint
 from gradsync.data import EpochCursor
 from gradsync.live import LiveDDP, resized
 from gradsync.train import resume
+from gradsync.train.resume import CHECKPOINT_NAME
 from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
@@ -53,7 +73,7 @@ def _chunks(ids: list[int], parts: int) -> list[list[int]]:
     return [ids[bounds[m]:bounds[m + 1]] for m in range(parts)]
 
 
-KILL_PHASES = ("forward", "optimizer")
+KILL_PHASES = ("forward", "optimizer", "checkpoint")
 
 
 def _planted_kill(member: int) -> tuple[int, str] | None:
@@ -75,36 +95,90 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _temporary(path: Path, pid: int) -> Path:
+    """The file checkpoint.save writes before renaming it to ``path``."""
+    return path.with_name(f".{path.name}.tmp-{pid}")
+
+
+def _die_writing(path: Path, state: dict) -> None:
+    """The checkpoint kill: half of the checkpoint's temporary file written, then SIGKILL."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with open(_temporary(path, os.getpid()), "wb") as f:
+        f.write(buffer.getvalue()[:buffer.tell() // 2])
+        f.flush()
+        os.fsync(f.fileno())
+    _die()
+
+
+class LiveCheckpoints:
+    """--checkpoint-every N in a live world (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, plan: resume.BatchPlan, kill: tuple[int, str] | None) -> None:
+        self.cfg, self.every = cfg, cfg.checkpoint_interval()[0]
+        self.path = Path(cfg.out) / CHECKPOINT_NAME
+        self.base_lr, self.kill = plan.base_lr, kill
+        self.writer = checkpoint.BackgroundWriter()
+        self.written: list[int] = []
+
+    def _state(self, live: LiveDDP, batch: dict) -> dict:
+        cfg = self.cfg
+        workers = batch["global"] // (cfg.batch_size * cfg.grad_accum)   # the world whose global batch it is
+        plan = resume.BatchPlan(cfg.batch_size, cfg.grad_accum, workers, self.base_lr, batch["peak_lr"])
+        return resume.state_of(cfg, plan, live.module, live.optimizer, live.step, live.progress["epoch"],
+                               live.progress["position"], live.world.world_size)
+
+    def after_step(self, live: LiveDDP, batch: dict, final: bool = False) -> None:
+        """Write a checkpoint if one is due (rank 0 alone; the others hold the same state)."""
+        if self.every is None or live.world.rank != 0 or not (final or live.step % self.every == 0):
+            return
+        state = checkpoint.snapshot(self._state(live, batch))
+        if self.kill == (live.step, "checkpoint"):
+            threading.Thread(target=_die_writing, args=(self.path, state), daemon=True).start()
+            return
+        if final:
+            self.writer.wait()
+            checkpoint.save(self.path, state)
+        else:
+            self.writer.submit(self.path, state)
+        self.written.append(live.step)
+
+    def after_recovery(self, live: LiveDDP) -> None:
+        """The new rank 0 removes what lost members on this host left half written."""
+        if self.every is None or live.world.rank != 0 or not live.recoveries:
+            return
+        for member in live.recoveries[-1].lost:
+            where = live.membership.location(member)
+            if where is not None and where[0] == live.membership.me:
+                _temporary(self.path, where[1]).unlink(missing_ok=True)
+
+
 def train_live_rank(cfg: TrainConfig) -> dict:
     """One member's job (see the module docstring); returns its statistics and recoveries."""
-    w = gs.world()
     torch.manual_seed(cfg.seed)
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    plan = resume.BatchPlan.fresh(cfg, w.world_size)
-    batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}
-    cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
+    plan = resume.BatchPlan.fresh(cfg, cfg.workers)
+    batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}   # a replacement receives rank 0's
     model = build_model(cfg.model, cfg.dataset)
     optimizer = build_optimizer(cfg, model.parameters(), plan.peak_lr)
 
     def on_resize(live: LiveDDP, old_world: int) -> None:
-        nonlocal cursor
         batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
                                                     live.world.world_size)
-        cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
-        report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
-        report.live({"event": "live", **{k: v for k, v in live.recoveries[-1].__dict__.items()},
-                     "world_size": live.world.world_size, "global_batch": batch["global"],
-                     "peak_lr": batch["peak_lr"], "at": time.time()})
 
-    live = LiveDDP(model, optimizer, on_resize=on_resize, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
+    # a replacement joins the running world here, receiving the state, the progress and the batch
+    live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": 0, "position": 0}, shared=batch,
+                   bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                    comm_hook=None if cfg.compress == "none" else cfg.compress)
-    live.progress = {"epoch": 0, "position": 0}
+    w = live.world
+    cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
     kill = _planted_kill(live.member)
+    checkpoints = LiveCheckpoints(cfg, plan, kill)
     if kill is not None and kill[1] == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
-    report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
+    report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0), resumed_at=None)
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)
@@ -139,9 +213,18 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     def more() -> bool:
         return live.step < cfg.steps if cfg.steps is not None else live.progress["epoch"] < cfg.epochs
 
+    await_joiner = os.environ.get("GRADSYNC_LIVE_AWAIT_JOINER", "") not in ("", "0")
     while more():
+        if await_joiner and live.recoveries and not live.recoveries[-1].joined and live.step > live.recoveries[-1].step:
+            live.await_joiner(60.0)
+            await_joiner = False
         step_started = time.perf_counter()
-        if not live.run_step(train_step):
+        if not live.run_step(train_step):   # the world changed (a death or a joiner): the step is trained next
+            cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
+            report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
+            report.live({"event": "live", **live.recoveries[-1].__dict__, "world_size": live.world.world_size,
+                         "global_batch": batch["global"], "peak_lr": batch["peak_lr"], "at": time.time()})
+            checkpoints.after_recovery(live)
             continue
         elapsed = time.perf_counter() - step_started
         stats["comm_s"] += live.model.comm_seconds
@@ -149,6 +232,7 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         stats["compute_s"] += elapsed - live.model.wait_seconds
         report.step(live.step, current["epoch"], current["loss"], current["step_size"] / elapsed,
                     live.model.last_overlap)
+        checkpoints.after_step(live, batch)
         if live.progress["epoch"] != current["epoch"]:   # the epoch's last step
             evaluation = live.collective(lambda: evaluate(cfg, model, test_set))
             report.epoch(current["epoch"], live.step, evaluation)
@@ -159,18 +243,22 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"], -1.0],
                         dtype=torch.float64)
     per_rank = live.collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
+    checkpoints.after_step(live, batch, final=True)
     summary = report.finish(wall, live.step, evaluation, per_rank)
     live.close()
     if sample_log is not None:
         sample_log.close()
     return {"summary": summary, "digest": param_digest(model), "member": live.member,
-            "recoveries": [r.__dict__ for r in live.recoveries], "params": None, "events": []}
+            "recoveries": [r.__dict__ for r in live.recoveries], "params": None, "events": [],
+            "checkpoints": checkpoints.written}
 
 
 def workers_summary(results: list[dict | None]) -> str:
     """One line for the launcher: which members finished and what the recoveries cost."""
     finished = [r for r in results if r is not None]
-    recoveries = finished[0]["recoveries"] if finished else []
-    seconds = [r["seconds"] for r in recoveries]
-    return (f"live: {len(finished)} of {len(results)} members finished; {len(recoveries)} recovery(ies)"
-            + (f", median {statistics.median(seconds):.3f} s from the error to the rebuilt world" if seconds else ""))
+    changes = finished[0]["recoveries"] if finished else []
+    seconds = [r["seconds"] for r in changes if not r["joined"]]
+    joins = [r for r in changes if r["joined"]]
+    return (f"live: {len(finished)} of {len(results)} members finished; {len(seconds)} recovery(ies)"
+            + (f", median {statistics.median(seconds):.3f} s from the error to the rebuilt world" if seconds else "")
+            + (f"; {len(joins)} replacement(s) joined" if joins else ""))
