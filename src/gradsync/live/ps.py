@@ -255,7 +255,7 @@ class LivePS:
         """The first line of ``exc`` when a member's death caused it; otherwise ``exc`` is raised again."""
         if not _caused_by_peer(exc) and not self._broken_soon():
             raise exc
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return LiveDDP._failure(self, exc, always=True)   # its first line; the tracebacks cut (they hold the old world)
 
     def _broken_soon(self) -> bool:
         """Whether the generation is broken, asking the store once more (membership.py looks at most every
