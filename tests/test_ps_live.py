@@ -160,3 +160,16 @@ def test_train_cli_ps_sync_live_after_a_worker_dies(tmp_path):
     killed = next(r for r in records if r["event"] == "summary")["accuracy"]
     uninterrupted = next(r for r in train(tmp_path / "base") if r["event"] == "summary")["accuracy"]
     assert abs(killed - uninterrupted) <= 0.005, (killed, uninterrupted)
+
+
+def test_ps_sync_live_under_torchrun_is_refused(tmp_path, monkeypatch):
+    """LivePS rebuilds its world through gradsync's own launcher: under torchrun the job is refused
+    before the world is joined, naming what to run instead."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    cfg = TrainConfig(strategy="ps-sync", workers=2, fault_tolerance="live", preempt_signal="none", out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="runs under gradsync's own launcher \\(gradsync train --workers N\\)"):
+        run(cfg)
