@@ -93,3 +93,20 @@ def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
     if replacement is not None and replacement[0] == 3:
         transfer.share_state = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     return train_with_a_kill(0, 4, 2, log_dir, 2)
+
+
+def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, list[int]]:
+    """Per epoch, the sorted sample ids of every committed step in the GRADSYNC_SAMPLE_LOG files of
+    ``gradsync train --fault-tolerance live`` (train/loop_live.py): of a step written twice (tried again
+    after a recovery) the last line counts, and a lost member's steps count up to ``resumed_from``."""
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in Path(ids_dir).glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in lost or step <= resumed_from:
+                last_line[member, step] = (epoch, ids)
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, ids in last_line.values():
+        by_epoch.setdefault(epoch, []).extend(ids)
+    return {epoch: sorted(ids) for epoch, ids in by_epoch.items()}
