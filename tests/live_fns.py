@@ -110,3 +110,18 @@ def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, 
     for epoch, ids in last_line.values():
         by_epoch.setdefault(epoch, []).extend(ids)
     return {epoch: sorted(ids) for epoch, ids in by_epoch.items()}
+
+
+def bytes_of_steps(admit_joiners: bool, steps: int = 3) -> int:
+    """Bytes this rank sent in ``steps`` steps of LiveDDP on the recipe's model, full batch, after two
+    uncounted steps."""
+    x, y = dataset()
+    module = model()
+    live = LiveDDP(module, torch.optim.SGD(module.parameters(), lr=LR), bucket_cap_mb=1, admit_joiners=admit_joiners)
+    for step in range(2 + steps):   # after two steps: the buckets are rebuilt once (rank 0 sends the order)
+        if step == 2:
+            gs.traffic_reset()
+        live.run_step(lambda ddp: ((ddp(x) - y) ** 2).mean().backward() or {})
+    sent = gs.traffic()["bytes_sent"]
+    live.close()
+    return sent

@@ -271,3 +271,15 @@ def test_train_cli_live_checkpoints_and_rank_0_dies_writing_one(tmp_path):
     assert state["batch"]["workers"] == 3 and state["batch"]["peak_lr"] == pytest.approx(start["peak_lr"])
     assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(len(digits(0)[0])))}, \
         "samples lost or repeated"
+
+
+@pytest.mark.timeout(120)
+def test_admit_joiners_false_saves_the_boundary_all_reduce():
+    """LiveDDP(admit_joiners=False) sends, per step on 2 ranks, exactly the gradient all-reduce's
+    2(N-1)/N x M = M bytes; with joiners admitted (the default) each step's boundary adds its
+    one-element all-reduce."""
+    params = sum(p.numel() for p in live_fns.model().parameters())
+    without = gs.spawn(live_fns.bytes_of_steps, 2, args=(False,), timeout=30, fault_tolerance="live")
+    with_boundary = gs.spawn(live_fns.bytes_of_steps, 2, args=(True,), timeout=30, fault_tolerance="live")
+    assert without == [3 * params * 8] * 2
+    assert all(w > 3 * params * 8 for w in with_boundary), with_boundary
