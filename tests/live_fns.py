@@ -26,20 +26,6 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
 
 
-def committed_samples(ids_dir: Path, live: dict) -> list[int]:
-    """The sample ids of every step committed, sorted, from the CLI's GRADSYNC_SAMPLE_LOG files
-    ("step epoch id id ..." per step started): the last line of each step per member, and a member
-    lost in the recovery ``live`` (its metrics record) only up to the step the survivors resumed from."""
-    last_line: dict[tuple[int, int], list[int]] = {}
-    for path in ids_dir.glob("live.*"):
-        member = int(path.name.rsplit(".m", 1)[1])
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if member not in live["lost"] or step <= live["step"]:
-                last_line[member, step] = ids
-    return sorted(i for ids in last_line.values() for i in ids)
-
-
 def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, steps_before_growth: int | None = None
                       ) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
@@ -107,3 +93,35 @@ def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
     if replacement is not None and replacement[0] == 3:
         transfer.share_state = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     return train_with_a_kill(0, 4, 2, log_dir, 2)
+
+
+def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, list[int]]:
+    """Per epoch, the sorted sample ids of every committed step in the GRADSYNC_SAMPLE_LOG files of
+    ``gradsync train --fault-tolerance live`` (train/loop_live.py): of a step written twice (tried again
+    after a recovery) the last line counts, and a lost member's steps count up to ``resumed_from``."""
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in Path(ids_dir).glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in lost or step <= resumed_from:
+                last_line[member, step] = (epoch, ids)
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, ids in last_line.values():
+        by_epoch.setdefault(epoch, []).extend(ids)
+    return {epoch: sorted(ids) for epoch, ids in by_epoch.items()}
+
+
+def bytes_of_steps(admit_joiners: bool, steps: int = 3) -> int:
+    """Bytes this rank sent in ``steps`` steps of LiveDDP on the recipe's model, full batch, after two
+    uncounted steps."""
+    x, y = dataset()
+    module = model()
+    live = LiveDDP(module, torch.optim.SGD(module.parameters(), lr=LR), bucket_cap_mb=1, admit_joiners=admit_joiners)
+    for step in range(2 + steps):   # after two steps: the buckets are rebuilt once (rank 0 sends the order)
+        if step == 2:
+            gs.traffic_reset()
+        live.run_step(lambda ddp: ((ddp(x) - y) ** 2).mean().backward() or {})
+    sent = gs.traffic()["bytes_sent"]
+    live.close()
+    return sent

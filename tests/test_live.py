@@ -167,8 +167,8 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_rep
     assert grown["joined"] == [3] and grown["members"] == [0, 2, 3] and grown["world_size"] == 3
     assert grown["global_batch"] == start["global_batch"] and grown["peak_lr"] == pytest.approx(start["peak_lr"])
     assert "3 of 4 members finished" in job.stderr and "1 replacement(s) joined" in job.stderr
-    seen = live_fns.committed_samples(tmp_path / "ids", live)
-    assert seen == list(range(len(digits(0)[0]))), "samples lost or repeated"
+    assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(len(digits(0)[0])))}, \
+        "samples lost or repeated"
 
 
 @pytest.mark.slow
@@ -269,13 +269,17 @@ def test_train_cli_live_checkpoints_and_rank_0_dies_writing_one(tmp_path):
     state = checkpoint.load(out / "checkpoint.pt")
     assert state["step"] == summary["steps"] == 15 and state["epoch"] == 1 and state["position"] == 0
     assert state["batch"]["workers"] == 3 and state["batch"]["peak_lr"] == pytest.approx(start["peak_lr"])
-    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
-    for path in (tmp_path / "ids").glob("live.*"):
-        member = int(path.name.rsplit(".m", 1)[1])
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if member not in live["lost"] or step <= live["step"]:
-                last_line[member, step] = (epoch, ids)
-    n = len(digits(0)[0])
-    seen = sorted(i for _, ids in last_line.values() for i in ids)
-    assert seen == list(range(n)), "samples lost or repeated"
+    assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(len(digits(0)[0])))}, \
+        "samples lost or repeated"
+
+
+@pytest.mark.timeout(120)
+def test_admit_joiners_false_saves_the_boundary_all_reduce():
+    """LiveDDP(admit_joiners=False) sends, per step on 2 ranks, exactly the gradient all-reduce's
+    2(N-1)/N x M = M bytes; with joiners admitted (the default) each step's boundary adds its
+    one-element all-reduce."""
+    params = sum(p.numel() for p in live_fns.model().parameters())
+    without = gs.spawn(live_fns.bytes_of_steps, 2, args=(False,), timeout=30, fault_tolerance="live")
+    with_boundary = gs.spawn(live_fns.bytes_of_steps, 2, args=(True,), timeout=30, fault_tolerance="live")
+    assert without == [3 * params * 8] * 2
+    assert all(w > 3 * params * 8 for w in with_boundary), with_boundary

@@ -249,6 +249,7 @@ def test_live_torchrun_a_node_lost_the_other_trains_on(two_hosts, tmp_path):
     import time
 
     from gradsync.train.datasets import digits
+    from tests import live_fns
 
     epochs, timeout = 8, 30
     (tmp_path / "ids").mkdir()
@@ -291,13 +292,5 @@ def test_live_torchrun_a_node_lost_the_other_trains_on(two_hosts, tmp_path):
     n = len(digits(0)[0])
     steps_per_epoch = -(-n // start["global_batch"])   # keep-global: the same global batch after the loss
     assert len(summary["bytes_sent_per_rank"]) == 2 and summary["steps"] == epochs * steps_per_epoch, summary
-    seen: dict[tuple[int, int], tuple[int, list[int]]] = {}   # (member, step) -> (epoch, ids), the last line
-    for path in (tmp_path / "ids").glob("live.*"):
-        member = int(path.name.rsplit(".m", 1)[1])
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if member not in live["lost"] or step <= live["step"]:
-                seen[member, step] = (epoch, ids)
-    for epoch in range(epochs):
-        ids = sorted(i for e, chunk in seen.values() if e == epoch for i in chunk)
-        assert ids == list(range(n)), f"epoch {epoch}: samples lost or repeated"
+    assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {
+        epoch: list(range(n)) for epoch in range(epochs)}, "samples lost or repeated"

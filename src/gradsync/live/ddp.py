@@ -109,7 +109,7 @@ class LiveDDP:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, quorum_timeout: float | None = None,
                  on_resize: Callable[["LiveDDP", int], None] | None = None, progress: dict | None = None,
-                 shared: dict | None = None, **ddp_options) -> None:
+                 shared: dict | None = None, admit_joiners: bool = True, **ddp_options) -> None:
         if "process_group" in ddp_options:
             raise RuntimeError("LiveDDP rebuilds its world when ranks die, so it cannot use a process_group")
         self.module, self.optimizer, self.ddp_options = module, optimizer, ddp_options
@@ -126,6 +126,10 @@ class LiveDDP:
         rate); a joiner receives them, updated in place."""
         self.recoveries: list[Recovery] = []
         """Every change of the world: recoveries from deaths and growths (Recovery.joined)."""
+        self.admit_joiners = admit_joiners
+        """False: no step boundary asks whether a replacement waits (growth.py's one-element all-reduce a
+        step is saved; for a job that starts none, e.g. gs.spawn without replacements). A joiner that
+        comes anyway waits for admission until growth.ADMISSION_TIMEOUT, then raises."""
         self._snapshot: tuple | None = None
         self.model = None
         joining = runtime.replacement()
@@ -159,7 +163,7 @@ class LiveDDP:
         every survivor holds)."""
         failure = joiner = None
         try:
-            joiner = self.door.decide(self.world.rank)   # the step boundary (growth.py)
+            joiner = self.door.decide(self.world.rank) if self.admit_joiners else None   # the boundary (growth.py)
             if joiner is None:
                 self.optimizer.zero_grad(set_to_none=False)
                 progress = train_step(self.model)

@@ -168,6 +168,7 @@ def train_live_rank(cfg: TrainConfig) -> dict:
 
     # a replacement joins the running world here, receiving the state, the progress and the batch
     live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": 0, "position": 0}, shared=batch,
+                   admit_joiners=cfg.max_restarts > 0,   # --max-restarts K: the launcher starts up to K replacements
                    bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                    comm_hook=None if cfg.compress == "none" else cfg.compress)
     w = live.world
