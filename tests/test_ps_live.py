@@ -120,15 +120,31 @@ def test_ssp_drops_a_dead_worker_and_its_clock_holds_no_one_back(tmp_path):
 def test_train_refuses_what_live_ps_does_not_rebuild_and_says_why(tmp_path):
     from gradsync.train.config import TrainConfig
 
-    assert TrainConfig(strategy="ps-sync", workers=4, fault_tolerance="live", out=str(tmp_path)).servers == 1
-    for strategy in ("ps-async", "ssp"):
-        with pytest.raises(RuntimeError, match=f"not supported with --strategy {strategy}: the library drops a dead "
-                                               f"worker .* use --strategy ddp or ps-sync"):
-            TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", out=str(tmp_path))
-    with pytest.raises(RuntimeError, match="keeps the global batch \\(--live-batch keep-global\\)"):
-        TrainConfig(strategy="ps-sync", workers=4, fault_tolerance="live", live_batch="keep-per-rank", out=str(tmp_path))
-    with pytest.raises(RuntimeError, match="does not support sparse tables \\(--model word2vec\\)"):
-        TrainConfig(strategy="ps-sync", workers=4, fault_tolerance="live", dataset="stdlib-tokens", out=str(tmp_path))
+    for strategy in ("ps-sync", "ps-async", "ssp"):
+        assert TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", out=str(tmp_path)).servers == 1
+        with pytest.raises(RuntimeError, match="keeps the global batch \\(--live-batch keep-global\\)"):
+            TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", live_batch="keep-per-rank",
+                        out=str(tmp_path))
+        with pytest.raises(RuntimeError, match="does not support sparse tables \\(--model word2vec\\)"):
+            TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", dataset="stdlib-tokens",
+                        out=str(tmp_path))
+
+
+def test_async_tasks_of_a_lost_worker_are_dealt_to_the_open_survivors():
+    """train/loop_ps_live.tasks_of in closed form: T=4, workers 1, 2, 3; member 2 lost at clock 1 with
+    1 and 3 open, then member 3 lost at clock 4 with only 1 open (it takes (1,2)); with no open
+    survivor the lost tasks go to no one."""
+    from types import SimpleNamespace
+
+    from gradsync.train.loop_ps_live import tasks_of
+
+    first = SimpleNamespace(lost_clocks={2: 1}, open_workers=(1, 3))
+    assert tasks_of([1, 2, 3], 4, [first]) == {1: [(0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 3)],
+                                               3: [(2, 0), (2, 1), (2, 2), (2, 3), (1, 2)]}
+    second = SimpleNamespace(lost_clocks={3: 4}, open_workers=(1,))
+    assert tasks_of([1, 2, 3], 4, [first, second])[1] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 3), (1, 2)]
+    closed = SimpleNamespace(lost_clocks={2: 1}, open_workers=())
+    assert tasks_of([1, 2, 3], 4, [closed]) == {1: [(0, s) for s in range(4)], 3: [(2, s) for s in range(4)]}
 
 
 @pytest.mark.slow
@@ -173,3 +189,31 @@ def test_ps_sync_live_under_torchrun_is_refused(tmp_path, monkeypatch):
     cfg = TrainConfig(strategy="ps-sync", workers=2, fault_tolerance="live", preempt_signal="none", out=str(tmp_path))
     with pytest.raises(RuntimeError, match="runs under gradsync's own launcher \\(gradsync train --workers N\\)"):
         run(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_cli_ssp_live_deals_the_dead_workers_steps_to_the_survivors(tmp_path):
+    """`gradsync train --strategy ssp --staleness 1 --workers 4 --fault-tolerance live`: member 2 dies
+    after its forward in its step 5; the job exits 0, the servers applied all 3 x 15 pushes, and every
+    training sample is trained exactly once (the dead worker's lines up to the clock the servers hold)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    command = [sys.executable, "-m", "gradsync.cli", "train", "--strategy", "ssp", "--staleness", "1", "--workers",
+               "4", "--fault-tolerance", "live", "--epochs", "1", "--quiet", "--timeout", "20", "--out",
+               str(tmp_path / "run")]
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "2:5:forward"}
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [2] and live["lost_clocks"] == {"2": 5} and live["open_workers"] == [1, 3], live
+    assert next(r for r in records if r["event"] == "summary")["staleness"]["updates"] == 3 * 15
+    assert live_fns.trained_ids(tmp_path / "ids", [2], 5) == {0: list(range(len(digits(0)[0])))}, \
+        "samples lost or repeated"

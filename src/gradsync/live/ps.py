@@ -66,14 +66,14 @@ import contextlib
 import gc
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from gradsync import runtime
-from gradsync.comm.collectives import all_gather
+from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
 from gradsync.live.ddp import LiveDDP, Recovery, _caused_by_peer
 from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
@@ -100,6 +100,10 @@ class PSRecovery(Recovery):
     """Sync: the version every server holds afterwards (step ``version`` is trained next)."""
     caught_at: float = 0.0
     """When this rank caught the failure (time.time(): compare with the death's)."""
+    lost_clocks: dict = field(default_factory=dict)
+    """Per lost worker (member id): the most pushes any server applied from it."""
+    open_workers: tuple[int, ...] = ()
+    """Member ids of the workers of the new generation that have not closed."""
 
 
 TELL_SECONDS = 0.5
@@ -190,6 +194,9 @@ class LivePS:
         self._pending_progress: dict | None = None
         if self._relay is not None:
             self._relay.start()
+        # every rank holds its parameters before any trains: an async worker that dies in its first steps
+        # must not take with it a broadcast another rank is still reading (that would end the job)
+        all_reduce(torch.zeros(1))
 
     @property
     def is_server(self) -> bool:
@@ -295,9 +302,10 @@ class LivePS:
             runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
                            local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world",
                            generation=generation.index)
-            version, rolled_back = self._agree_on_clocks(before)
+            version, rolled_back, lost_clocks, open_workers = self._agree_on_clocks(before, lost)
         record = PSRecovery(generation.index, generation.members, lost, version if self.is_server else self.step,
-                            rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at)
+                            rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at,
+                            lost_clocks=lost_clocks, open_workers=open_workers)
         self.recoveries.append(record)
         return record
 
@@ -315,9 +323,10 @@ class LivePS:
             f"the live job ends here (this rank at {version}); run it again, or without --fault-tolerance live",
             servers)
 
-    def _agree_on_clocks(self, before) -> tuple[int, bool]:
+    def _agree_on_clocks(self, before, lost: tuple[int, ...]) -> tuple[int, bool, dict, tuple[int, ...]]:
         """One all-gather: per rank [is server, version, clock, closed, then per member of the previous
-        generation the pushes this server applied from it]; returns (V_min, whether this rank stepped back)."""
+        generation the pushes this server applied from it]; returns V_min, whether this rank stepped back,
+        the lost workers' clocks (the most pushes any server applied from each) and the open workers."""
         members = len(before.members)
         row = torch.full((4 + members,), -1, dtype=torch.int64)
         if self.is_server:
@@ -349,7 +358,9 @@ class LivePS:
                 self._commit(self._pending_progress)   # a push whose sends failed after a server read it
             assert self.step == mine, f"member {self.member}: clock {self.step}, agreed {mine}"
         self.ps.rejoin(clocks, [bool(w[3]) for w in workers], low)
-        return low, stepped_back
+        lost_clocks = {m: int(servers[:, 4 + before.rank_of(m)].max()) for m in lost}
+        members = self.membership.current.members[self.num_servers:]
+        return low, stepped_back, lost_clocks, tuple(m for m, w in zip(members, workers) if not w[3])
 
     def stats(self) -> dict:
         return self.ps.stats()

@@ -21,14 +21,11 @@ LIVE_BATCH = ("keep-global", "keep-per-rank")
 LIVE_REFUSED = {
     "zero1": "ZeRO-1 keeps each rank's optimizer state shard on that rank alone, and live mode keeps no "
              "buddy copy of it, so a dead rank's shard would be lost",
-    "ps-async": "the library drops a dead worker (gradsync.live.ps.LivePS), but the train job does not yet "
-                "re-shard the samples its own shard had left: each async worker keeps a shard of its own",
-    "ssp": "the library drops a dead worker (gradsync.live.ps.LivePS), but the train job does not yet "
-           "re-shard the samples its own shard had left: each ssp worker keeps a shard of its own",
     "diloco": "DiLoCo's replicas differ between outer steps, and live mode keeps no copy of a dead worker's",
     "local": "one process has no survivors",
 }
 """Why --fault-tolerance live refuses each strategy it does not run."""
+PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
 DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
 DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
 SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
@@ -137,12 +134,11 @@ class TrainConfig:
     def _check_live(self) -> None:
         """--fault-tolerance live runs ddp alone and without the features it would have to rebuild."""
         if self.strategy in LIVE_REFUSED:
-            instead = "ddp or ps-sync" if self.strategy in ("ps-async", "ssp") else "ddp"
             raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
-                               f"{LIVE_REFUSED[self.strategy]}; use --strategy {instead}, or --fault-tolerance restart")
-        if self.strategy == "ps-sync" and self.live_batch != "keep-global":
-            raise RuntimeError("--strategy ps-sync --fault-tolerance live keeps the global batch (--live-batch "
-                               "keep-global): the servers' learning rate is not rescaled when a worker dies")
+                               f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
+        if self.strategy in PS_STRATEGIES and self.live_batch != "keep-global":
+            raise RuntimeError(f"--strategy {self.strategy} --fault-tolerance live keeps the global batch (--live-batch "
+                               f"keep-global): the servers' learning rate is not rescaled when a worker dies")
         if self.checkpoint_interval()[1] is not None:
             raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
                                f"of steps (200), not a time ({self.checkpoint_every!r})")
@@ -182,9 +178,10 @@ class TrainConfig:
             raise ValueError(f"--model {self.model} cannot train on --dataset {self.dataset}: charlm reads text "
                              f"(stdlib-text), word2vec reads tokens (stdlib-tokens); cnn and mlp read images "
                              f"(digits, synthetic)")
-        if self.fault_tolerance == "live" and self.strategy == "ps-sync" and self.model == "word2vec":
-            raise RuntimeError("--strategy ps-sync --fault-tolerance live does not support sparse tables (--model "
-                               "word2vec): their rows in flight are not recovered; use --fault-tolerance restart")
+        if self.fault_tolerance == "live" and self.strategy in PS_STRATEGIES and self.model == "word2vec":
+            raise RuntimeError(f"--strategy {self.strategy} --fault-tolerance live does not support sparse tables "
+                               f"(--model word2vec): their rows in flight are not recovered; use --fault-tolerance "
+                               f"restart")
         for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -40,7 +40,7 @@ from gradsync.launch import hold_signals
 from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.common import build_optimizer, clip_gradients, evaluate, loss_of, lr_at, param_digest
-from gradsync.train.config import TrainConfig
+from gradsync.train.config import PS_STRATEGIES, TrainConfig
 from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.train.datasets import build_dataset
 from gradsync.train.diloco_job import DiLoCoJob
@@ -305,9 +305,9 @@ def run(cfg: TrainConfig) -> list[dict]:
     if _under_torchrun() and cfg.fault_tolerance == "live":
         from gradsync.train.loop_live import train_live_rank
 
-        if cfg.strategy == "ps-sync":
-            raise RuntimeError("--strategy ps-sync --fault-tolerance live runs under gradsync's own launcher "
-                               "(gradsync train --workers N), not under torchrun")
+        if cfg.strategy in PS_STRATEGIES:
+            raise RuntimeError(f"--strategy {cfg.strategy} --fault-tolerance live runs under gradsync's own launcher "
+                               f"(gradsync train --workers N), not under torchrun")
         if cfg.max_restarts:
             raise RuntimeError("--fault-tolerance live --max-restarts starts replacement ranks from gradsync's own "
                                "launcher (gradsync train --workers N); under torchrun a lost node is not replaced: "
@@ -330,7 +330,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         from gradsync.train.loop_live import train_live_rank, workers_summary
         from gradsync.train.loop_ps_live import train_ps_live_rank
 
-        results = gs.spawn(train_ps_live_rank if cfg.strategy == "ps-sync" else train_live_rank, nprocs=cfg.workers,
+        results = gs.spawn(train_ps_live_rank if cfg.strategy in PS_STRATEGIES else train_live_rank, nprocs=cfg.workers,
                            args=(cfg,), timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts)
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results

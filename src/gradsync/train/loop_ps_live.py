@@ -37,7 +37,7 @@ from gradsync.train.common import evaluate, loss_of, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_live import _chunks, _die, _planted_kill
-from gradsync.train.loop_ps import _optimizer_fn
+from gradsync.train.loop_ps import MODE_OF, _optimizer_fn
 from gradsync.train.models import build_model
 from gradsync.train.report import Reporter
 
@@ -50,7 +50,9 @@ def train_ps_live_rank(cfg: TrainConfig) -> dict:
     plan = resume.BatchPlan.fresh(cfg, w.world_size - cfg.servers)
     cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
     model = build_model(cfg.model, cfg.dataset)
-    live = LivePS(model, _optimizer_fn(cfg, plan.peak_lr, 1), num_servers=cfg.servers, mode="sync")
+    mode = MODE_OF[cfg.strategy]
+    live = LivePS(model, _optimizer_fn(cfg, plan.peak_lr, 1 if mode == "sync" else plan.workers),
+                  num_servers=cfg.servers, mode=mode, staleness=cfg.staleness)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == cfg.servers)
     report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
@@ -59,26 +61,50 @@ def train_ps_live_rank(cfg: TrainConfig) -> dict:
     if live.is_server:
         live.serve()
     else:
-        compute_s = _train(cfg, live, train_set, cursor, total_steps, report, plan.peak_lr)
+        compute_s = _train(cfg, live, train_set, cursor, total_steps, report, plan)
     wall = time.perf_counter() - started
     report.enabled = live.world.rank == cfg.servers   # the first worker may have died: the new one reports
     evaluation = live.collective(lambda: evaluate(cfg, model, test_set,
                                                   ranks=list(range(cfg.servers, live.world.world_size))))
     stats = live.stats()
     wait_s = stats.get("pull_wait_seconds", 0.0) + stats.get("push_seconds", 0.0)
-    updates = sum(stats.get("staleness_histogram", {}).values())   # sync: every push at staleness 0
-    mine = torch.tensor([compute_s, wait_s, wait_s, gs.traffic()["bytes_sent"], -1.0, updates], dtype=torch.float64)
+    histogram = stats.get("staleness_histogram", {})
+    mine = torch.tensor([compute_s, wait_s, wait_s, gs.traffic()["bytes_sent"], -1.0, sum(histogram.values()),
+                         sum(k * v for k, v in histogram.items()), max(histogram, default=0)], dtype=torch.float64)
     per_rank = live.collective(lambda: gs.all_gather(mine).view(live.world.world_size, -1))
-    # workers=W at the start: with keep-global every step trains the global batch G = b x accumulation x W
+    updates = float(per_rank[:, 5].sum())
+    staleness = {"mean": float(per_rank[:, 6].sum()) / updates if updates else 0.0,
+                 "max": float(per_rank[:, 7].max()), "updates": updates}
+    # workers=W at the start: every step of the plan trains the global batch G = b x accumulation x W
     summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=plan.workers,
-                            staleness={"mean": 0.0, "max": 0.0, "updates": float(per_rank[:, 5].sum())})
+                            staleness=staleness)
     live.close()
     return {"summary": summary, "digest": param_digest(model), "member": live.member, "ps": stats,
             "recoveries": [r.__dict__ for r in live.recoveries], "params": None, "events": []}
 
 
+def tasks_of(first_workers: list[int], steps: int, recoveries) -> dict[int, list[tuple[int, int]]]:
+    """async and ssp: each worker's tasks in the order it trains them, a task (slot, s) being slot's
+    share of global step s among the W workers the job started with. Worker slot i (member S + i)
+    starts with (i, 0) .. (i, T-1); at each recovery a lost worker's tasks from its clock on (the
+    pushes some server applied from it count as done) are dealt in turn to the open survivors, after
+    their own. Every member computes the same lists from the same agreed records; with no open
+    survivor left the lost tasks are not trained.
+
+    Example: T=4, workers 1, 2, 3; member 2 lost at clock 1, 1 and 3 open: member 1 trains
+    (0,0)..(0,3), (1,1), (1,3); member 3 (2,0)..(2,3), (1,2)."""
+    tasks = {m: [(i, s) for s in range(steps)] for i, m in enumerate(first_workers)}
+    for record in recoveries:
+        takers = [m for m in record.open_workers if m in tasks]
+        for lost in sorted(record.lost_clocks):
+            rest = tasks.pop(lost)[record.lost_clocks[lost]:]
+            for j, member in enumerate(takers):
+                tasks[member] += rest[j::len(takers)]
+    return tasks
+
+
 def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total_steps: int, report,
-           peak_lr: float) -> float:
+           plan: resume.BatchPlan) -> float:
     """The worker's loop: steps until ``total_steps``, then the final pull and close; its compute seconds."""
     kill = _planted_kill(live.member)
     if kill is not None and kill[1] != "forward":
@@ -89,12 +115,25 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
     live.progress = {"epoch": 0, "position": 0}
     current = {"compute_s": 0.0}
 
+    first_workers = list(range(cfg.servers, cfg.servers + plan.workers))
+
+    def tasks() -> list[tuple[int, int]]:
+        return ([] if live.mode == "sync" else tasks_of(first_workers, total_steps, live.recoveries)[live.member])
+
     def train_step(model) -> dict:
-        epoch, position = live.progress["epoch"], live.progress["position"]
         world, servers = live.world, cfg.servers
-        workers, index = world.world_size - servers, world.rank - servers
-        step_size = cursor.step_size(position)
-        share = cursor.share(cursor.order(epoch), position, workers, index)
+        workers = world.world_size - servers
+        if live.mode == "sync":   # the step's samples over the workers there are now
+            epoch, position = live.progress["epoch"], live.progress["position"]
+            step_size = cursor.step_size(position)
+            share = cursor.share(cursor.order(epoch), position, workers, world.rank - servers)
+            scale = workers / step_size   # the servers' mean over the W pushes is the step's mean loss
+        else:   # a slot's share among the W the job started with; the servers divide each push by W'
+            slot, step = tasks()[live.step]
+            epoch, position = step // cursor.steps_from(0), step % cursor.steps_from(0) * cursor.global_batch
+            step_size = cursor.step_size(position)
+            share = cursor.share(cursor.order(epoch), position, plan.workers, slot)
+            scale = workers / (plan.workers * max(len(share), 1))   # each push worth 1/W of a step
         current.update(epoch=epoch, step_size=step_size, loss=0.0)
         if sample_log is not None:   # before the step: a member that dies after its push trained these
             sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
@@ -104,8 +143,7 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
             logits = model(x)
             if kill == (live.step, "forward"):
                 _die()
-            loss = (loss_of(cfg.model, logits, y) * (len(ids) * workers / step_size) if ids
-                    else logits.sum() * 0.0)
+            loss = loss_of(cfg.model, logits, y) * (len(ids) * scale) if ids else logits.sum() * 0.0
             loss.backward()
             current["loss"] += float(loss.detach())
         current["compute_s"] += time.perf_counter() - computed
@@ -115,7 +153,7 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
     recoveries = 0
     while True:
         step_started = time.perf_counter()
-        if live.step < total_steps:
+        if live.step < (total_steps if live.mode == "sync" else len(tasks())):
             if live.run_step(train_step):
                 report.step(live.step, current["epoch"], current["loss"],
                             current["step_size"] / (time.perf_counter() - step_started), None)
@@ -125,7 +163,7 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
             recoveries = len(live.recoveries)
             report.enabled = live.world.rank == cfg.servers
             report.live({"event": "live", **live.recoveries[-1].__dict__, "world_size": live.world.world_size,
-                         "global_batch": cursor.global_batch, "peak_lr": peak_lr, "at": time.time()})
+                         "global_batch": cursor.global_batch, "peak_lr": plan.peak_lr, "at": time.time()})
     if sample_log is not None:
         sample_log.close()
     return current["compute_s"]
