@@ -53,8 +53,8 @@ survivor's clock is the most pushes any server applied from it (a push whose sen
 server had read it counts, with the progress train_step returned for it); a server that had not
 read the last of them sets its clock there too, so that push is applied on the servers that read
 it and not on the others. The dead worker's pushes stay where they were applied; what happens to
-the samples it had not trained is the caller's choice (gradsync train refuses ps-async and ssp in
-live mode for that reason: train/config.py).
+the samples it had not trained is the caller's choice (train/loop_ps_live.py deals its remaining
+steps to the open survivors, by PSRecovery.lost_clocks and open_workers).
 
 What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm), stopping
 early, checkpoints.

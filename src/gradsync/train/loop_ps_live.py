@@ -1,24 +1,34 @@
-"""gradsync train --strategy ps-sync --fault-tolerance live: a parameter-server job whose surviving
-workers go on when a worker dies.
+"""gradsync train --strategy ps-sync|ps-async|ssp --fault-tolerance live: a parameter-server job whose
+surviving workers go on when a worker dies.
 
 Per rank, as a recipe: build_data -> plan_batch -> build_model -> LivePS (live/ps.py) -> serve
-(ranks 0..S-1) or train (the workers: each step's global batch G from data.EpochCursor, split over
-the workers of the world as it is now) -> evaluate (the workers) -> summarise. When a worker dies,
-the servers roll back to the version every one of them holds, and the step in flight is trained
-again by the W - 1 survivors over all its samples: EpochCursor's position P does not depend on how
-many workers consumed the first P samples, so no sample is lost or trained twice. The global batch
-and the learning rate stay (keep-global, live/policy.py); each worker's loss is its share's summed
-loss x W / (step's samples), so the servers' mean over the W pushes is the step's mean loss. A dead
-server ends the job on every rank with live/ps.py's ServerLostError, naming it.
+(ranks 0..S-1) or train (the workers) -> evaluate (the workers) -> summarise. A dead server ends
+the job on every rank with live/ps.py's ServerLostError, naming it.
 
-What this mode leaves out: ps-async and ssp (train/config.py says why), --live-batch keep-per-rank,
-sparse models (word2vec), checkpoints, preemption, --clip-grad, tracing.
+ps-sync: each step's global batch G from data.EpochCursor, split over the workers of the world as
+it is now. When a worker dies, the servers roll back to the version every one of them holds, and
+the step in flight is trained again by the W - 1 survivors over all its samples: EpochCursor's
+position P does not depend on how many workers consumed the first P samples, so no sample is lost
+or trained twice. Each worker's loss is its share's summed loss x W / (step's samples), so the
+servers' mean over the W pushes is the step's mean loss.
+
+ps-async, ssp: worker slot i trains slot i's share of every global step (EpochCursor.share among
+the W workers the job started with), at its own pace. When a worker dies, its steps from its clock
+on (the pushes some server applied from it count as done) are dealt in turn to the survivors that
+have not closed (tasks_of), after their own; each push's loss is scaled by W' / W, so that the
+servers' gradient / W' weighs it 1 / W as before the death. No sample is lost or trained twice
+while a survivor is still open; a push some servers applied and others had not (S > 1) counts.
+
+The global batch and the learning rate stay (keep-global, live/policy.py).
+
+What this mode leaves out: --live-batch keep-per-rank, sparse models (word2vec), checkpoints,
+preemption, --clip-grad, tracing, torchrun.
 
 Test knobs (as train/loop_live.py's): GRADSYNC_SAMPLE_LOG=DIR makes every worker append "step epoch
 id id ..." for each step it starts to DIR/live.<pid>.m<member> (a step trained again is written
-again: the last line of a step counts, and a dead member's lines up to the step the survivors
-resumed from). GRADSYNC_LIVE_KILL=M:S:forward makes member M SIGKILL itself in step S (0-based),
-after its forward.
+again: the last line of a step counts; a dead member's lines count up to the step the survivors
+resumed from, sync, or its lost clock, async and ssp). GRADSYNC_LIVE_KILL=M:S:forward makes member
+M SIGKILL itself in its step S (0-based), after its forward.
 """
 
 from __future__ import annotations
