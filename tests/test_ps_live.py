@@ -59,9 +59,9 @@ def test_sync_a_worker_dies_between_servers_and_the_survivors_train_on_to_the_or
         assert recovery["lost"] == (victim,) and recovery["members"] == (0, 1, 2, 4), recovery
         assert recovery["version"] == kill_step, f"member {r['member']}: the survivors resumed from {recovery}"
         assert recovery["caught_at"] - died < 5.0 and recovery["seconds"] < 10.0, recovery   # not the 20 s timeout
+        assert r["check"] == 4.0   # a collective of the new world after training
     detected = sorted(r["recoveries"][0]["caught_at"] - died for r in survivors)
     assert detected[len(detected) // 2] < 1.0, f"from the death to the survivors catching it: {detected} s"
-        assert r["check"] == 4.0   # a collective of the new world after training
     by_member = {r["member"]: r for r in survivors}
     assert by_member[0]["recoveries"][0]["rolled_back"], "server 0 had closed the version in flight"
     assert not by_member[1]["recoveries"][0]["rolled_back"], "server 1 could not close it"
