@@ -283,3 +283,39 @@ def test_admit_joiners_false_saves_the_boundary_all_reduce():
     with_boundary = gs.spawn(live_fns.bytes_of_steps, 2, args=(True,), timeout=30, fault_tolerance="live")
     assert without == [3 * params * 8] * 2
     assert all(w > 3 * params * 8 for w in with_boundary), with_boundary
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_live_a_death_during_the_evaluation_is_recorded_and_the_batch_follows(tmp_path):
+    """Member 1 dies as the evaluation after epoch 0 starts (outside any step: the others meet its death
+    in the evaluation's collectives, LiveDDP.collective). The recovery is recorded like one inside a
+    step, and with keep-per-rank the rest of the run steps with the new global batch: every step of
+    epoch 1 trains 2/3 of the first epoch's global batch (the last step the rest), and every sample of
+    both epochs exactly once."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync.train.datasets import digits
+
+    (tmp_path / "ids").mkdir()
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:15:evaluate"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--live-batch", "keep-per-rank", "--epochs", "2", "--quiet", "--timeout", "20",
+                          "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [1] and live["step"] == 15 and live["world_size"] == 2, live
+    n, smaller = len(digits(0)[0]), start["global_batch"] // 3 * 2
+    assert start["global_batch"] == 96 and live["global_batch"] == smaller
+    per_step: dict[int, int] = {}
+    for path in (tmp_path / "ids").glob("live.*"):
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if epoch == 1:
+                per_step[step] = per_step.get(step, 0) + len(ids)
+    sizes = [per_step[s] for s in sorted(per_step)]
+    assert sizes[:-1] == [smaller] * (len(sizes) - 1) and sizes[-1] == n - smaller * (len(sizes) - 1), sizes
+    assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(n)), 1: list(range(n))}

@@ -2,7 +2,8 @@
 how the survivors go on.
 
 Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epochs E --seed 0`, digits):
-    random      wait for the first step plus a random 0-0.5 s, SIGKILL a random rank from outside
+    random      wait until the run has logged 1-7 more steps (random), SIGKILL a random rank from
+                outside (at whatever point of the next step it is)
     forward     the victim (a random member, at a random step of the first epoch) kills itself after
                 its forward: the others are waiting for its gradients in the all-reduce
                 (GRADSYNC_LIVE_KILL, train/loop_live.py)
@@ -59,6 +60,11 @@ def _records(metrics: Path) -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError):   # a line being written
         return []
+
+
+def _logged_step(metrics: Path) -> int:
+    """The last step metrics.jsonl has logged (0: none yet)."""
+    return max((r["step"] for r in _records(metrics) if r["event"] == "step"), default=0)
 
 
 def _fds(pid: int) -> int | None:
@@ -158,7 +164,9 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
             if scenario in KILLED_FROM_INSIDE:
                 dead = _wait_until(lambda: not _alive(ranks[victims[0]]), 300)
             else:
-                time.sleep(rng.uniform(0.0, 0.5))
+                # a random step ahead, so that the kill lands in training and not after the run's end
+                target = _logged_step(metrics) + rng.randrange(1, 8)
+                _wait_until(lambda: _logged_step(metrics) >= target or job.poll() is not None, 120)
                 victim = rng.choice(sorted(m for m in ranks if m not in victims))
                 try:
                     os.kill(ranks[victim], signal.SIGKILL)

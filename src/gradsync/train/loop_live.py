@@ -34,7 +34,9 @@ line of a step number is the one that counts, and a dead member's count up to th
 resumed from). GRADSYNC_LIVE_KILL=M:S:PHASE makes member M SIGKILL itself
 in step S (0-based) at PHASE: forward (after its forward, before its backward: the others wait for
 its gradients in the all-reduce), optimizer (after the all-reduce, before its optimizer step) or
-checkpoint (member M, rank 0 then, writes half of step S's checkpoint, S a multiple of N, and dies).
+checkpoint (member M, rank 0 then, writes half of step S's checkpoint, S a multiple of N, and dies)
+or evaluate (step S the last of an epoch: as the evaluation after it starts; the others wait for M
+in the evaluation's collectives, outside any step).
 GRADSYNC_LIVE_AWAIT_JOINER=1 makes the members, after a recovery from a death and one step in the
 shrunk world, wait (at most 60 s) until a replacement asks to join, so that it joins a short run
 before it ends.
@@ -73,7 +75,7 @@ def _chunks(ids: list[int], parts: int) -> list[list[int]]:
     return [ids[bounds[m]:bounds[m + 1]] for m in range(parts)]
 
 
-KILL_PHASES = ("forward", "optimizer", "checkpoint")
+KILL_PHASES = ("forward", "optimizer", "checkpoint", "evaluate")
 
 
 def _planted_kill(member: int) -> tuple[int, str] | None:
@@ -214,6 +216,27 @@ def train_live_rank(cfg: TrainConfig) -> dict:
     def more() -> bool:
         return live.step < cfg.steps if cfg.steps is not None else live.progress["epoch"] < cfg.epochs
 
+    reported = 0   # changes of the world recorded so far
+
+    def on_changes() -> None:
+        """After the world changed, in a step or in a collective (an evaluation): the cursor for the
+        batch as it is now, the new rank 0 reporting, a record of each change, stale files removed."""
+        nonlocal cursor, reported
+        cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
+        report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
+        for change in live.recoveries[reported:]:
+            report.live({"event": "live", **change.__dict__, "world_size": live.world.world_size,
+                         "global_batch": batch["global"], "peak_lr": batch["peak_lr"], "at": time.time()})
+        reported = len(live.recoveries)
+        checkpoints.after_recovery(live)
+
+    def collective(fn):
+        """live.collective(fn), and the changes of the world it went through recorded."""
+        value = live.collective(fn)
+        if len(live.recoveries) > reported:
+            on_changes()
+        return value
+
     await_joiner = os.environ.get("GRADSYNC_LIVE_AWAIT_JOINER", "") not in ("", "0")
     while more():
         if await_joiner and live.recoveries and not live.recoveries[-1].joined and live.step > live.recoveries[-1].step:
@@ -221,11 +244,7 @@ def train_live_rank(cfg: TrainConfig) -> dict:
             await_joiner = False
         step_started = time.perf_counter()
         if not live.run_step(train_step):   # the world changed (a death or a joiner): the step is trained next
-            cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
-            report.enabled = live.world.rank == 0   # rank 0 may have died: the new rank 0 reports
-            report.live({"event": "live", **live.recoveries[-1].__dict__, "world_size": live.world.world_size,
-                         "global_batch": batch["global"], "peak_lr": batch["peak_lr"], "at": time.time()})
-            checkpoints.after_recovery(live)
+            on_changes()
             continue
         elapsed = time.perf_counter() - step_started
         stats["comm_s"] += live.model.comm_seconds
@@ -235,15 +254,17 @@ def train_live_rank(cfg: TrainConfig) -> dict:
                     live.model.last_overlap)
         checkpoints.after_step(live, batch)
         if live.progress["epoch"] != current["epoch"]:   # the epoch's last step
-            evaluation = live.collective(lambda: evaluate(cfg, model, test_set))
+            if kill == (live.step, "evaluate"):
+                _die()
+            evaluation = collective(lambda: evaluate(cfg, model, test_set))
             report.epoch(current["epoch"], live.step, evaluation)
     wall = time.perf_counter() - started
     if not evaluation:
-        evaluation = live.collective(lambda: evaluate(cfg, model, test_set))
-    live.collective(live.check_replicas)
+        evaluation = collective(lambda: evaluate(cfg, model, test_set))
+    collective(live.check_replicas)
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"], -1.0],
                         dtype=torch.float64)
-    per_rank = live.collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
+    per_rank = collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
     checkpoints.after_step(live, batch, final=True)
     summary = report.finish(wall, live.step, evaluation, per_rank)
     live.close()
