@@ -290,3 +290,40 @@ def test_a_tensor_adopted_as_a_region_is_read_where_it_lies_and_forgotten_once_f
     assert any(same_address for *_, same_address in results), "no region lay where a freed tensor had been"
     for rank, (adopted, seen, _, right, _, found, _) in enumerate(world_of(n).run(shm_fns.adopted_region, numel, 1)):
         assert (adopted, seen, right, found) == (False, None, True, True), rank
+
+
+def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed(monkeypatch):
+    """comm/shm/waiting.py: a rank sleeping in a wait (a barrier) whose peer arrives and exits before
+    the rank's liveness look must return, not raise "exited"; a peer dead before doing its part is
+    still blamed. A stand-in for the transport: its doorbell's sleep is where the peer acts."""
+    import threading
+    import time
+
+    from gradsync.comm.shm import waiting
+    from gradsync.comm.transport import PeerError
+
+    class Bell:
+        def __init__(self, peer_arrives: bool) -> None:
+            self.peer_arrives, self.arrived = peer_arrives, False
+
+        def sleep(self, seen, seconds) -> None:
+            time.sleep(waiting.LIVENESS_SLICE)   # a whole slice: the liveness look follows
+            self.arrived = self.peer_arrives
+
+    class Stand(waiting.Waiting):
+        def __init__(self, peer_arrives: bool) -> None:
+            self._lock, self._sleepers, self.timeout, self.hold = threading.Lock(), 0, 10.0, None
+            self.rank, self.pids, self._broken, self._bell = 0, {1: 424242}, None, Bell(peer_arrives)
+
+        def _advance(self) -> int:
+            return 0
+
+    def stuck(waited, limit, what):
+        return PeerError(f"barrier {what}", rank=0, peer=1, op="barrier")
+
+    monkeypatch.setattr(waiting, "alive", lambda pid: False)   # rank 1 has exited by the time anyone looks
+    arrived = Stand(peer_arrives=True)
+    arrived._wait_until(lambda: arrived._bell.arrived, None, [1], stuck)
+    never = Stand(peer_arrives=False)
+    with pytest.raises(PeerError, match=r"barrier failed: rank 1 \(pid 424242\) exited"):
+        never._wait_until(lambda: never._bell.arrived, None, [1], stuck)

@@ -2,7 +2,9 @@
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
-/proc tells), which turns a dead peer into an error within a fraction of a second. The one
+/proc tells), which turns a dead peer into an error within a fraction of a second; before it
+blames a dead peer it looks once more whether the wait is over (a peer may have done its part,
+arrived at the barrier or written its data, and exited while this rank slept). The one
 exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
 being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps (BACKGROUND_SPIN_SECONDS on a
@@ -158,16 +160,24 @@ class Waiting:
                     self.hold.before_sleep()
                 self._bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
                 if time.monotonic() - started >= LIVENESS_SLICE:
-                    for peer in peers:
-                        if not alive(self.pids[peer]):
-                            raise self._broken_by(stuck(time.monotonic() - started, limit,
-                                                        f"failed: rank {peer} (pid {self.pids[peer]}) exited"))
-                    why = abandoned()   # live mode: a rank this wait does not name has died
-                    if why is not None:
-                        raise self._broken_by(stuck(time.monotonic() - started, limit, f"was abandoned: {why}"))
+                    dead = [peer for peer in peers if not alive(self.pids[peer])]
+                    why = None if dead else abandoned()   # live mode: a rank this wait does not name has died
+                    if (dead or why is not None) and not self._done_after_all(is_done):
+                        raise self._broken_by(stuck(time.monotonic() - started, limit,
+                                                    f"failed: rank {dead[0]} (pid {self.pids[dead[0]]}) exited"
+                                                    if dead else f"was abandoned: {why}"))
+                    if dead or why is not None:
+                        return
             finally:
                 with self._lock:
                     self._sleepers -= 1
+
+    def _done_after_all(self, is_done) -> bool:
+        """One more look before a death is blamed: a peer may have done its part (arrived at the
+        barrier, written its data) and exited while this rank slept."""
+        with self._lock:
+            self._advance()
+            return is_done()
 
     def _broken_by(self, error: PeerError) -> PeerError:
         with self._lock:
