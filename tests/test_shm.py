@@ -327,3 +327,18 @@ def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed
     never = Stand(peer_arrives=False)
     with pytest.raises(PeerError, match=r"barrier failed: rank 1 \(pid 424242\) exited"):
         never._wait_until(lambda: never._bell.arrived, None, [1], stuck)
+
+
+def test_dead_peers_are_the_local_peers_gone_from_proc():
+    """Waiting.dead_peers (Transport.dead_peers on shared memory), which the parameter server asks
+    when gloo's receive from any worker timed out: the peers whose process has exited."""
+    import subprocess
+    import sys
+
+    from gradsync.comm.shm import waiting
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    stand = waiting.Waiting.__new__(waiting.Waiting)
+    stand.pids = {1: os.getpid(), 2: int(gone.stdout), 3: os.getppid()}
+    assert stand.dead_peers() == [2]

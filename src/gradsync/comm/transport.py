@@ -80,6 +80,11 @@ class Transport:
     def isend(self, tensor: torch.Tensor, dst: int, op: str, *, control: bool = False, tag: int = 0) -> Handle:
         raise NotImplementedError
 
+    def dead_peers(self) -> list[int]:
+        """Peers this transport knows to be dead (shared memory: their process is gone from /proc);
+        empty where it cannot tell (TCP: a silent peer may be alive)."""
+        return []
+
     def irecv(self, tensor: torch.Tensor, src: int | None, op: str, *, control: bool = False,
               tag: int = 0) -> Handle:
         raise NotImplementedError

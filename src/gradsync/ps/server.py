@@ -217,6 +217,11 @@ class Server(Applying, Answering, Resizing):
                 self.outbox.check()   # an answer that failed names its worker better than silence does
             except PeerError as sent:
                 raise self._lost(sent.peer, "it stopped receiving") from sent
+            # gloo's receive from any worker is not woken by one worker's death, nor does it go on to
+            # the others' messages: a worker the transport knows dead is the cause, before the quietest
+            dead = [w for w in self.transport.dead_peers() if w in self.open]
+            if dead:
+                raise self._lost(dead[0], "its process exited") from exc
             raise self._lost(self._quietest(), "no message from any worker arrived") from exc
         finally:
             self.idle_seconds += time.monotonic() - started

@@ -112,6 +112,10 @@ class Waiting:
     """ShmTransport's waits: every one makes progress (progress.py) and sleeps on this rank's
     doorbell until its condition holds, a peer it waits for has died, or the timeout has passed."""
 
+    def dead_peers(self) -> list[int]:
+        """The local peers whose process is gone (Transport.dead_peers)."""
+        return [peer for peer, pid in self.pids.items() if not alive(pid)]
+
     def has_pending(self) -> bool:
         """True while any shared-memory send or receive of this rank is unfinished."""
         return (any(self._sends.values()) or any(self._recvs.values()) or bool(self._any)
