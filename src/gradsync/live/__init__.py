@@ -7,6 +7,9 @@ restart and without reading a checkpoint.
     policy.py       what a smaller (or grown back) world does to the global batch and the learning rate
     growth.py       a replacement rank joins at a step boundary: the protocol, the members' decision
     transfer.py     the training state sent from rank 0 to a joiner over the transport
+    heartbeat.py    how a member on another host is found dead: its counter in the store stops
+    failures.py     whether an error was a member's death; a collective run again after one
+    ps.py           LivePS: the parameter server whose workers may die (a dead server ends the job)
 
 Run it under gs.spawn(fn, nprocs, fault_tolerance="live") (the launcher then lets the survivors run
 on instead of stopping them, and hosts the store they meet through; with replacements=K it starts

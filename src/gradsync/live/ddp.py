@@ -61,10 +61,11 @@ from torch import nn
 
 from gradsync import runtime
 from gradsync.comm.collectives import all_gather, all_reduce
-from gradsync.comm.transport import PeerError, set_abandon_check
+from gradsync.comm.transport import set_abandon_check
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.launch import NotNeeded
 from gradsync.live import growth, transfer
+from gradsync.live.failures import caused_by_peer, first_line_freed, rerun
 from gradsync.live.membership import PREFIX, Generation, Membership
 from gradsync.replicas import first_mismatch
 
@@ -92,16 +93,6 @@ class Recovery:
     """The first line of the error this rank caught."""
     joined: tuple[int, ...] = ()
     """Member ids that joined (growth.py): a growth rather than a recovery from a death."""
-
-
-def _caused_by_peer(exc: BaseException) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, PeerError):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class LiveDDP:
@@ -184,29 +175,14 @@ class LiveDDP:
     def collective(self, fn: Callable[[], object]):
         """``fn()`` (collectives outside a training step: evaluation, statistics), run again in the new
         world if a member dies during it. At most once per member of the current world."""
-        for _ in range(len(self.membership.current.members)):
-            try:
-                return fn()
-            except Exception as exc:
-                failure = self._failure(exc)
-            self.recover(failure)
-        return fn()
+        return rerun(fn, len(self.membership.current.members), self._failure, self.recover)
 
-    def _failure(self, exc: Exception, always: bool = False) -> str:
-        """The first line of ``exc`` when a member's death caused it (or ``always``); otherwise ``exc`` is
+    def _failure(self, exc: Exception) -> str:
+        """The first line of ``exc`` when a member's death caused it (failures.py); otherwise ``exc`` is
         raised again."""
-        if not always and not _caused_by_peer(exc) and self.membership.broken() is None:
+        if not caused_by_peer(exc) and self.membership.broken() is None:
             raise exc
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        # A torch Future that failed holds its exception from C++, where Python's collector cannot see
-        # the cycle exception -> traceback -> frames -> Future; cut the tracebacks so the old world's
-        # process group, sockets and mappings are freed with it
-        seen: set[int] = set()
-        while exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            exc.__traceback__ = None
-            exc = exc.__cause__ or exc.__context__
-        return text
+        return first_line_freed(exc)
 
     def _take_snapshot(self) -> None:
         params = [p.detach().clone() for p in self.module.parameters()]
@@ -275,7 +251,7 @@ class LiveDDP:
         try:
             self._rolled_back = self._enter(generation, old_world)
         except Exception as exc:
-            return f"the join of member {joiner} failed: {self._failure(exc, always=True)}"
+            return f"the join of member {joiner} failed: {first_line_freed(exc)}"
         return None
 
     def _enter(self, generation: Generation, old_world: int) -> bool:

@@ -75,7 +75,8 @@ from torch import nn
 from gradsync import runtime
 from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
-from gradsync.live.ddp import LiveDDP, Recovery, _caused_by_peer
+from gradsync.live.ddp import Recovery
+from gradsync.live.failures import caused_by_peer, first_line_freed, rerun
 from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
 from gradsync.ps import protocol as wire
 from gradsync.ps.parameter_server import ParameterServer
@@ -249,10 +250,11 @@ class LivePS:
         self.recover(failure)
         return self.closed
 
-    collective = LiveDDP.collective
-    """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if a
-    member dies during it (LiveDDP's loop, over this class's _failure and recover). Every worker has
-    closed by then, so a server that recovers here has no one left to serve."""
+    def collective(self, fn: Callable[[], object]):
+        """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if a
+        member dies during it (failures.rerun). Every worker has closed by then, so a server that
+        recovers here has no one left to serve."""
+        return rerun(fn, len(self.membership.current.members), self._failure, self.recover)
 
     def _commit(self, progress: dict) -> None:
         self._previous_progress, self.progress = self.progress, progress
@@ -260,9 +262,9 @@ class LivePS:
 
     def _failure(self, exc: Exception) -> str:
         """The first line of ``exc`` when a member's death caused it; otherwise ``exc`` is raised again."""
-        if not _caused_by_peer(exc) and not self._broken_soon():
+        if not caused_by_peer(exc) and not self._broken_soon():
             raise exc
-        return LiveDDP._failure(self, exc, always=True)   # its first line; the tracebacks cut (they hold the old world)
+        return first_line_freed(exc)
 
     def _broken_soon(self) -> bool:
         """Whether the generation is broken, asking the store once more (membership.py looks at most every
