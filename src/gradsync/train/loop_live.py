@@ -145,11 +145,11 @@ class LiveCheckpoints:
             self.writer.submit(self.path, state)
         self.written.append(live.step)
 
-    def after_recovery(self, live: LiveDDP) -> None:
-        """The new rank 0 removes what lost members on this host left half written."""
-        if self.every is None or live.world.rank != 0 or not live.recoveries:
+    def after_recovery(self, live: LiveDDP, lost: list[int]) -> None:
+        """The new rank 0 removes what the ``lost`` members on this host left half written."""
+        if self.every is None or live.world.rank != 0:
             return
-        for member in live.recoveries[-1].lost:
+        for member in lost:
             where = live.membership.location(member)
             if where is not None and where[0] == live.membership.me:
                 _temporary(self.path, where[1]).unlink(missing_ok=True)
@@ -227,8 +227,8 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         for change in live.recoveries[reported:]:
             report.live({"event": "live", **change.__dict__, "world_size": live.world.world_size,
                          "global_batch": batch["global"], "peak_lr": batch["peak_lr"], "at": time.time()})
+        checkpoints.after_recovery(live, [m for change in live.recoveries[reported:] for m in change.lost])
         reported = len(live.recoveries)
-        checkpoints.after_recovery(live)
 
     def collective(fn):
         """live.collective(fn), and the changes of the world it went through recorded."""
