@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.comm.shm.hold import current_cpu
+from gradsync.comm.transport.shm.hold import current_cpu
 from gradsync.comm.transport import PeerError
 from gradsync.comm.world_transport import default_transport
 
@@ -85,7 +85,7 @@ def detect_death(report_dir: str):
     import json
     import threading
 
-    from gradsync.comm.shm import waiting
+    from gradsync.comm.transport.shm import waiting
 
     w = gs.world()
     if w.rank == 1:

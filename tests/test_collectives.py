@@ -99,7 +99,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
                                                  (3, "0.25")])
 def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
     import readme_claims
-    from gradsync.comm.shm.segment import stage_bytes
+    from gradsync.comm.transport.shm.segment import stage_bytes
 
     env = {} if stage_mb is None else {"GRADSYNC_SHM_STAGE_MB": stage_mb}
     pool = world_of(world_size, **env)
@@ -136,7 +136,7 @@ def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
 @pytest.mark.parametrize("world_size,single_copy", [(2, "1"), (4, "1"), (3, "0")])
 def test_large_reduce_scatter_and_all_gather_single_copy_and_staged(world_of, world_size, single_copy):
     import shm_fns
-    from gradsync.comm.shm.single_copy import FROM_BYTES
+    from gradsync.comm.transport.shm.single_copy import FROM_BYTES
 
     pool = world_of(world_size, **({} if single_copy == "1" else {"GRADSYNC_SHM_SINGLE_COPY": "0"}))
     states = pool.run(shm_fns.single_copy_state)

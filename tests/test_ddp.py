@@ -147,7 +147,7 @@ def test_timeline_shows_communication_during_backward(world_of, tmp_path):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_copy_buckets_train_like_one_process_with_exact_traffic(world_of, world_size):
     from gradsync.comm.allreduce_ring import ring_chunks
-    from gradsync.comm.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+    from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
 
     steps, local_batch = 3, 4
     results = world_of(world_size).run(ddp_fns.zero_copy_train, steps, local_batch, 0.25)

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from gradsync.comm.shm import doorbell
-from gradsync.comm.shm.doorbell import Doorbell
+from gradsync.comm.transport.shm import doorbell
+from gradsync.comm.transport.shm.doorbell import Doorbell
 
 pytestmark = pytest.mark.skipif(doorbell.supported() is not None, reason=str(doorbell.supported()))
 

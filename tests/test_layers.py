@@ -31,7 +31,7 @@ LEVELS = {
     "gradsync.comm.allreduce_ring": 2.2, "gradsync.comm.allreduce_halving_doubling": 2.2,
     "gradsync.comm.allreduce_tree": 2.2, "gradsync.comm.allreduce_naive": 2.2,
     "gradsync.comm.allreduce_hierarchical": 2.3, "gradsync.comm.broadcast": 2.2, "gradsync.comm.rooted": 2.2,
-    "gradsync.comm.tcp": 2.2, "gradsync.comm.shm": 2.4,
+    "gradsync.comm.transport.tcp": 2.2, "gradsync.comm.transport.shm": 2.4,
     "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.collectives": 2.6,
     # strategies and the torch backend
     "gradsync.replicas": 3, "gradsync.ddp": 3, "gradsync.ps": 3, "gradsync.zero": 3, "gradsync.c10d": 3,

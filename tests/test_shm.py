@@ -82,7 +82,7 @@ def test_shared_memory_all_reduce_refuses_tcp(monkeypatch):
 def test_a_dead_peer_is_noticed_by_its_liveness_check_without_a_launcher(tmp_path):
     import json
 
-    from gradsync.comm.shm.waiting import LIVENESS_SLICE
+    from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE
     from world_pool import RankFailure, WorldPool
 
     pool = WorldPool(2, timeout=30.0)
@@ -263,7 +263,7 @@ def test_a_wait_polls_long_only_on_the_main_thread_and_yields_where_ranks_outnum
     # every thread polls YIELD_SECONDS, yielding the core between polls
     import threading
 
-    from gradsync.comm.shm import waiting as shm
+    from gradsync.comm.transport.shm import waiting as shm
 
     assert shm.BACKGROUND_SPIN_SECONDS < shm.SPIN_SECONDS
     assert shm.poll_seconds(True) == shm.SPIN_SECONDS
@@ -293,13 +293,13 @@ def test_a_tensor_adopted_as_a_region_is_read_where_it_lies_and_forgotten_once_f
 
 
 def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed(monkeypatch):
-    """comm/shm/waiting.py: a rank sleeping in a wait (a barrier) whose peer arrives and exits before
+    """comm/transport/shm/waiting.py: a rank sleeping in a wait (a barrier) whose peer arrives and exits before
     the rank's liveness look must return, not raise "exited"; a peer dead before doing its part is
     still blamed. A stand-in for the transport: its doorbell's sleep is where the peer acts."""
     import threading
     import time
 
-    from gradsync.comm.shm import waiting
+    from gradsync.comm.transport.shm import waiting
     from gradsync.comm.transport import PeerError
 
     class Bell:
@@ -335,7 +335,7 @@ def test_dead_peers_are_the_local_peers_gone_from_proc():
     import subprocess
     import sys
 
-    from gradsync.comm.shm import waiting
+    from gradsync.comm.transport.shm import waiting
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from gradsync.comm.shm import single_copy
+from gradsync.comm.transport.shm import single_copy
 
 
 def _holder(conn) -> None:

@@ -104,7 +104,7 @@ def test_ranks_load_the_public_names_and_connect_their_transport_at_init(monkeyp
     layer): they still load the public names before the ranks meet, so they start their work
     together, and connect the transport there, because they take the launcher's init hooks."""
     monkeypatch.delenv("GRADSYNC_TRANSPORT", raising=False)
-    from gradsync.comm.shm import doorbell
+    from gradsync.comm.transport.shm import doorbell
 
     expected = "TorchTransport" if doorbell.supported() else "ShmTransport"
     assert gs.spawn(spawn_fns.what_init_did, nprocs=2) == [(True, expected)] * 2

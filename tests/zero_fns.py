@@ -6,7 +6,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.comm.allreduce_ring import ring_bytes_sent, ring_chunks
-from gradsync.comm.shm.transport import ShmTransport
+from gradsync.comm.transport.shm.transport import ShmTransport
 from gradsync.comm.world_transport import default_transport
 
 import ddp_fns

@@ -419,7 +419,7 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
 
 def _remove_segments(job: str) -> None:
     """Unlink the job's shared-memory names. Ranks unlink their own once every peer has mapped
-    them (comm/shm/segment.py); this catches a job stopped during that set-up."""
+    them (comm/transport/shm/segment.py); this catches a job stopped during that set-up."""
     for leftover in Path("/dev/shm").glob(f"gradsync-{job}*") if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
 
@@ -453,9 +453,14 @@ def _watch(processes: list, join_timeout: float | None, live: bool = False, repl
     return None
 
 
-_TRANSPORT_INTERNALS = tuple(f"gradsync/comm/shm/{part}.py" for part in
-                             ("transport", "segment", "staging", "progress", "waiting", "doorbell"))
-"""The shared-memory transport's own frames: a stack names the collective that waited, not these."""
+_TRANSPORT_DIR = "gradsync/comm/transport/"
+_ALGORITHM_FILES = ("allreduce_", "reduce_scatter_", "all_gather_")
+
+
+def _transport_internal(path: str) -> bool:
+    """A frame of a transport's own machinery (anything under comm/transport/ but the intra-host
+    algorithms' files): a stack names the collective that waited, not these."""
+    return _TRANSPORT_DIR in path and not Path(path).name.startswith(_ALGORITHM_FILES)
 
 
 def _where(stack_path: Path) -> str | None:
@@ -477,7 +482,7 @@ def _where(stack_path: Path) -> str | None:
             continue
         path = line.split('"')[1]
         if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
-                                         "/site-packages/torch/", "<frozen", "<string>", *_TRANSPORT_INTERNALS)):
+                                         "/site-packages/torch/", "<frozen", "<string>")) or _transport_internal(path):
             continue
         name = line.rsplit(" in ", 1)[-1]
         short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name

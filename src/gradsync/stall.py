@@ -36,7 +36,7 @@ _THREAD: dict = {"thread": None, "stop": None}
 def entered(fingerprint, sequence: int | None = None) -> None:
     """Record the collective this rank is in (described only if a report is ever printed); its
     ``sequence`` number when given, else the fingerprint's (a plan's fingerprint has none of its own:
-    comm/shm/allreduce_shared_direct.py)."""
+    comm/transport/shm/allreduce_shared_direct.py)."""
     _NOW[0] = (fingerprint, fingerprint.sequence if sequence is None else sequence, time.monotonic())
 
 

@@ -22,7 +22,7 @@ not ours.
     busbw = algbw * 2(N-1)/N          (nccl-tests' convention: comparable across N)
     ratio = busbw(ours) / busbw(native) from the same run
 
-"transport" is what carried our algorithms' bytes: shm (comm/shm/, ranks of one host) or tcp
+"transport" is what carried our algorithms' bytes: shm (comm/transport/shm/, ranks of one host) or tcp
 (torch.distributed point-to-point over gloo); torch's own all_reduce always runs on gloo. Which one
 is GRADSYNC_TRANSPORT's choice unless ``transport`` names one; naming one that contradicts a set
 GRADSYNC_TRANSPORT is an error (``resolve_transport``), so a run never measures another transport
@@ -57,7 +57,6 @@ import contextlib
 import os
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -65,10 +64,9 @@ import torch.distributed as dist
 import gradsync as gs
 from gradsync.comm.allreduce_ring import ring_bytes_sent
 from gradsync.comm.collectives import here, resolve_algorithm
-from gradsync.comm.shm import segment
-from gradsync.comm.shm.allreduce_shared import direct_below
-from gradsync.comm.shm.transport import ShmTransport
-from gradsync.comm.world_transport import TRANSPORTS, default_transport, transport_choice
+from gradsync.comm.world_transport import (TRANSPORTS, default_transport, direct_below, shares_memory,
+                                           transport_choice)
+from gradsync.comm.world_transport import carrier as world_carrier
 from gradsync.sim.cost import Link, allreduce_bytes_per_rank
 
 OURS = ("ring", "halving_doubling", "tree", "naive", "shared_memory", "auto")
@@ -118,7 +116,7 @@ def _own_barrier():
     """The barrier each of our timed calls starts from: the shared-memory transport's own (as MPI's
     calls start from MPI_Barrier and gloo's from gloo's), else torch.distributed's."""
     transport = default_transport()
-    if isinstance(transport, ShmTransport) and len(transport.local_ranks) == transport.world_size:
+    if shares_memory(transport):
         return lambda: transport.barrier("bench/barrier", spin=True)
     return dist.barrier
 
@@ -331,14 +329,14 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
     if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
-        direct = nbytes < direct_below(SimpleNamespace(world_size=n_ranks, stage_bytes=segment.stage_bytes()))
+        direct = nbytes < direct_below(n_ranks)
         return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None
 
 
 def carrier() -> str:
     """What carries our bytes in the current world: "shm" or "tcp" (see the module docstring)."""
-    return "shm" if isinstance(default_transport(), ShmTransport) else "tcp"
+    return world_carrier()
 
 
 def _bench_job(sizes, algorithms, reps, warmup, fit):

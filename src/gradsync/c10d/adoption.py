@@ -2,10 +2,10 @@
 
 gradsync's own DDP wrapper allocates its gradient buckets in shared memory, so the all-reduce reads
 the other ranks' gradients where backward wrote them and writes the result straight into their
-buckets (comm/shm/allreduce_shared_in_place.py). torch's DDP allocates its buckets itself, in
+buckets (comm/transport/shm/allreduce_shared_in_place.py). torch's DDP allocates its buckets itself, in
 ordinary memory, so on this backend each bucket went through the staging halves: copied in, reduced,
-copied out (comm/shm/allreduce_shared.py), (N-1)/N x M bytes each way that the wrapper never moves.
-Here the backend adopts such a bucket as a region in place (comm/shm/regions.py, ``adopt``: torch
+copied out (comm/transport/shm/allreduce_shared.py), (N-1)/N x M bytes each way that the wrapper never moves.
+Here the backend adopts such a bucket as a region in place (comm/transport/shm/regions.py, ``adopt``: torch
 moves the storage into shared memory, every view of it follows), and from then on the bucket is
 all-reduced where it lies, as the wrapper's are.
 
@@ -33,9 +33,7 @@ import os
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradsync.comm.shm.allreduce_shared import layout_error
-from gradsync.comm.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
-from gradsync.comm.shm.segment import SHM_DIR
+from gradsync.comm.world_transport import IN_PLACE_FROM_BYTES, SHM_DIR, shares_memory
 
 MIN_BYTES = IN_PLACE_FROM_BYTES
 """Smaller tensors are all-reduced by the direct all-reduce whether they lie in a region or not."""
@@ -51,7 +49,7 @@ class BucketAdoption:
 
     def __init__(self, transport, world_size: int) -> None:
         self._regions = getattr(transport, "regions", None)
-        self.enabled = world_size > 1 and self._regions is not None and layout_error(transport) is None
+        self.enabled = world_size > 1 and self._regions is not None and shares_memory(transport)
         self._task = -1     # the backward pass (autograd graph task) the last all-reduce was issued in
         self._issued = 0    # all-reduces issued in it so far
         self._places: dict[tuple, list] = {}   # place -> [times all-reduced, StorageWeakRef of the last]

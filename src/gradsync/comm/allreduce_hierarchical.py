@@ -2,7 +2,7 @@
 
 Vocabulary
     H         number of hosts; L ranks on every host (N = H*L), local index l = 0..L-1
-    host ring the L ranks of one host; their messages travel over shared memory (shm/transport.py)
+    host ring the L ranks of one host; their messages travel over shared memory (transport/shm/transport.py)
     rail l    the H ranks with local index l, one per host; they own the same shard and talk over
               torch.distributed (TCP between hosts)
     shard l   chunk l of the ring partition of the tensor over L (ring_chunks(n, L))

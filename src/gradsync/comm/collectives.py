@@ -7,9 +7,9 @@
                                                  (any shard sizes; the inverse of reduce_scatter)
     all_gather_in_place(full)                    the same within a shared-region tensor whose chunk
                                                  r this rank wrote (one host; ShardedOptimizer)
-    (both by ring, or on one host over shared memory by shm/reduce_scatter_shared.py / all_gather_shared.py,
+    (both by ring, or on one host over shared memory by transport/shm/reduce_scatter_shared.py / all_gather_shared.py,
     or their single-copy twins where the kernel lets ranks read each other's memory; an input in a
-    shared region is reduce-scattered where it lies, shm/reduce_scatter_in_place.py)
+    shared region is reduce-scattered where it lies, transport/shm/reduce_scatter_in_place.py)
     broadcast(t, src=0)                          in place; returns t
 
 Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
@@ -47,17 +47,17 @@ from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.transport import Transport
 from gradsync.comm.world_transport import default_transport
-from gradsync.comm.shm import single_copy
-from gradsync.comm.shm.all_gather_in_place import all_gather_in_place as all_gather_region
-from gradsync.comm.shm.all_gather_shared import all_gather_shared
-from gradsync.comm.shm.all_gather_single_copy import all_gather_single_copy
-from gradsync.comm.shm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
-from gradsync.comm.shm.allreduce_shared import layout_error as shared_layout_error
-from gradsync.comm.shm.allreduce_shared_direct import DirectAllReduce
-from gradsync.comm.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.shm.reduce_scatter_in_place import reduce_scatter_in_place
-from gradsync.comm.shm.reduce_scatter_shared import reduce_scatter_shared
-from gradsync.comm.shm.reduce_scatter_single_copy import reduce_scatter_single_copy
+from gradsync.comm.transport.shm import single_copy
+from gradsync.comm.transport.shm.all_gather_in_place import all_gather_in_place as all_gather_region
+from gradsync.comm.transport.shm.all_gather_shared import all_gather_shared
+from gradsync.comm.transport.shm.all_gather_single_copy import all_gather_single_copy
+from gradsync.comm.transport.shm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
+from gradsync.comm.transport.shm.allreduce_shared import layout_error as shared_layout_error
+from gradsync.comm.transport.shm.allreduce_shared_direct import DirectAllReduce
+from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
+from gradsync.comm.transport.shm.reduce_scatter_in_place import reduce_scatter_in_place
+from gradsync.comm.transport.shm.reduce_scatter_shared import reduce_scatter_shared
+from gradsync.comm.transport.shm.reduce_scatter_single_copy import reduce_scatter_single_copy
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
 
@@ -97,7 +97,7 @@ HOLD_BELOW_BYTES = 4 << 20
 
 def _on_own_core(collective):
     """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
-    the transport has one (shared memory with several local ranks: shm/hold.py, lazily). Measured with
+    the transport has one (shared memory with several local ranks: transport/shm/hold.py, lazily). Measured with
     4 ranks on 2 cores (docs/studies/core-hold.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
     2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
     run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
@@ -132,7 +132,7 @@ def _holds(transport: Transport, nbytes: int) -> bool:
 def shared_allocator(w: runtime.World):
     """``allocate(numel, dtype)`` for buffers the collectives read where they lie (DDP's buckets,
     ShardedOptimizer's gradients and parameters): the transport's shared regions when every rank of
-    ``w`` is on this host over shared memory (shm/regions.py; allocate returns None when /dev/shm
+    ``w`` is on this host over shared memory (transport/shm/regions.py; allocate returns None when /dev/shm
     cannot hold one); None otherwise, and for a world of one."""
     if w.world_size == 1:
         return None
@@ -178,14 +178,14 @@ def next_sequence(place: Place) -> int:
 
 SPIN_BELOW_BYTES = 4 << 20
 """With more local ranks than cores, collectives of fewer bytes than this poll in their barriers,
-yielding the core, for up to 1 ms before they sleep (shm/waiting.py's ``spin``): their phases are balanced
+yielding the core, for up to 1 ms before they sleep (transport/shm/waiting.py's ``spin``): their phases are balanced
 and short, so a sleep and wake-up would dominate them (4 ranks on 2 cores, 1 MiB: 1.3-1.4 ms a call
 against 1.6-2.1 ms sleeping at once). Larger ones poll too on the main thread, but sleep at once on
 any other: polling made them faster alone (4 MiB 3.90 -> 3.54 ms; with the split all-reduce,
 2026-12-03, blocks of 40 calls alternating, us: N=4 4 MiB 2,876-2,968 -> 2,555-2,698, 16 MiB
 11,224-11,954 -> 10,357-11,373, 64 MiB 42,053-44,450 -> 39,488-40,140; N=3 4 MiB 2,676-2,731 ->
 2,396-2,435, 16 MiB 8,594-8,765 -> 8,004-8,282) but not torch's DDP, whose communication thread
-shares a core with backward. With a core per rank every collective polls (shm/waiting.py poll_seconds: 200 us
+shares a core with backward. With a core per rank every collective polls (transport/shm/waiting.py poll_seconds: 200 us
 on the main thread, 30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617
 us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/studies/barrier-polling.md)."""
 
@@ -207,7 +207,7 @@ def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
 
 def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
     """Whether the collective's barriers poll before they sleep: always while every local rank has a
-    core (shm/waiting.py poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
+    core (transport/shm/waiting.py poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
     below SPIN_BELOW_BYTES."""
     return (threading.current_thread() is threading.main_thread()
             or _spins_anywhere(transport, fingerprint.numel * fingerprint.dtype.itemsize))
@@ -433,7 +433,7 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
 def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
     """All-gather within ``full``, a 1-D tensor in a shared region (``shared_allocator``) whose chunk
     ``ring_chunks(n, N)`` r this rank has written: afterwards every chunk holds its owner's values,
-    copied out of the owners' regions (shm/all_gather_in_place.py). Returns ``full``."""
+    copied out of the owners' regions (transport/shm/all_gather_in_place.py). Returns ``full``."""
     return all_gather_in_place_in(here(), full)
 
 

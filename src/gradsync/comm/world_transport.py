@@ -5,25 +5,40 @@ imports this choice: it registers with runtime.on_init, so init() connects the w
 (and shutdown() closes it), and default_transport() hands it to the collectives.
 
     GRADSYNC_TRANSPORT=auto   shared memory between ranks of one host where this machine supports
-                              it (shm/doorbell.py says), torch.distributed otherwise (the default)
-    GRADSYNC_TRANSPORT=tcp    torch.distributed for every peer (tcp.py)
+                              it (transport/shm/doorbell.py says), torch.distributed otherwise (the default)
+    GRADSYNC_TRANSPORT=tcp    torch.distributed for every peer (transport/tcp.py)
     GRADSYNC_TRANSPORT=shm    shared memory between ranks of one host, an error where unsupported
 
 A world of one rank, or a rank alone on its host, gets a TorchTransport. Every rank takes part in
-the shared-memory job token (shm/segment.py's job_token) first, even one alone on its host: rank 0
+the shared-memory job token (transport/shm/segment.py's job_token) first, even one alone on its host: rank 0
 publishes it.
+
+The public surface: code outside comm/ asks these, never the transports' internals.
+    carrier(transport)          "shm" or "tcp": what carries the world's bytes
+    shares_memory(transport)    every rank on this host over shared memory (the intra-host algorithms run)
+    process_alive(pid)          whether a process of this host is alive (not a zombie), as /proc says
+    direct_below(n_ranks)       the shared-memory all-reduce's one-shot band: messages below it
+    IN_PLACE_FROM_BYTES, SHM_DIR
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 from gradsync import runtime
-from gradsync.comm.shm import doorbell
-from gradsync.comm.shm.segment import job_token
-from gradsync.comm.shm.transport import ShmTransport
-from gradsync.comm.tcp import TorchTransport
+from gradsync.comm.transport.shm import doorbell, segment
+from gradsync.comm.transport.shm.allreduce_shared import direct_below as _direct_below
+from gradsync.comm.transport.shm.allreduce_shared import layout_error
+from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+from gradsync.comm.transport.shm.segment import SHM_DIR, job_token
+from gradsync.comm.transport.shm.transport import ShmTransport
+from gradsync.comm.transport.shm.waiting import alive as process_alive
 from gradsync.comm.transport import Transport
+from gradsync.comm.transport.tcp import TorchTransport
+
+__all__ = ["IN_PLACE_FROM_BYTES", "SHM_DIR", "TRANSPORTS", "build", "carrier", "default_transport",
+           "direct_below", "process_alive", "shares_memory", "transport_choice"]
 
 
 TRANSPORTS = ("auto", "tcp", "shm")
@@ -85,3 +100,21 @@ def default_transport() -> Transport:
         _connect(w)
         transport = _TRANSPORTS[id(w)]
     return transport
+
+
+def carrier(transport: Transport | None = None) -> str:
+    """What carries the bytes of ``transport`` (default: the current world's): "shm" where shared memory
+    connects the ranks of a host, "tcp" where torch.distributed carries them all."""
+    return "shm" if isinstance(transport or default_transport(), ShmTransport) else "tcp"
+
+
+def shares_memory(transport: Transport) -> bool:
+    """Whether every rank of ``transport`` is on this host over shared memory, so that the intra-host
+    algorithms (and shared regions, and the transport's own barrier) serve it."""
+    return layout_error(transport) is None
+
+
+def direct_below(n_ranks: int) -> int:
+    """Messages of fewer bytes than this take the shared-memory all-reduce's one-shot (direct) path
+    with ``n_ranks`` ranks on one host, at this process's staging size."""
+    return _direct_below(SimpleNamespace(world_size=n_ranks, stage_bytes=segment.stage_bytes()))

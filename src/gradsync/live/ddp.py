@@ -13,7 +13,7 @@ admitted now: growth.py; if so the world grows and run_step returns False) -> ze
 all-reduce runs inside backward) -> snapshot -> optimizer.step() -> commit (step + 1, the progress
 train_step returned). When a member dies, the survivors' collectives fail (PeerError: the dead rank's
 own transfers within LIVENESS_SLICE, 0.2 s, and everyone else's once the live world's check sees the
-death: comm/transport.py's abandoned(), or the TCP connection of a survivor that has torn down).
+death: comm/transport/__init__.py's abandoned(), or the TCP connection of a survivor that has torn down).
 Each survivor then recovers:
 
     declare_broken   the generation is over (store), so ranks waiting on live peers stop too

@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from gradsync.comm.shm.waiting import alive
+from gradsync.comm.world_transport import process_alive
 from gradsync.live.heartbeat import Heart, Listener
 from gradsync.world_info import host_id
 
@@ -88,7 +88,7 @@ class Membership:
         where = self._location(member)
         if where is None:
             return False
-        return not alive(where[1]) if where[0] == self.me else self._listener.silent(member)
+        return not process_alive(where[1]) if where[0] == self.me else self._listener.silent(member)
 
     def dead_members(self) -> list[int]:
         return [m for m in self.current.members if m != self.member and self.known_dead(m)]

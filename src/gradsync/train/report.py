@@ -18,8 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gradsync import display, runtime
-from gradsync.comm.shm.transport import ShmTransport
-from gradsync.comm.world_transport import default_transport
+from gradsync.comm.world_transport import carrier
 from gradsync.train.config import TrainConfig
 
 STRAGGLER_FACTOR = 1.2
@@ -38,8 +37,8 @@ def _placement() -> str:
         return ""
     hosts = len(runtime.world().hosts)
     inside = "shared memory inside each" if hosts > 1 else "shared memory"
-    carrier = inside if isinstance(default_transport(), ShmTransport) else "TCP (torch.distributed)"
-    return f", {hosts} host(s), {carrier}"
+    how = inside if carrier() == "shm" else "TCP (torch.distributed)"
+    return f", {hosts} host(s), {how}"
 
 
 class Reporter:

@@ -35,14 +35,14 @@ import threading
 import torch
 
 from gradsync import runtime
-from gradsync.comm.shm.hold import CoreHold
-from gradsync.comm.shm.progress import Progress, ShmOp
-from gradsync.comm.shm.regions import SharedRegions
-from gradsync.comm.shm.ring import FRAME
-from gradsync.comm.shm.segment import Segments, ring_bytes, segment_prefix, stage_bytes
-from gradsync.comm.shm.staging import Staging
-from gradsync.comm.shm.waiting import Delegated, Waiting
-from gradsync.comm.tcp import TorchTransport
+from gradsync.comm.transport.shm.hold import CoreHold
+from gradsync.comm.transport.shm.progress import Progress, ShmOp
+from gradsync.comm.transport.shm.regions import SharedRegions
+from gradsync.comm.transport.shm.ring import FRAME
+from gradsync.comm.transport.shm.segment import Segments, ring_bytes, segment_prefix, stage_bytes
+from gradsync.comm.transport.shm.staging import Staging
+from gradsync.comm.transport.shm.waiting import Delegated, Waiting
+from gradsync.comm.transport.tcp import TorchTransport
 from gradsync.comm.transport import Transport
 from gradsync.meter import METER, TrafficMeter
 

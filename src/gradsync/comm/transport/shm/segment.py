@@ -36,10 +36,10 @@ from datetime import timedelta
 import torch
 
 from gradsync import runtime
-from gradsync.comm.shm import single_copy
-from gradsync.comm.shm.doorbell import Doorbell
-from gradsync.comm.shm.ring import FRAME, Ring, slot_bytes
-from gradsync.comm.shm.waiting import LIVENESS_SLICE, alive
+from gradsync.comm.transport.shm import single_copy
+from gradsync.comm.transport.shm.doorbell import Doorbell
+from gradsync.comm.transport.shm.ring import FRAME, Ring, slot_bytes
+from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE, alive
 from gradsync.comm.transport import PeerError, abandoned
 
 DEFAULT_RING_MB = 2

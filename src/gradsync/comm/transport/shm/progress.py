@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.shm.ring import Ring
+from gradsync.comm.transport.shm.ring import Ring
 from gradsync.comm.transport import Handle, PeerError
 
 

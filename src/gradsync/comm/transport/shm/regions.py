@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradsync.comm.shm.segment import SHM_DIR
+from gradsync.comm.transport.shm.segment import SHM_DIR
 
 
 class SharedRegions:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.comm.agree import Fingerprint, compare_published
-from gradsync.comm.shm import single_copy
+from gradsync.comm.transport.shm import single_copy
 
 
 def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerprint,

@@ -22,9 +22,9 @@ import struct
 import torch
 
 from gradsync.comm.agree import FINGERPRINT_BYTES
-from gradsync.comm.shm import single_copy
-from gradsync.comm.shm.ring import FRAME
-from gradsync.comm.shm.waiting import alive
+from gradsync.comm.transport.shm import single_copy
+from gradsync.comm.transport.shm.ring import FRAME
+from gradsync.comm.transport.shm.waiting import alive
 from gradsync.comm.transport import PeerError
 
 _FINGERPRINT = struct.Struct(f"{FINGERPRINT_BYTES // 8}q")

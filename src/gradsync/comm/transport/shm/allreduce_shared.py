@@ -64,8 +64,8 @@ import torch
 from gradsync import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.shm.allreduce_shared_direct import allreduce_shared_direct
-from gradsync.comm.shm.allreduce_shared_in_place import PIECE_BYTES
+from gradsync.comm.transport.shm.allreduce_shared_direct import allreduce_shared_direct
+from gradsync.comm.transport.shm.allreduce_shared_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 

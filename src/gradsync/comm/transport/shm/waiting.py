@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from gradsync.comm.shm.progress import ShmOp
+from gradsync.comm.transport.shm.progress import ShmOp
 from gradsync.comm.transport import Handle, PeerError, abandoned
 
 POLL_SLICE = 0.0005
