@@ -52,11 +52,16 @@ TRANSPORTS = {"auto": {},                                          # shared memo
               "tcp": {"GRADSYNC_TRANSPORT": "tcp"},                  # torch.distributed for every peer
               # 2 KiB rings: messages stream and wrap; 4 KiB staging halves: the shared-memory all-reduce
               # splits what does not fit one half into pieces (allreduce_shared.py), the rest is direct
-              "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"}}
+              "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"},
+              # the shared-memory collectives' Python path, where the native core runs the others
+              "python": {"GRADSYNC_NATIVE": "0"},
+              "tiny-rings-python": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004",
+                                    "GRADSYNC_NATIVE": "0"}}
 SETUPS = ([(n, "auto") if n not in (5, 6, 7, 8) else pytest.param(n, "auto", marks=pytest.mark.slow)
            for n in WORLD_SIZES]
           + [(2, "tcp"), (3, "tcp"), pytest.param(5, "tcp", marks=pytest.mark.slow)]
-          + [(n, "tiny-rings") for n in (2, 4)])
+          + [(n, "tiny-rings") for n in (2, 4)]
+          + [(2, "python"), (3, "python"), (4, "tiny-rings-python")])
 """N = 5 to 8 on shared memory (larger worlds than 4, which also puts two ranks on a core here),
 and N = 5 over TCP (odd, as 3), run with -m slow."""
 

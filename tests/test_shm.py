@@ -180,9 +180,11 @@ def test_a_collective_holds_its_thread_on_the_ranks_own_core_and_gives_it_back(w
     # (hold.py): entered from the other core, it is on its own at the first barrier, and pinned once
     # it has slept (the late-peer case); with a core each, collectives of HOLD_BELOW_BYTES (4 MiB)
     # and more are not held
+    # (the Python path's barriers, spied on; native_fns.affinity_while_in_the_core checks the core's hold)
     cores = sorted(os.sched_getaffinity(0))
     core_each = n <= len(cores)
-    for rank, (own_core, before, seen) in enumerate(world_of(n).run(shm_fns.affinity_in_and_after_collectives)):
+    pool = world_of(n, GRADSYNC_NATIVE="0")
+    for rank, (own_core, before, seen) in enumerate(pool.run(shm_fns.affinity_in_and_after_collectives)):
         assert before == cores
         assert own_core == cores[rank % len(cores)]
         for name, entries, on_cores, exits, after in seen:

@@ -68,6 +68,7 @@ from gradsync.comm.transport.shm.allreduce_shared_direct import allreduce_shared
 from gradsync.comm.transport.shm.allreduce_shared_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
+from gradsync.comm.transport.shm import native
 
 OP = "all_reduce/shared_memory"
 AGREE = "all_reduce/agree"
@@ -165,6 +166,8 @@ class SplitAllReduce:
         self._kind, self._rest = kind, tuple(rest)
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
         self._agreements = [(other, FINGERPRINT_BYTES) for other in self.others]
+        self.native = native.plan(transport, native.TWO_SHOT, numel, dtype, reduction.name, self.fingerprint, OP, spin,
+                                  hold is not None, region * dtype.itemsize)   # native/allreduce_two_shot.c
 
     def _views(self, staged: list[torch.Tensor], sizes: list[int], region: int) -> _Piece:
         rank = self.rank
@@ -176,26 +179,44 @@ class SplitAllReduce:
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place; ``fingerprint``:
         agree on it with the first piece, every difference metered and raised (agree.compare_published)."""
+        if self.native is not None and fingerprint is not None:
+            if transport.native(self.native.run, flat.data_ptr(), fingerprint.sequence) >= 0:
+                compare_published(transport, fingerprint)   # raises the mismatch the core found
+            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+            transport.meter.record_exchanges(self.exchanges, op=OP)
+            return
         self._pieces(flat, transport, None if fingerprint is None else fingerprint.values(), fingerprint)
         transport.meter.record_exchanges(self.exchanges, op=OP)
 
     def run(self, flat: torch.Tensor, transport) -> None:
         """A repeated call, whole, as DirectAllReduce.run: held where the plan was given a hold, the next
         sequence number, the stall inspector told, the fingerprint published with the first piece and
-        compared after its first barrier, the call counted for the meter."""
+        compared after its first barrier, the call counted for the meter (with the native core, the
+        pieces are one C call, which holds the thread itself)."""
+        if self.native is not None:
+            sequence = next_sequence_of(transport)
+            stall.entered(self.fingerprint, sequence)
+            if transport.native(self.native.run, flat.data_ptr(), sequence) >= 0:
+                compare_published(transport, self.fingerprint._replace(sequence=sequence))
+            self._count(transport)
+            return
         holding = self._hold is not None and self._hold.enter()
         try:
             sequence = next_sequence_of(transport)
             stall.entered(self.fingerprint, sequence)
             self._pieces(flat, transport, (self._kind, sequence) + self._rest, None)
-            if self._calls is not None:
-                self._calls[0] += 1
-            else:   # the meter keeps no more counters (TrafficMeter.tally)
-                transport.meter.record_exchanges(self.exchanges, op=OP)
-                transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+            self._count(transport)
         finally:
             if holding:
                 self._hold.leave()
+
+    def _count(self, transport) -> None:
+        """One call for the meter (TrafficMeter.tally)."""
+        if self._calls is not None:
+            self._calls[0] += 1
+        else:   # the meter keeps no more counters
+            transport.meter.record_exchanges(self.exchanges, op=OP)
+            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
 
     def _pieces(self, flat: torch.Tensor, transport, published, fingerprint) -> None:
         """The pieces, the first with ``published`` (a fingerprint's values, or None: no agreement);

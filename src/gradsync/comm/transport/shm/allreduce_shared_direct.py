@@ -39,6 +39,8 @@ import torch
 from gradsync import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport import PeerError
+from gradsync.comm.transport.shm import native
 
 OP = "all_reduce/shared_memory"
 AGREE = "all_reduce/agree"
@@ -66,9 +68,18 @@ class DirectAllReduce:
         self._hold = getattr(transport, "hold", None)
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
         self._agreements = [(other, FINGERPRINT_BYTES) for other, _ in self.exchanges]
+        self.native = native.plan(transport, native.ONE_SHOT, numel, dtype, reduction.name, self.fingerprint, OP, spin,
+                                  self._hold is not None)   # the same phases in C (native/allreduce_one_shot.c)
 
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
+        if self.native is not None and fingerprint is not None:
+            if transport.native(self.native.run, flat.data_ptr(), fingerprint.sequence) >= 0:
+                compare_published(transport, fingerprint)   # raises the mismatch the core found
+            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+            if self.nbytes:
+                transport.meter.record_exchanges(self.exchanges, op=OP)
+            return
         stages = self.stages[transport.next_half()]
         stages[transport.rank].copy_(flat)
         if fingerprint is not None:
@@ -87,7 +98,21 @@ class DirectAllReduce:
         barrier (compare_published raises on a difference), the call counted for the meter (its
         payload and fingerprint bytes: TrafficMeter.tally). The same steps as the first call's, in
         fewer Python operations: between two waits each costs about twice what it costs in a loop
-        that repeats it (docs/studies/small-call-cost.md)."""
+        that repeats it (docs/studies/small-call-cost.md). With the native core, all of that but the
+        sequence number, the stall inspector and the meter is one C call."""
+        if self.native is not None:
+            sequence = next_sequence_of(transport)
+            stall.entered(self.fingerprint, sequence)
+            if transport._broken is not None:
+                raise transport._broken
+            try:
+                differs = self.native.run(flat.data_ptr(), sequence)
+            except PeerError as exc:
+                raise transport._broken_by(exc) from None
+            if differs >= 0:
+                compare_published(transport, self.fingerprint._replace(sequence=sequence))
+            self._count(transport)
+            return
         holding = self._hold is not None and self._hold.enter()
         try:
             sequence = next_sequence_of(transport)
@@ -101,15 +126,19 @@ class DirectAllReduce:
                 compare_published(transport, self.fingerprint._replace(sequence=sequence))
             if self.nbytes:
                 self._fold(flat, stages, rank)
-            if self._calls is not None:
-                self._calls[0] += 1
-            else:   # the meter keeps no more counters (TrafficMeter.tally)
-                if self.nbytes:
-                    transport.meter.record_exchanges(self.exchanges, op=OP)
-                transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+            self._count(transport)
         finally:
             if holding:
                 self._hold.leave()
+
+    def _count(self, transport) -> None:
+        """One call for the meter: its payload and fingerprint bytes (TrafficMeter.tally)."""
+        if self._calls is not None:
+            self._calls[0] += 1
+        else:   # the meter keeps no more counters
+            if self.nbytes:
+                transport.meter.record_exchanges(self.exchanges, op=OP)
+            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
 
     def _fold(self, flat: torch.Tensor, stages: list[torch.Tensor], rank: int) -> None:
         reduction = self.reduction

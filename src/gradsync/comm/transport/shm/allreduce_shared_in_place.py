@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, barrier_staged
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, barrier_staged, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport.shm import native
+
+AGREE = "all_reduce/agree"
 
 PIECE_BYTES = 512 << 10
 """The reduce and scatter go at most this many bytes at a time (divided among the ranks that share
@@ -61,6 +64,43 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
     """In-place all-reduce of ``flat``, which is ``views[rank]``; ``views[j]`` is rank j's copy."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
+    plan = _native_plan(flat, transport, reduction, fingerprint, spin)
+    if plan is not None:   # the same phases in C (native/allreduce_in_place.c)
+        if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views]) >= 0:
+            compare_published(transport, fingerprint)   # raises the mismatch the core found
+        transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),
+                                         op=AGREE, control=True)
+    else:
+        _reduce_and_scatter(flat, transport, views, reduction, fingerprint, spin)
+    if flat.numel() == 0:
+        return
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    esize = flat.element_size()
+    for other in range(n_ranks):
+        if other != rank:
+            exchanged = (chunks.sizes[rank] + chunks.sizes[other]) * esize
+            transport.meter.record_exchange(peer=other, received=exchanged, sent=exchanged, op=op)
+
+
+def _native_plan(flat: torch.Tensor, transport, reduction: Reduction, fingerprint: Fingerprint | None, spin: bool):
+    """The native core's plan for this call (kept per region, shape, op and spin), or None."""
+    if fingerprint is None or getattr(transport, "core", None) is None:
+        return None
+    key = ("in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin)
+    plans = transport.plans
+    if key not in plans:
+        if len(plans) >= 256:
+            plans.clear()
+        plans[key] = native.plan(transport, native.IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint,
+                                 "all_reduce/shared_memory", spin, False, piece_bytes(transport))
+    return plans[key]
+
+
+def _reduce_and_scatter(flat: torch.Tensor, transport, views: list[torch.Tensor], reduction: Reduction,
+                        fingerprint: Fingerprint | None, spin: bool) -> None:
+    """The phases in Python (the fallback, and the core's oracle)."""
+    op = "all_reduce/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
     barrier_staged(transport, fingerprint, op, spin)
     if flat.numel() == 0:
         return
@@ -77,8 +117,3 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
         for other in theirs:
             other.narrow(0, start, length).copy_(piece)
     transport.barrier(op, spin)
-    esize = flat.element_size()
-    for other in range(n_ranks):
-        if other != rank:
-            exchanged = (chunks.sizes[rank] + chunks.sizes[other]) * esize
-            transport.meter.record_exchange(peer=other, received=exchanged, sent=exchanged, op=op)

@@ -30,6 +30,10 @@ unless 1 already read b's value, and then 1's state check, which follows it, saw
 is a lock acquire and release (on x86-64 a locked instruction, which orders the store before the
 load; the store-then-load order is the one x86's total store order does not give by itself).
 
+Where the native core runs (native/signal.c), every ringer adds 256 to the word and every sleeper
+adds itself to the count atomically, in C, so that a Python wait and a native one on the same word,
+in one process or several, follow one protocol; this file's own ring and sleep are the Python path's.
+
 Linux only (futex is a Linux system call). The ring buffers built on this rely on x86-64's
 total store order (data written before the ring's head pointer is visible before it), which is
 why ``supported()`` also checks the machine.
@@ -80,7 +84,8 @@ class Doorbell:
     """The 32-bit word at ``offset`` of a shared mapping, and its sleeper count at ``offset + 4``;
     ``ringer`` identifies who rings it."""
 
-    def __init__(self, mapping, offset: int, ringer: int) -> None:
+    def __init__(self, mapping, offset: int, ringer: int, native=None) -> None:
+        self._native = native   # the native core's module: it rings and sleeps (below)
         self._word = ctypes.c_uint32.from_buffer(mapping, offset)
         self._sleepers = ctypes.c_uint32.from_buffer(mapping, offset + 4)
         self._address = ctypes.addressof(self._word)
@@ -94,6 +99,9 @@ class Doorbell:
 
     def ring(self) -> None:
         """Change the word and wake every sleeper on it (no system call when nobody sleeps)."""
+        if self._native is not None:
+            self._native.ring(self._address)
+            return
         self._count = (self._count + 1) & 0xFFFFFF
         self._word.value = (self._count << 8) | self._ringer
         _full_fence()
@@ -104,6 +112,9 @@ class Doorbell:
     def sleep(self, seen: int, seconds: float) -> None:
         """Sleep until the word differs from ``seen``, a ring, a signal or ``seconds`` pass (only the
         owner of the word sleeps on it)."""
+        if self._native is not None:
+            self._native.sleep(self._address, seen, seconds)
+            return
         whole = int(seconds)
         timeout = _Timespec(whole, int((seconds - whole) * 1e9))
         with self._guard:

@@ -30,16 +30,18 @@ import ctypes
 import mmap
 import os
 import secrets
+import threading
 import time
 from datetime import timedelta
 
 import torch
 
 from gradsync import runtime
-from gradsync.comm.transport.shm import single_copy
+from gradsync.comm.transport.shm import native, single_copy
 from gradsync.comm.transport.shm.doorbell import Doorbell
 from gradsync.comm.transport.shm.ring import FRAME, Ring, slot_bytes
-from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE, alive
+from gradsync.comm.transport.shm.waiting import (BACKGROUND_SPIN_SECONDS, LIVENESS_SLICE, SPIN_SECONDS,
+                                                 YIELD_SECONDS, alive)
 from gradsync.comm.transport import PeerError, abandoned
 
 DEFAULT_RING_MB = 2
@@ -125,13 +127,17 @@ class Segments:
             own = self._mappings[self.rank]
             own[self._fingerprint_offset():self._fingerprint_offset() + 16] = secrets.token_bytes(16)
             base = ctypes.addressof(ctypes.c_char.from_buffer(own))
-            store.set(f"{key}/created/{self.rank}", f"{os.getpid()} {self.capacity} {self.stage_bytes} {base}")
+            extension, self.native_problem = native.load()
+            store.set(f"{key}/created/{self.rank}",
+                      f"{os.getpid()} {self.capacity} {self.stage_bytes} {base} {int(extension is not None)}")
             self.pids, bases = {}, {}
             for peer in self.local_ranks:
                 if peer == self.rank:
                     continue
                 created = self.store_get(store, f"{key}/created/{peer}", wait, peer, "create its segment")
-                pid, capacity, staging, bases[peer] = (int(v) for v in created.split())
+                pid, capacity, staging, bases[peer], theirs = (int(v) for v in created.split())
+                if not theirs and self.native_problem is None:
+                    self.native_problem = f"rank {peer} has no native core"
                 if (capacity, staging) != (self.capacity, self.stage_bytes):
                     raise ValueError(f"rank {self.rank}: shared-memory set-up: rank {peer} has {capacity}-byte rings and "
                                      f"{staging}-byte staging halves, this rank {self.capacity} and {self.stage_bytes}; "
@@ -157,8 +163,9 @@ class Segments:
             except FileNotFoundError:
                 pass
         me = self.local_index[self.rank]
-        self._bell = Doorbell(self._mappings[self.rank], 0, me)
-        self._bells = {peer: Doorbell(self._mappings[peer], 0, me) for peer in self.pids}
+        extension = native.load()[0] if self.native_problem is None else None
+        self._bell = Doorbell(self._mappings[self.rank], 0, me, extension)
+        self._bells = {peer: Doorbell(self._mappings[peer], 0, me, extension) for peer in self.pids}
         self._in = {peer: Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
         self._out = {peer: Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
         self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
@@ -166,6 +173,27 @@ class Segments:
         self._ordered_peers = sorted(self.pids)
         self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
                                                offset=self._stage_offset()) for rank in self.local_ranks}
+        if extension is not None:
+            self._start_core(extension)
+        elif self.native_problem is not None and self.local_index[self.rank] == 0:
+            native.notice(self.native_problem)
+
+    def _start_core(self, extension) -> None:
+        """The native core over this transport's memory (native/module.c's Core); it keeps the counters
+        and the hold from now on, so that both paths share them."""
+        ranks = self.local_ranks
+        bases = [ctypes.addressof(self._counters[rank]) - 8 for rank in ranks]   # the counter is at byte 8
+        slots = [base + self._fingerprint_offset() + parity * 2 * FRAME for base in bases for parity in (0, 1)]
+        stages = [self._stages[rank].data_ptr() + half * self.stage_bytes for rank in ranks for half in (0, 1)]
+        self.core = extension.Core(
+            n=len(ranks), me=self.local_index[self.rank], counters=[base + 8 for base in bases], bells=bases,
+            slots=slots, stages=stages, stage_bytes=self.stage_bytes, spin_allowed=self.spin_allowed,
+            spin_seconds=SPIN_SECONDS, background_spin_seconds=BACKGROUND_SPIN_SECONDS, yield_seconds=YIELD_SECONDS,
+            slice_seconds=LIVENESS_SLICE, main_thread=threading.main_thread().ident,
+            own_core=-1 if self.own_core is None else self.own_core, on_slice=self.on_slice)
+        self.counters = self.core
+        if self.hold is not None:
+            self.hold = native.NativeHold(self.core, self.own_core)
 
     def _probe(self, peer: int, base: int) -> str | None:
         """Why single-copy reads from ``peer`` do not work here (None when they do): read the token at
@@ -207,6 +235,7 @@ class Segments:
             for bell in [getattr(self, "_bell", None), *getattr(self, "_bells", {}).values()]:
                 if bell is not None:
                     bell.release()
+            self.core = None   # its addresses go with the mappings
             self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
             self._views, self.plans, self._peer_counters = {}, {}, []
             for mapping in self._mappings.values():

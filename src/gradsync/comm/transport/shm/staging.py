@@ -40,12 +40,12 @@ class Staging:
         """Write this rank's fingerprint for the next barrier into its next slot (the slots alternate:
         a slot is rewritten two agreements later, after every rank has passed the barrier in between
         and so has read it), and ``address``: where its tensor lies, for single-copy reads."""
-        self._published += 1
-        offset = self._fingerprint_slots[self._published & 1]   # _published_offset(), one call less
-        self._mine = (_FINGERPRINT.pack(*values) if len(values) == 8
-                      else _FINGERPRINT.pack(*values, *(0,) * (8 - len(values))))
+        counters = self.counters
+        counters.published += 1
+        offset = self._fingerprint_slots[counters.published & 1]   # _published_offset(), one call less
         own = self._mappings[self.rank]
-        own[offset:offset + _FINGERPRINT.size] = self._mine
+        own[offset:offset + _FINGERPRINT.size] = (_FINGERPRINT.pack(*values) if len(values) == 8
+                                                  else _FINGERPRINT.pack(*values, *(0,) * (8 - len(values))))
         _ADDRESS.pack_into(own, offset + FRAME, address)
 
     def first_differing(self, op: str, metered: bool = True) -> int | None:
@@ -55,7 +55,8 @@ class Staging:
         if metered:
             self.meter.record_exchanges(((peer, _FINGERPRINT.size) for peer in self.pids), op=op, control=True)
         start = self._published_offset()
-        end, mine = start + _FINGERPRINT.size, self._mine
+        end = start + _FINGERPRINT.size
+        mine = self._mappings[self.rank][start:end]   # as published, by this path or the native core's
         for peer in self._ordered_peers:
             if self._mappings[peer][start:end] != mine:
                 return peer
@@ -90,31 +91,33 @@ class Staging:
         return self._scratch[:nbytes]
 
     def _published_offset(self) -> int:
-        return self._fingerprint_slots[self._published & 1]
+        return self._fingerprint_slots[self.counters.published & 1]
 
     def next_half(self) -> int:
         """The staging half the next piece uses: they alternate, across calls too, so a rank may
         fill one half while slower ranks still read the other (allreduce_shared.py)."""
-        self._half ^= 1
-        self._split_in_half = False
-        return self._half
+        counters = self.counters
+        counters.half ^= 1
+        counters.split_in_half = False
+        return counters.half
 
     def restart_halves(self) -> None:
         """After a collective mismatch, which every rank raises after the same barrier: ranks that took
         different algorithms may have moved to different halves, so every one starts again from half 0
         (nothing staged is read after a mismatch, and everything staged before it was read before
         that barrier)."""
-        self._half = 0
-        self._split_in_half = False
+        self.counters.half = 0
+        self.counters.split_in_half = False
 
     def split_half(self) -> int:
         """The staging half for the split all-reduce's pieces: the last one when the split used it last
         (its regions lie at fixed places, so a split may follow a split in the same half:
         allreduce_shared.py), else the next."""
-        if not self._split_in_half:
-            self._half ^= 1
-            self._split_in_half = True
-        return self._half
+        counters = self.counters
+        if not counters.split_in_half:
+            counters.half ^= 1
+            counters.split_in_half = True
+        return counters.half
 
     def stage(self, rank: int, half: int) -> torch.Tensor:
         """Local rank ``rank``'s staging half ``half`` (S bytes, uint8), readable and writable here."""

@@ -36,6 +36,7 @@ import torch
 
 from gradsync import runtime
 from gradsync.comm.transport.shm.hold import CoreHold
+from gradsync.comm.transport.shm.native import Counters
 from gradsync.comm.transport.shm.progress import Progress, ShmOp
 from gradsync.comm.transport.shm.regions import SharedRegions
 from gradsync.comm.transport.shm.ring import FRAME
@@ -76,11 +77,8 @@ class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
         self.capacity = ring_bytes()
         self.stage_bytes = stage_bytes()
         self._fingerprint_slots = (self._fingerprint_offset(), self._fingerprint_offset() + 2 * FRAME)
-        self._barriers = 0
-        self._half = 0
-        self._split_in_half = False   # the last piece in _half was allreduce_shared's split
-        self._published = 0
-        self._mine = b""   # this rank's last published fingerprint, packed
+        self.counters = Counters()   # barriers, published, half, split_in_half; the native core's own once connected
+        self.core = None             # the native core (native/), where every local rank has it: segment.py
         self._views: dict[tuple, list[torch.Tensor]] = {}
         self.plans: dict[tuple, object] = {}   # small collectives made ready per shape (collectives.py)
         cores = _usable_cores()

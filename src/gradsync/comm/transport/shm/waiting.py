@@ -198,20 +198,52 @@ class Waiting:
 
     def barrier(self, op: str, spin: bool = False) -> None:
         """Return once every local rank has entered as many barriers as this one (with the timeout
-        and liveness checks of any wait; ``spin``: see the module docstring)."""
-        self._barriers += 1
-        count = self._barriers
+        and liveness checks of any wait; ``spin``: see the module docstring). The native core's own
+        barrier where the transport has one (native/signal.c: the same counters, so both paths meet)."""
+        if self.core is not None:
+            self.native(self.core.barrier, op, spin)
+            return
+        self.counters.barriers += 1
+        count = self.counters.barriers
         self._counters[self.rank].value = count
         for bell in self._bells.values():
             bell.ring()
         counters = self._peer_counters
         if spin and all(c.value >= count for c in counters):   # all here: none of the wait's set-up
             return
+        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids),
+                         lambda waited, limit, what: self._barrier_stuck(op, count, waited, limit, what), spin)
 
-        def stuck(waited, limit, what):
-            behind = [peer for peer in self.pids if self._counters[peer].value < count]
-            return PeerError(f"rank {self.rank}: {op}: barrier {count} on shared memory {what} after {waited:.1f} s "
-                             f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
-                             rank=self.rank, peer=behind[0] if behind else None, op=op)
+    def _barrier_stuck(self, op: str, count: int, waited: float, limit: float, what: str) -> PeerError:
+        behind = [peer for peer in self.pids if self._counters[peer].value < count]
+        return PeerError(f"rank {self.rank}: {op}: barrier {count} on shared memory {what} after {waited:.1f} s "
+                         f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
+                         rank=self.rank, peer=behind[0] if behind else None, op=op)
 
-        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids), stuck, spin)
+    def native(self, call, *args):
+        """``call(*args)``, a call into the native core that may wait: the transport's error first if
+        it is broken, and a failed wait breaks it, as any wait here does."""
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return call(*args)
+        except PeerError as exc:
+            raise self._broken_by(exc) from None
+
+    def on_slice(self, op: str, count: int, waited: float) -> PeerError | None:
+        """The native core's question once a wait for barrier ``count`` has lasted a liveness slice
+        (native/signal.c): the error to raise (the timeout passed, a local peer exited, the live world
+        was abandoned) or None to go on. As _wait_until's checks; the core looks once more before it
+        raises. Moves this rank's point-to-point traffic too, as any wait here does."""
+        with self._lock:
+            self._advance()
+        if waited >= self.timeout:
+            return self._barrier_stuck(op, count, waited, self.timeout, "timed out")
+        dead = [peer for peer in self.pids if not alive(self.pids[peer])]
+        why = None if dead else abandoned()
+        if dead:
+            return self._barrier_stuck(op, count, waited, self.timeout,
+                                       f"failed: rank {dead[0]} (pid {self.pids[dead[0]]}) exited")
+        if why is not None:
+            return self._barrier_stuck(op, count, waited, self.timeout, f"was abandoned: {why}")
+        return None
