@@ -8,7 +8,7 @@ import time
 import torch
 
 import gradsync as gs
-from gradsync.comm.collectives import shared_allocator
+from gradsync.comm.collectives import all_gather_in_place, shared_allocator
 from gradsync.comm.transport import PeerError
 from gradsync.comm.world_transport import default_transport
 
@@ -111,3 +111,31 @@ def affinity_while_in_the_core():
         watcher.join()
         seen.append((name, samples, sorted(os.sched_getaffinity(0))))
     return transport.own_core, before, seen
+
+
+def scatter_gather_cases(batch: list[tuple], in_region: bool):
+    """Each (case, dtype, op, numel): reduce_scatter of this rank's random input (plain, or in a
+    shared region with ``in_region``), then all_gather of the shards (plain), or, in a region, an
+    in-place all-gather of a tensor whose chunk r this rank wrote from its shard; each twice.
+    Returns [(input, shard, gathered, shard again, gathered again)]."""
+    from gradsync.comm.allreduce_ring import ring_chunks
+
+    w = gs.world()
+    allocate = shared_allocator(w) if in_region else None
+    out = []
+    for case, dtype, op, numel in batch:
+        x = random_input(w.rank, case, numel, dtype)
+        results = [x]
+        for _ in range(2):
+            source = allocate(numel, dtype) if allocate is not None else x.clone()
+            source.copy_(x)
+            shard = gs.reduce_scatter(source, op=op)
+            if allocate is not None:
+                full = allocate(numel, dtype)
+                ring_chunks(numel, w.world_size).view(full, w.rank).copy_(shard)
+                all_gather_in_place(full)
+            else:
+                full = gs.all_gather(shard)
+            results += [shard.clone(), full.clone()]
+        out.append(tuple(results))
+    return out

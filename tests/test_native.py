@@ -211,3 +211,33 @@ def test_the_core_holds_its_thread_on_the_ranks_own_core_and_gives_it_back(world
                 assert [own_core] in samples, (rank, name, samples)
             if name == "4 MiB" and n <= len(cores):
                 assert all(s == cores for s in samples), (rank, name, samples)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_scatter_and_all_gather_equal_the_fold_on_both_paths(world_of, world_size):
+    # shard r is chunk r of the fold with its owner first (the in-place layout of ``expected``), and
+    # the all-gather puts the shards back in rank order. Plain inputs take the staged reduce-scatter
+    # (over several 32 KiB halves; single-copy reads off, which the core does not run); inputs in a
+    # shared region of 256 KiB or more the in-place one, and the all-gather in place
+    env = {**SMALL_HALVES, "GRADSYNC_SHM_SINGLE_COPY": "0"}
+    plain = [(11, torch.float32, "sum", 0), (12, torch.bfloat16, "avg", 3), (13, torch.float64, "max", 20_011),
+             (14, torch.int32, "sum", 100_003), (15, torch.float16, "min", 40_000)]
+    in_region = [(16, torch.float32, "avg", 70_001), (17, torch.float64, "sum", 40_000),
+                 (18, torch.bfloat16, "max", 200_003)]
+    for path, pool in (("native", world_of(world_size, **env)),
+                       ("python", world_of(world_size, GRADSYNC_NATIVE="0", **env))):
+        assert {b[0] for b in pool.run(native_fns.path_and_bands)} == {path}
+        for batch, region in ((plain, False), (in_region, True)):
+            answers = pool.run(native_fns.scatter_gather_cases, batch, region, case_timeout=300)
+            for index, (case, dtype, op, numel) in enumerate(batch):
+                inputs = [answers[rank][index][0] for rank in range(world_size)]
+                want = expected(inputs, op, 0, 0, in_place=True)
+                chunks = ring_chunks(numel, world_size)
+                for rank in range(world_size):
+                    label = f"{path} {dtype} op={op} n={numel} N={world_size} rank {rank}"
+                    _, shard, full, shard_again, full_again = answers[rank][index]
+                    assert_same_bits(shard, chunks.view(want, rank), label + " shard")
+                    assert_same_bits(shard_again, chunks.view(want, rank), label + " shard, second call")
+                    assert_same_bits(full, want, label + " gathered")
+                    assert_same_bits(full_again, want, label + " gathered, second call")

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, barrier_staged
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, barrier_staged, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
+from gradsync.comm.transport.shm import native
 
 
 def all_gather_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
@@ -35,12 +36,21 @@ def all_gather_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor]
     """Fill every chunk of ``flat`` (which is ``views[rank]``) from its owner's ``views[j]``."""
     op = "all_gather/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    barrier_staged(transport, fingerprint, op, spin)
     chunks = ring_chunks(flat.numel(), n_ranks)
-    for owner in range(n_ranks):
-        if owner != rank:
-            chunks.view(flat, owner).copy_(chunks.view(views[owner], owner))
-    transport.barrier(op, spin)
+    plan = None if fingerprint is None else native.kept_plan(
+        transport, ("all_gather_in_place", fingerprint.region, flat.numel(), flat.dtype, spin),
+        native.ALL_GATHER_IN_PLACE, flat.numel(), flat.dtype, "none", fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (native/all_gather_in_place.c)
+        if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views]) >= 0:
+            compare_published(transport, fingerprint)   # raises the mismatch the core found
+        transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),
+                                         op="all_gather/agree", control=True)
+    else:
+        barrier_staged(transport, fingerprint, op, spin)
+        for owner in range(n_ranks):
+            if owner != rank:
+                chunks.view(flat, owner).copy_(chunks.view(views[owner], owner))
+        transport.barrier(op, spin)
     esize = flat.element_size()
     for other in range(n_ranks):
         if other != rank:

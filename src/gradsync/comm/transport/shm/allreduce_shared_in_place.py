@@ -86,14 +86,10 @@ def _native_plan(flat: torch.Tensor, transport, reduction: Reduction, fingerprin
     """The native core's plan for this call (kept per region, shape, op and spin), or None."""
     if fingerprint is None or getattr(transport, "core", None) is None:
         return None
-    key = ("in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin)
-    plans = transport.plans
-    if key not in plans:
-        if len(plans) >= 256:
-            plans.clear()
-        plans[key] = native.plan(transport, native.IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint,
-                                 "all_reduce/shared_memory", spin, False, piece_bytes(transport))
-    return plans[key]
+    return native.kept_plan(transport, ("all_reduce_in_place", fingerprint.region, flat.numel(), flat.dtype,
+                                        reduction.name, spin),
+                            native.IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint,
+                            "all_reduce/shared_memory", spin, False, piece_bytes(transport))
 
 
 def _reduce_and_scatter(flat: torch.Tensor, transport, views: list[torch.Tensor], reduction: Reduction,

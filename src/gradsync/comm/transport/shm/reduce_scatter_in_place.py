@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, barrier_staged
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, barrier_staged, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport.shm import native
 
 
 def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
@@ -41,15 +42,25 @@ def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Ten
     ``views[j]`` is rank j's input."""
     op = "reduce_scatter/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    barrier_staged(transport, fingerprint, op, spin)
     chunks = ring_chunks(flat.numel(), n_ranks)
-    theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
     shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
-    reduction.fold(shard, chunks.view(flat, rank), theirs[0])   # own first
-    for other in theirs[1:]:
-        reduction.combine(shard, other)
-    reduction.finish(shard, n_ranks)
-    transport.barrier(op, spin)
+    plan = None if fingerprint is None else native.kept_plan(
+        transport, ("reduce_scatter_in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin),
+        native.REDUCE_SCATTER_IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (native/reduce_scatter_in_place.c)
+        if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views],
+                            shard.data_ptr()) >= 0:
+            compare_published(transport, fingerprint)   # raises the mismatch the core found
+        transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),
+                                         op="reduce_scatter/agree", control=True)
+    else:
+        barrier_staged(transport, fingerprint, op, spin)
+        theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
+        reduction.fold(shard, chunks.view(flat, rank), theirs[0])   # own first
+        for other in theirs[1:]:
+            reduction.combine(shard, other)
+        reduction.finish(shard, n_ranks)
+        transport.barrier(op, spin)
     esize = flat.element_size()
     for other in range(n_ranks):
         if other != rank:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.agree import Fingerprint, compare_published
+from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport.shm import native
 
 
 def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
@@ -38,8 +39,32 @@ def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction
     n_ranks, rank = transport.world_size, transport.rank
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
-    low, high = chunks.offsets[rank], chunks.offsets[rank] + chunks.sizes[rank]
     shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
+    plan = None if fingerprint is None else native.kept_plan(
+        transport, ("reduce_scatter_staged", flat.numel(), flat.dtype, reduction.name, spin),
+        native.REDUCE_SCATTER_STAGED, flat.numel(), flat.dtype, reduction.name, fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (native/reduce_scatter_staged.c)
+        if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, None, shard.data_ptr()) >= 0:
+            compare_published(transport, fingerprint)   # raises the mismatch the core found
+        transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),
+                                         op="reduce_scatter/agree", control=True)
+    else:
+        _stage_and_reduce(flat, transport, shard, reduction, fingerprint, spin)
+    for other in range(n_ranks):
+        if other != rank:
+            transport.meter.record_exchange(peer=other, received=chunks.sizes[rank] * esize,
+                                             sent=chunks.sizes[other] * esize, op=op)
+    return shard
+
+
+def _stage_and_reduce(flat: torch.Tensor, transport, shard: torch.Tensor, reduction: Reduction,
+                      fingerprint: Fingerprint | None, spin: bool) -> None:
+    """The phases in Python (the fallback, and the core's oracle), into ``shard``."""
+    op = "reduce_scatter/shared_memory"
+    n_ranks, rank = transport.world_size, transport.rank
+    esize = flat.element_size()
+    chunks = ring_chunks(flat.numel(), n_ranks)
+    low, high = chunks.offsets[rank], chunks.offsets[rank] + chunks.sizes[rank]
     piece_elems = transport.stage_bytes // esize
     for start in range(0, max(flat.numel(), 1), piece_elems):
         length = min(piece_elems, flat.numel() - start)
@@ -59,8 +84,3 @@ def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction
             for other in order[2:]:
                 reduction.combine(out, parts[other])
     reduction.finish(shard, n_ranks)
-    for other in range(n_ranks):
-        if other != rank:
-            transport.meter.record_exchange(peer=other, received=chunks.sizes[rank] * esize,
-                                             sent=chunks.sizes[other] * esize, op=op)
-    return shard

@@ -15,6 +15,10 @@ copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
     allreduce_one_shot.c  the direct all-reduce (allreduce_shared_direct.py's twin)
     allreduce_two_shot.c  the split all-reduce (allreduce_shared.py's twin)
     allreduce_in_place.c  the all-reduce of a shared region (allreduce_shared_in_place.py's twin)
+    reduce_scatter_staged.c, reduce_scatter_in_place.c, all_gather_in_place.c
+                          the reduce-scatter and all-gather FSDP (on the backend) and ZeRO-1 run
+                          (reduce_scatter_shared.py's, reduce_scatter_in_place.py's and
+                          all_gather_in_place.py's twins)
     module.c              Core and Plan, as Python calls them
 
 Results are bit-identical to the Python path's for every dtype and op the core takes (the same
@@ -41,8 +45,8 @@ DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloa
 """The dtypes the core reduces (core.h's enum dtype)."""
 OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3}
 """The reductions the core computes (core.h's enum op)."""
-ONE_SHOT, TWO_SHOT, IN_PLACE = 0, 1, 2
-"""Core.plan's algorithms."""
+ONE_SHOT, TWO_SHOT, IN_PLACE, REDUCE_SCATTER_STAGED, REDUCE_SCATTER_IN_PLACE, ALL_GATHER_IN_PLACE = range(6)
+"""Core.plan's algorithms (core.h's enum algorithm)."""
 
 _LOADED: list = []
 
@@ -109,11 +113,23 @@ class Counters:
 
 def plan(transport, algorithm: int, numel: int, dtype: torch.dtype, op: str, fingerprint, name: str, spin: bool,
          hold: bool, piece_bytes: int = 0):
-    """A native Plan for one all-reduce shape on ``transport`` (module.c), or None where the transport
-    has no core or the core does not reduce ``dtype`` with ``op`` (the Python path runs).
-    ``fingerprint``: the agreement's Fingerprint (its sequence number is the run's), or None."""
+    """A native Plan for one collective's shape on ``transport`` (module.c), or None where the
+    transport has no core or the core does not reduce ``dtype`` with ``op`` (the Python path runs;
+    an all-gather's op is "none"). ``fingerprint``: the agreement's Fingerprint (its sequence number
+    is the run's), or None."""
     core = getattr(transport, "core", None)
+    op = "sum" if algorithm == ALL_GATHER_IN_PLACE else op
     if core is None or not supports(dtype, op):
         return None
     values = None if fingerprint is None else fingerprint.values()
     return core.plan(algorithm, numel, DTYPE_CODES[dtype], OP_CODES[op], values, name, spin, hold, piece_bytes)
+
+
+def kept_plan(transport, key: tuple, *args):
+    """plan(transport, *args), kept in the transport's plans under ``key`` (None too: the Python path)."""
+    plans = transport.plans
+    if key not in plans:
+        if len(plans) >= 256:
+            plans.clear()
+        plans[key] = plan(transport, *args)
+    return plans[key]

@@ -26,15 +26,9 @@ int allreduce_in_place(Core *core, char *data, char *const *views, size_t numel,
                        PyThreadState **saved) {
     int n = core->n, me = core->me;
     size_t size = (size_t)dtype_size(dtype);
-    if (fingerprint != NULL)
-        publish(core, fingerprint, 0);
-    if (barrier(core, name, spin, saved) < 0)
-        return -2;
-    if (fingerprint != NULL) {
-        int other = first_differing(core, NULL);
-        if (other >= 0)
-            return other;
-    }
+    int other = agree(core, fingerprint, name, spin, saved);
+    if (other != -1)
+        return other;
     if (numel == 0)
         return -1;
     size_t own_start = chunk_offset(numel, n, me), own_elems = chunk_size(numel, n, me);

@@ -31,15 +31,9 @@ int allreduce_one_shot(Core *core, char *data, size_t numel, int dtype, int op, 
     int half = core->half, me = core->me;
     // stage, publish
     memcpy(core->stages[me][half], data, nbytes);
-    if (fingerprint != NULL)
-        publish(core, fingerprint, 0);
-    if (barrier(core, name, spin, saved) < 0)
-        return -2;
-    if (fingerprint != NULL) {
-        int other = first_differing(core, NULL);
-        if (other >= 0)
-            return other;
-    }
+    int other = agree(core, fingerprint, name, spin, saved);
+    if (other != -1)
+        return other;
     // reduce
     if (nbytes) {
         const void *inputs[MAX_RANKS];

@@ -45,16 +45,9 @@ int allreduce_two_shot(Core *core, char *data, size_t numel, int dtype, int op, 
             if (j != me)
                 memcpy(mine + j * region_bytes, piece + chunk_offset(length, n, j) * size,
                        chunk_size(length, n, j) * size);
-        int first = start == 0 && fingerprint != NULL;
-        if (first)
-            publish(core, fingerprint, 0);
-        if (barrier(core, name, spin, saved) < 0)
-            return -2;
-        if (first) {
-            int other = first_differing(core, NULL);
-            if (other >= 0)
-                return other;
-        }
+        int other = agree(core, start == 0 ? fingerprint : NULL, name, spin, saved);
+        if (other != -1)
+            return other;
         // reduce, then post
         char *own = piece + chunk_offset(length, n, me) * size;
         size_t own_elems = chunk_size(length, n, me);

@@ -30,6 +30,9 @@
 /* dtypes and operations the core reduces; everything else stays on the Python path */
 enum dtype { F32, F64, F16, BF16, I32, I64, N_DTYPES };
 enum op { SUM, AVG, MAX, MIN, N_OPS };
+/* the collectives, one file each */
+enum algorithm { ONE_SHOT, TWO_SHOT, IN_PLACE, REDUCE_SCATTER_STAGED, REDUCE_SCATTER_IN_PLACE, ALL_GATHER_IN_PLACE,
+                 N_ALGORITHMS };
 
 typedef struct Core Core;
 
@@ -73,8 +76,11 @@ static inline size_t chunk_offset(size_t n, int ranks, int j) {
 void ring_bell(uint32_t *word);
 void sleep_on_bell(uint32_t *word, uint32_t seen, double seconds);
 int barrier(Core *core, PyObject *op, int spin, PyThreadState **saved);
-int first_differing(Core *core, const char *mine);
+int first_differing(Core *core);
 void publish(Core *core, const int64_t *values, uint64_t address);
+/* the staged agreement as a collective's first barrier: publish (when given), barrier, compare;
+ * -1 all agree, a rank whose fingerprint differs, or -2 with a Python exception set */
+int agree(Core *core, const int64_t *fingerprint, PyObject *op, int spin, PyThreadState **saved);
 
 /* hold.c */
 int hold_enter(Core *core);
@@ -96,5 +102,11 @@ int allreduce_two_shot(Core *core, char *data, size_t numel, int dtype, int op, 
 int allreduce_in_place(Core *core, char *data, char *const *views, size_t numel, int dtype, int op,
                        const int64_t *fingerprint, PyObject *name, int spin, size_t piece_bytes,
                        PyThreadState **saved);
+int reduce_scatter_staged(Core *core, char *data, char *out, size_t numel, int dtype, int op,
+                          const int64_t *fingerprint, PyObject *name, int spin, PyThreadState **saved);
+int reduce_scatter_in_place(Core *core, char *const *views, char *out, size_t numel, int dtype, int op,
+                            const int64_t *fingerprint, PyObject *name, int spin, PyThreadState **saved);
+int all_gather_in_place(Core *core, char *const *views, size_t numel, int dtype, const int64_t *fingerprint,
+                        PyObject *name, int spin, PyThreadState **saved);
 
 #endif

@@ -8,10 +8,12 @@
  *     core.barrier(op, spin)      the transport's barrier (signal.c)
  *     core.hold_enter() -> bool, core.hold_leave(), core.hold_before_sleep()     (hold.c)
  *     core.plan(algorithm, numel, dtype, op, fingerprint, name, spin, hold, piece_bytes) -> Plan
- *                                 algorithm 0 one-shot, 1 two-shot, 2 in place; dtype and op: the
- *                                 codes of core.h; fingerprint: its 8 values (the second, the
- *                                 sequence number, is replaced at each run) or None
- *     plan.run(address, sequence[, views]) -> -1, or the first rank whose fingerprint differs
+ *                                 algorithm, dtype and op: the codes of core.h; fingerprint: its 8
+ *                                 values (the second, the sequence number, is replaced at each
+ *                                 run) or None
+ *     plan.run(address, sequence[, views[, out]]) -> -1, or the first rank whose fingerprint differs
+ *                                 (views: every rank's copy, for the in-place algorithms; out: the
+ *                                 reduce-scatters' result)
  *     ring(word_address), sleep(word_address, seen, seconds)     a doorbell, for Python's waits
  *
  * Every wait runs with the GIL released; errors from on_slice are raised from the call.
@@ -125,17 +127,19 @@ static void Plan_dealloc(Plan *self) {
 }
 
 static PyObject *Plan_run(Plan *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 2 || nargs > 3)
-        return PyErr_Format(PyExc_TypeError, "run(address, sequence[, views])");
+    if (nargs < 2 || nargs > 4)
+        return PyErr_Format(PyExc_TypeError, "run(address, sequence[, views[, out]])");
     char *data = PyLong_AsVoidPtr(args[0]);
     long long sequence = PyLong_AsLongLong(args[1]);
+    char *out = nargs > 3 ? PyLong_AsVoidPtr(args[3]) : NULL;
     if (PyErr_Occurred())
         return NULL;
     char *views[MAX_RANKS];
     Core *core = self->core;
-    if (self->algorithm == 2) {
+    int algorithm = self->algorithm;
+    if (algorithm == IN_PLACE || algorithm == REDUCE_SCATTER_IN_PLACE || algorithm == ALL_GATHER_IN_PLACE) {
         PyObject *ok;
-        if (nargs != 3)
+        if (nargs < 3)
             return PyErr_Format(PyExc_TypeError, "an in-place plan runs with every rank's view");
         if ((ok = address_list(args[2], core->n, (void **)views, "views")) == NULL)
             return NULL;
@@ -150,15 +154,29 @@ static PyObject *Plan_run(Plan *self, PyObject *const *args, Py_ssize_t nargs) {
     int result;
     PyThreadState *saved = PyEval_SaveThread();
     int holding = self->hold && hold_enter(core);
-    if (self->algorithm == 0)
-        result = allreduce_one_shot(core, data, self->numel, self->dtype, self->op, agreed, self->name, self->spin,
+    size_t numel = self->numel;
+    int dtype = self->dtype, op = self->op, spin = self->spin;
+    PyObject *name = self->name;
+    switch (algorithm) {
+    case ONE_SHOT:
+        result = allreduce_one_shot(core, data, numel, dtype, op, agreed, name, spin, &saved);
+        break;
+    case TWO_SHOT:
+        result = allreduce_two_shot(core, data, numel, dtype, op, agreed, name, spin, self->piece_bytes, &saved);
+        break;
+    case IN_PLACE:
+        result = allreduce_in_place(core, data, views, numel, dtype, op, agreed, name, spin, self->piece_bytes,
                                     &saved);
-    else if (self->algorithm == 1)
-        result = allreduce_two_shot(core, data, self->numel, self->dtype, self->op, agreed, self->name, self->spin,
-                                    self->piece_bytes, &saved);
-    else
-        result = allreduce_in_place(core, data, views, self->numel, self->dtype, self->op, agreed, self->name,
-                                    self->spin, self->piece_bytes, &saved);
+        break;
+    case REDUCE_SCATTER_STAGED:
+        result = reduce_scatter_staged(core, data, out, numel, dtype, op, agreed, name, spin, &saved);
+        break;
+    case REDUCE_SCATTER_IN_PLACE:
+        result = reduce_scatter_in_place(core, views, out, numel, dtype, op, agreed, name, spin, &saved);
+        break;
+    default:
+        result = all_gather_in_place(core, views, numel, dtype, agreed, name, spin, &saved);
+    }
     hold_leave(core, holding);
     PyEval_RestoreThread(saved);
     if (result == -2)
@@ -173,13 +191,13 @@ static PyObject *Core_plan(Core *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iniiOOppn", &algorithm, &numel, &dtype, &op, &fingerprint, &name, &spin, &hold,
                           &piece_bytes))
         return NULL;
-    if (algorithm < 0 || algorithm > 2 || dtype < 0 || dtype >= N_DTYPES || op < 0 || op >= N_OPS || numel < 0)
+    if (algorithm < 0 || algorithm >= N_ALGORITHMS || dtype < 0 || dtype >= N_DTYPES || op < 0 || op >= N_OPS || numel < 0)
         return PyErr_Format(PyExc_ValueError, "plan: algorithm %d, dtype %d, op %d, %zd elements: not one the core "
                             "runs", algorithm, dtype, op, numel);
-    if (algorithm == 0 && (size_t)numel * (size_t)dtype_size(dtype) > self->stage_bytes)
+    if (algorithm == ONE_SHOT && (size_t)numel * (size_t)dtype_size(dtype) > self->stage_bytes)
         return PyErr_Format(PyExc_ValueError, "plan: a one-shot all-reduce of %zd bytes does not fit a %zu-byte "
                             "staging half", numel * dtype_size(dtype), self->stage_bytes);
-    if (algorithm == 1 && (piece_bytes <= 0 || piece_bytes % 64 || (size_t)piece_bytes * self->n > self->stage_bytes))
+    if (algorithm == TWO_SHOT && (piece_bytes <= 0 || piece_bytes % 64 || (size_t)piece_bytes * self->n > self->stage_bytes))
         return PyErr_Format(PyExc_ValueError, "plan: regions of %zd bytes for %d ranks do not fit a %zu-byte "
                             "staging half in multiples of 64", piece_bytes, self->n, self->stage_bytes);
     Plan *plan = PyObject_New(Plan, &PlanType);

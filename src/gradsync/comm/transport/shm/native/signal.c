@@ -28,14 +28,23 @@
  *              to raise, or None. Before raising, one more look: a peer may have arrived and
  *              exited while this rank slept.
  *
- * No wake-up is lost. Sleeper (rank r): read the word (seen); check the counters; add 1 to its
- * sleeper count (a locked instruction: a full fence); FUTEX_WAIT(seen), which the kernel compares
- * with the word under its own lock. Ringer: store its counter; add 256 to r's word (locked: a full
- * fence); read r's sleeper count and FUTEX_WAKE when it is above zero. If the ringer reads zero
- * sleepers, its add came before the sleeper's; then the word differs from seen (FUTEX_WAIT returns
- * at once) unless the sleeper read the word after the add, and then its check, which follows that
- * read, saw the counter stored before it. Every ringer adds, none stores: values never repeat
- * (2^24 rings would have to pass between a read and a sleep).
+ * No wake-up is lost, in either of two ways of ringing.
+ *     A barrier's ring (ring_if_asleep): the ringer stores its counter (a full fence), reads r's
+ *     sleeper count, and only if it is above zero adds 256 to r's word and calls FUTEX_WAKE. The
+ *     sleeper (wait_arrivals) reads the word (seen), checks the counters, adds 1 to its sleeper count
+ *     (a locked instruction: a full fence), checks the counters again, and only then FUTEX_WAITs
+ *     for a word other than seen, which the kernel compares under its own lock. Each side writes,
+ *     fences, then reads what the other wrote, so at least one sees the other: the sleeper's second
+ *     check sees the counter, or the ringer sees the sleeper and adds before it wakes, after the
+ *     sleeper read seen, so the kernel's compare fails or the wake finds the sleeper queued. Most
+ *     barriers find their peers polling: no write to their line at all, only a read.
+ *     Python's rings and sleeps (ring_bell, sleep_on_bell, for the point-to-point rings' waits,
+ *     whose conditions this file cannot check again): the ringer always adds 256 (locked: a full
+ *     fence) before it reads the sleeper count, as doorbell.py's Python path always changes the
+ *     word: if it reads zero sleepers, the word differs from any seen the sleeper read before the
+ *     add, and a sleeper that read it after the add saw the ringer's state first.
+ * Every ringer adds, none stores: values never repeat (2^24 rings would have to pass between a read
+ * and a sleep).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -77,6 +86,13 @@ void sleep_on_bell(uint32_t *word, uint32_t seen, double seconds) {
     /* the result needs no check: every caller looks at its state again, whatever woke it */
     syscall(SYS_futex, word, FUTEX_WAIT, seen, &timeout, NULL, 0);
     __atomic_fetch_sub(word + 1, 1u, __ATOMIC_SEQ_CST);
+}
+
+static void ring_if_asleep(uint32_t *word) {
+    if (__atomic_load_n(word + 1, __ATOMIC_SEQ_CST)) {
+        __atomic_fetch_add(word, 256u, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, word, FUTEX_WAKE, 0x7FFFFFFF, NULL, NULL, 0);
+    }
 }
 
 static int arrived(Core *core, uint64_t count) {
@@ -138,7 +154,12 @@ static int wait_arrivals(Core *core, uint64_t count, PyObject *op, int spin, PyT
             next_report = waited + core->slice_seconds;
         }
         hold_before_sleep(core);
-        sleep_on_bell(bell, seen, next_report - waited);
+        double seconds = next_report - waited;
+        struct timespec timeout = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+        __atomic_fetch_add(bell + 1, 1u, __ATOMIC_SEQ_CST);
+        if (!arrived(core, count))   /* the second check (see the file's opening) */
+            syscall(SYS_futex, bell, FUTEX_WAIT, seen, &timeout, NULL, 0);
+        __atomic_fetch_sub(bell + 1, 1u, __ATOMIC_SEQ_CST);
     }
 }
 
@@ -147,7 +168,7 @@ int barrier(Core *core, PyObject *op, int spin, PyThreadState **saved) {
     __atomic_store_n(core->counters[core->me], count, __ATOMIC_SEQ_CST);
     for (int r = 0; r < core->n; r++)
         if (r != core->me)
-            ring_bell(core->bells[r]);
+            ring_if_asleep(core->bells[r]);
     if (arrived(core, count))
         return 0;
     return wait_arrivals(core, count, op, spin, saved);
@@ -159,12 +180,19 @@ void publish(Core *core, const int64_t *values, uint64_t address) {
     memcpy(slot + FRAME, &address, sizeof address);
 }
 
-int first_differing(Core *core, const char *unused) {
-    (void)unused;
+int first_differing(Core *core) {
     int parity = core->published & 1;
     const char *mine = core->slots[core->me][parity];
     for (int r = 0; r < core->n; r++)
         if (r != core->me && memcmp(core->slots[r][parity], mine, 8 * sizeof(int64_t)) != 0)
             return r;
     return -1;
+}
+
+int agree(Core *core, const int64_t *fingerprint, PyObject *op, int spin, PyThreadState **saved) {
+    if (fingerprint != NULL)
+        publish(core, fingerprint, 0);
+    if (barrier(core, op, spin, saved) < 0)
+        return -2;
+    return fingerprint != NULL ? first_differing(core) : -1;
 }
