@@ -456,12 +456,8 @@ try:
 except Exception as exc:  # the message is what the test checks
     mismatch = str(exc)
 
-# -- CUDA work on the plain "gradsync" string: refused with the string that would route it --------
-try:
-    dist.distributed_c10d._get_default_group()._nccl_group("allreduce")  # what a CUDA tensor reaches
-    cuda_refusal = None
-except RuntimeError as exc:
-    cuda_refusal = str(exc)
+# -- CUDA work on the plain "gradsync" string stays with gradsync (staged through host memory) -----
+cuda_to_nccl = dist.distributed_c10d._get_default_group().cuda_to_nccl()
 
 try:
     dist.all_reduce(torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)))
@@ -483,7 +479,7 @@ if RANK != N - 1:  # the last rank never calls this all-reduce; it waits for the
         never_called = {"error": str(exc), "after": time.monotonic() - started}
 dist.barrier(group=GLOO)
 
-result = {"rank": RANK, "problems": problems, "never_called": never_called, "short_timeout": SHORT, "cuda_refusal": cuda_refusal, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "wide": wide, "zero": zero_worst, "cases": collective_cases,
+result = {"rank": RANK, "problems": problems, "never_called": never_called, "short_timeout": SHORT, "cuda_to_nccl": cuda_to_nccl, "sparse_refusal": sparse_refusal, "ddp": ddp_worst, "wide": wide, "zero": zero_worst, "cases": collective_cases,
           "mismatch": mismatch, "backend": dist.get_backend()}
 os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()

@@ -1,6 +1,7 @@
 import time
 
 import pytest
+import torch
 
 from world_pool import WorldPool
 
@@ -24,3 +25,13 @@ def world_of():
     deadline = time.monotonic() + 3.0
     for pool in _POOLS.values():
         pool.close(deadline)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU and ``multigpu`` two: skipped (and shown as skipped) without."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two CUDA GPUs, this machine has {gpus}"))
+        elif "cuda" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, this machine has none"))

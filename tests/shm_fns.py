@@ -387,9 +387,9 @@ def all_reduce_traffic_and_barriers(numel: int):
     transport = default_transport()
     t = torch.ones(numel)
     gs.traffic_reset()
-    before = transport._barriers
+    before = transport.counters.barriers
     gs.all_reduce(t, algorithm="shared_memory")
-    return gs.traffic(), transport._barriers - before
+    return gs.traffic(), transport.counters.barriers - before
 
 
 def single_copy_state():

@@ -21,7 +21,7 @@ LEVELS = {
     "gradsync.clip": 0, "gradsync.compile_guard": 0,
     # process group set-up: the World record and host exchange that init() and join share, then
     # joining a program's world, then init() itself (which may join), then spawn (which inits)
-    "gradsync.world_info": 1.0, "gradsync.join": 1.1, "gradsync.runtime": 1.2, "gradsync.launch": 1.3,
+    "gradsync.world_info": 1.0, "gradsync.device_path": 1.05, "gradsync.join": 1.1, "gradsync.runtime": 1.2, "gradsync.launch": 1.3,
     # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
     "gradsync.data": 1.5,
     # collectives: the Transport interface and what needs only it, then the implementations and the

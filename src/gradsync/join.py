@@ -113,7 +113,16 @@ def world_on_store(store, rank: int, size: int, timeout: float, *, backend: str,
         local_world_size=len(host) if local_world_size is None else local_world_size, backend=backend,
         timeout=timeout, master_addr=master_addr, master_port=master_port,
         debug=world_info.debug_from_env() if debug is None else bool(debug), store=store, hosts=hosts,
-        generation=generation, group_key=group_key, joined=True)
+        generation=generation, group_key=group_key, joined=True, cuda_path=joined_cuda_path(backend))
+
+
+def joined_cuda_path(backend: str) -> str | None:
+    """The CUDA path of a world joined from the program's torch.distributed (device_path.py): the
+    program's NCCL where its backend has it, host staging otherwise (the "gradsync" backend takes CUDA
+    tensors as gloo does), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return "nccl" if "nccl" in backend else "host"
 
 
 def _env_int(given: int | None, variable: str) -> int | None:

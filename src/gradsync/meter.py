@@ -5,6 +5,8 @@ Two classes of traffic are kept apart:
               2(N-1)/N*M payload bytes per rank);
     control   small fixed-layout headers (collective fingerprints, parameter-server message
               headers), counted separately so the payload counters stay exact.
+Beside them, host staging's copies of CUDA tensors (device to host and back, comm/host_staging.py):
+bytes that cross the PCIe bus for a collective, not the wire.
 
 The meter is updated from the transport when a transfer completes, possibly from a background
 communication thread, so every update takes a lock. A repeated small all-reduce takes none: it
@@ -37,10 +39,19 @@ class TrafficMeter:
             self._received = 0
             self._control_sent = 0
             self._control_received = 0
+            self._device_to_host = 0
+            self._host_to_device = 0
             self._per_peer: dict[int, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
             self._per_op: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
             for entry in self._tallies.values():
                 entry[1] = entry[0][0]
+
+    def record_staging(self, *, device_to_host: int = 0, host_to_device: int = 0) -> None:
+        """Count bytes copied between a device and host memory for a collective (host staging), beside
+        the wire's: they cross the PCIe bus, not the network."""
+        with self._lock:
+            self._device_to_host += device_to_host
+            self._host_to_device += host_to_device
 
     def record(self, *, peer: int, nbytes: int, op: str, sent: bool, control: bool = False) -> None:
         """Count one completed transfer of ``nbytes`` to (sent=True) or from ``peer``."""
@@ -125,6 +136,8 @@ class TrafficMeter:
                 "per_op": {op: dict(c) for op, c in sorted(self._per_op.items())},
                 "control_bytes_sent": self._control_sent,
                 "control_bytes_received": self._control_received,
+                "device_to_host_bytes": self._device_to_host,
+                "host_to_device_bytes": self._host_to_device,
             }
 
 

@@ -21,8 +21,10 @@ torch's default group, which gradsync never destroys. The public entry points (t
 DistributedDataParallel, ShardedOptimizer, ParameterServer) call world(), which joins on first
 use; joining is collective, like init_process_group itself.
 
-Backend: gloo when CUDA is absent; with CUDA, "cpu:gloo,cuda:nccl" so CPU tensors travel over gloo
-and CUDA tensors over NCCL. The rendezvous store is a torch TCPStore on MASTER_ADDR:MASTER_PORT,
+Backend: gloo when CUDA is absent. With CUDA, decided once here from every rank's GPU
+(device_path.py): "cpu:gloo,cuda:nccl" where every rank has a GPU of its own, so CPU tensors travel
+over gloo and CUDA tensors over NCCL; gloo where ranks share a GPU, CUDA tensors then staged through
+host memory (comm/host_staging.py) and no NCCL communicator made. The rendezvous store is a torch TCPStore on MASTER_ADDR:MASTER_PORT,
 hosted by rank 0 unless the launcher already hosts it (gs.spawn sets GRADSYNC_EXTERNAL_STORE=1;
 torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE=True).
 """
@@ -38,7 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gradsync import join, stall
+from gradsync import device_path, join, stall
 from gradsync.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
 from gradsync.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
 
@@ -104,8 +106,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _resolve_backend(backend: str | None) -> str:
+    """``backend`` checked; None is "auto", which init() settles from the ranks' GPUs (device_path.py)."""
     if backend is None:
-        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        return "auto" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or None (auto)")
     if "nccl" in backend and not torch.cuda.is_available():
@@ -179,6 +182,8 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     wanted = _resolve(backend, DEFAULT_TIMEOUT if timeout is None else timeout, rank, world_size, local_rank,
                       local_world_size, master_addr, master_port, debug)
     if _WORLD is not None:
+        if wanted.backend == "auto":   # settled at the first init() from the ranks' GPUs
+            wanted = dataclasses.replace(wanted, backend=_WORLD.backend)
         explicit_port = master_port is not None or "MASTER_PORT" in os.environ
         same = wanted.settings() == _WORLD.settings() or (
             not explicit_port and wanted.settings()[:-2] == _WORLD.settings()[:-2]
@@ -207,10 +212,14 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     return _meet(wanted, store, f"gradsync/world{generation}", generation)
 
 
-def _meet(wanted: World, store, prefix: str, generation: int) -> World:
-    """Make torch's default group and this rank's World on ``store`` under ``prefix``, then connect."""
+def _meet(wanted: World, store, prefix: str, generation: int, live: bool = False) -> World:
+    """Make torch's default group and this rank's World on ``store`` under ``prefix``, then connect;
+    the CUDA path and the backend are settled first, from every rank's GPU (device_path.py)."""
     global _WORLD
     store = dist.PrefixStore(prefix, store)
+    cuda_path, backend = device_path.settle(store, wanted.rank, wanted.world_size, wanted.timeout,
+                                            None if wanted.backend == "auto" else wanted.backend, live)
+    wanted = dataclasses.replace(wanted, backend=backend, cuda_path=cuda_path)
     dist.init_process_group(wanted.backend, store=store, rank=wanted.rank,
                             world_size=wanted.world_size, timeout=timedelta(seconds=wanted.timeout))
     try:
@@ -239,7 +248,7 @@ def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: i
                            "torchrun), not one joined from the program's torch.distributed.init_process_group()")
     wanted = dataclasses.replace(previous, rank=rank, world_size=world_size, local_rank=local_rank,
                                  local_world_size=local_world_size, store=None, hosts=(), group_key=None)
-    return _meet(wanted, job_store, prefix, previous.generation if generation is None else generation)
+    return _meet(wanted, job_store, prefix, previous.generation if generation is None else generation, live=True)
 
 
 _REPLACEMENT: list[tuple[int, World]] = []

@@ -34,7 +34,7 @@ class World:
     local_world_size: int
     """Number of ranks on this host."""
     backend: str
-    """torch.distributed backend string in use."""
+    """torch.distributed backend string in use ("auto" until init() has decided it: device_path.py)."""
     timeout: float
     """Seconds any single wait may block before it becomes an error."""
     master_addr: str
@@ -55,6 +55,9 @@ class World:
     "native" baseline (transfer_group): None for torch's default group (gradsync made it), else the
     key of a private gloo group of gradsync's own (it joined the program's world, and its messages
     must never meet the program's)."""
+    cuda_path: str | None = field(default=None, compare=False)
+    """How CUDA tensors travel between the ranks: "host" (staged through host memory), "nccl", or None
+    where there is no CUDA (device_path.py)."""
     joined: bool = field(default=False, compare=False, repr=False)
     """True when the program made torch's default group and gradsync joined it (shutdown() then
     leaves that group alone)."""

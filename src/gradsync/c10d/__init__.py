@@ -1,7 +1,8 @@
 """The torch.distributed backend "gradsync": torch's own DDP, FSDP, Lightning and Accelerate on
 gradsync's collectives, by one string:
 
-    torch.distributed.init_process_group("gradsync")                # CPU tensors
+    torch.distributed.init_process_group("gradsync")                # CPU tensors, and CUDA tensors
+                                                                    # staged through host memory (as gloo)
     torch.distributed.init_process_group("cpu:gradsync,cuda:nccl")  # CUDA tensors go to NCCL
 
 torch finds the backend by itself once gradsync is installed: pyproject.toml declares register()
@@ -17,12 +18,12 @@ NAME = "gradsync"
 
 
 def register() -> None:
-    """Make "gradsync" a torch.distributed backend for CPU tensors (idempotent)."""
+    """Make "gradsync" a torch.distributed backend for CPU and CUDA tensors (idempotent)."""
     import torch.distributed as dist
 
     if not dist.is_available() or NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def _create(options, backend_options=None):

@@ -53,6 +53,7 @@ def routed(method):
     - CUDA tensors go to the same method of an NCCL group on the same store (made on first use)
       when the backend string was "cpu:gradsync,cuda:nccl" (torch stops at the first device's
       backend when that backend is a Python ProcessGroup, so the group itself sends CUDA work on);
+      otherwise the method takes them, and the collectives stage them through host memory;
     - complex tensors are viewed as pairs of reals, as torch's own Python layer does for most
       collectives before the backend sees them: the bytes are the same, and a sum or an average of
       complex numbers is the sum or average of their parts. Other reductions of complex numbers are
@@ -60,7 +61,7 @@ def routed(method):
     @functools.wraps(method)
     def route(self, *args):
         tensors = tensors_in(args)
-        if any(t.is_cuda for t in tensors):
+        if any(t.is_cuda for t in tensors) and self.cuda_to_nccl():
             return getattr(self._nccl_group(method.__name__), method.__name__)(*args)
         if any(t.is_complex() for t in tensors):
             for value in args:

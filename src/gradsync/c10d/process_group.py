@@ -126,13 +126,14 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self.place.world
 
     # -- helpers ------------------------------------------------------------------------------
+    def cuda_to_nccl(self) -> bool:
+        """Whether this group's CUDA tensors go to NCCL (the backend string "cpu:gradsync,cuda:nccl");
+        otherwise gradsync takes them itself, staged through host memory (comm/host_staging.py), as
+        gloo does."""
+        return "cuda:nccl" in str(dist.distributed_c10d._world.pg_backend_config.get(self, ""))
+
     def _nccl_group(self, what: str):
         if self._nccl is None:
-            config = str(dist.distributed_c10d._world.pg_backend_config.get(self, ""))
-            if "cuda:nccl" not in config:
-                raise RuntimeError(f"gradsync backend: {what} got a CUDA tensor; the 'gradsync' backend reduces CPU "
-                                   f"tensors: use init_process_group('cpu:gradsync,cuda:nccl') so CUDA tensors go "
-                                   f"to NCCL (this group was made with {config or 'gradsync'!r})")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timedelta(seconds=self.place.world.timeout)
             self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._torch_store), self.place.world.rank,
@@ -190,7 +191,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
                                    "allreduce", wake=asynchronous)
 
     def _allreduce_any(self, tensors, opts=None):
-        if any(t.is_cuda for t in tensors):
+        if any(t.is_cuda for t in tensors) and self.cuda_to_nccl():
             return self._nccl_group("allreduce").allreduce(tensors, opts)
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if any(t.is_complex() for t in tensors):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime, stall
-from gradsync.comm import select
+from gradsync.comm import host_staging, select
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
                                   gather_control, mismatch_error, next_sequence_of, uses_staged_check)
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
@@ -134,9 +134,14 @@ def shared_allocator(w: runtime.World):
     ShardedOptimizer's gradients and parameters): the transport's shared regions when every rank of
     ``w`` is on this host over shared memory (transport/shm/regions.py; allocate returns None when /dev/shm
     cannot hold one); None otherwise, and for a world of one."""
-    if w.world_size == 1:
+    return shared_allocator_of(Place(w, default_transport()))
+
+
+def shared_allocator_of(place: Place):
+    """shared_allocator for ``place``'s world and transport."""
+    if place.world.world_size == 1:
         return None
-    transport = default_transport()
+    transport = place.transport
     return transport.regions.allocate if shared_layout_error(transport) is None else None
 
 
@@ -156,8 +161,22 @@ def _check_tensor(tensor, what: str, w: runtime.World) -> None:
     if tensor.dtype not in DTYPES:
         names = ", ".join(dtype_name(d) for d in DTYPES)
         raise TypeError(f"{what}: dtype {dtype_name(tensor.dtype)} is not supported; use one of {names}")
-    if tensor.is_cuda and "nccl" not in w.backend:
-        raise RuntimeError(f"{what}: CUDA tensors need the NCCL backend; this world uses {w.backend!r}")
+    if tensor.is_cuda and w.cuda_path != "nccl":   # staged through the host before it came here
+        raise RuntimeError(f"{what}: a CUDA tensor in a world without CUDA (backend {w.backend!r}); this rank "
+                           f"has no GPU that torch.distributed was set up with")
+
+
+def _staging(place: Place, tensor) -> host_staging.HostStaging | None:
+    """Host staging (host_staging.py) for ``tensor`` on ``place``: a CUDA tensor in a world whose CUDA
+    path is "host" (device_path.py), or any CPU tensor under GRADSYNC_HOST_STAGING=cpu; else None."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if tensor.is_cuda:
+        if place.world.cuda_path == "nccl":
+            return None
+    elif not getattr(place.transport, "stage_cpu", False):
+        return None
+    return host_staging.staging_of(place.transport, shared_allocator_of(place))
 
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
@@ -249,6 +268,8 @@ def resolve_algorithm(place: Place, flat: torch.Tensor, algorithm: str = "auto")
 
 
 def _resolve(w: runtime.World, transport: Transport, flat: torch.Tensor, algorithm: str) -> str:
+    if flat.is_cuda and algorithm == "auto":   # each rank on a GPU of its own: NCCL's own all-reduce
+        return "native"
     shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
     if algorithm == "auto":
         algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
@@ -278,6 +299,9 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
                 and (plan.nbytes < IN_PLACE_FROM_BYTES or transport.regions.views_of(tensor) is None)):
             plan.run(tensor, transport)   # held on the rank's core as _on_own_core holds
             return tensor
+    staging = _staging(place, tensor)
+    if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
+        return host_staging.in_place(staging, tensor, lambda host: _all_reduce_in(place, host, op, algorithm))
     return _all_reduce_in(place, tensor, op, algorithm)
 
 
@@ -329,7 +353,7 @@ def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested:
     only when it does not lie in a shared region (those are reduced in place)."""
     nbytes = flat.numel() * flat.element_size()
     plans = getattr(transport, "plans", None)
-    if plans is None:
+    if plans is None or getattr(transport, "stage_cpu", False):   # every CPU call staged: no short way
         return
     if len(plans) >= 256:
         plans.clear()
@@ -351,9 +375,16 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return reduce_scatter_in(here(), tensor, op)
 
 
-@_on_own_core
 def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """reduce_scatter on ``place``."""
+    staging = _staging(place, tensor)
+    if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
+        return host_staging.producing(staging, tensor, lambda host: _reduce_scatter_in(place, host, op))
+    return _reduce_scatter_in(place, tensor, op)
+
+
+@_on_own_core
+def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(tensor, "reduce_scatter", w)
     chosen = reduction(op, tensor.dtype, "reduce_scatter")
@@ -398,9 +429,16 @@ def all_gather(shard: torch.Tensor) -> torch.Tensor:
     return all_gather_in(here(), shard)
 
 
-@_on_own_core
 def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     """all_gather on ``place``."""
+    staging = _staging(place, shard)
+    if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
+        return host_staging.producing(staging, shard, lambda host: _all_gather_in(place, host))
+    return _all_gather_in(place, shard)
+
+
+@_on_own_core
+def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(shard, "all_gather", w)
     flat_shard = _flat(shard)[1]
@@ -462,9 +500,16 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return broadcast_in(here(), tensor, src)
 
 
-@_on_own_core
 def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """broadcast on ``place``."""
+    staging = _staging(place, tensor)
+    if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
+        return host_staging.in_place(staging, tensor, lambda host: _broadcast_in(place, host, src))
+    return _broadcast_in(place, tensor, src)
+
+
+@_on_own_core
+def _broadcast_in(place: Place, tensor: torch.Tensor, src: int) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(tensor, "broadcast", w)
     if not isinstance(src, int) or not 0 <= src < w.world_size:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from gradsync import runtime
+from gradsync import device_path, runtime
 from gradsync.comm.transport.shm import doorbell, segment
 from gradsync.comm.transport.shm.allreduce_shared import direct_below as _direct_below
 from gradsync.comm.transport.shm.allreduce_shared import layout_error
@@ -77,7 +77,9 @@ def build(world: runtime.World) -> Transport:
 
 def _connect(world: runtime.World) -> None:
     _disconnect()
-    _TRANSPORTS[id(world)] = build(world)
+    transport = build(world)
+    transport.stage_cpu = device_path.stage_cpu_tensors()   # CPU tensors through host staging (its tests)
+    _TRANSPORTS[id(world)] = transport
 
 
 def _disconnect() -> None:

@@ -1,0 +1,110 @@
+"""Which way a world's CUDA tensors go between its ranks: decided once, at init().
+
+    host    through host memory: each collective copies the tensor to the CPU, reduces it with
+            gradsync's CPU algorithms (shared memory within a host, TCP across hosts) and copies the
+            result back (comm/host_staging.py), as gloo does with CUDA tensors. The path wherever two
+            ranks share a GPU (NCCL refuses two ranks on one device) or NCCL is missing; no NCCL
+            communicator is ever made on it. Live fault tolerance stays on it (a dead rank needs no
+            NCCL abort when the data path is host memory).
+    nccl    NCCL, where every rank has a GPU of its own: algorithm="auto" runs NCCL's own collectives
+            (our ring over NCCL stays available by name, algorithm="ring").
+    None    no CUDA here: CUDA tensors do not exist.
+
+How: before any process group exists, every rank publishes its GPU (the host it is on and the UUID
+of its current device, torch.cuda.current_device(): call torch.cuda.set_device(local_rank) before
+init() where each rank has its own) on the rendezvous store, and every rank reads all of them, so
+all decide alike. GRADSYNC_CUDA_PATH=auto (the default), host or nccl; asking for nccl (or a
+backend string with nccl in it) where ranks share a GPU fails here, naming them, before NCCL runs.
+
+GRADSYNC_HOST_STAGING=cpu sends CPU tensors through host staging's copies too (to a host buffer and
+back, no streams): a machine without a GPU runs that path's bookkeeping in its tests.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradsync.world_info import host_id
+
+PATHS = ("auto", "host", "nccl")
+"""GRADSYNC_CUDA_PATH's values."""
+ENV = "GRADSYNC_CUDA_PATH"
+
+
+def requested() -> str:
+    """GRADSYNC_CUDA_PATH, checked."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in PATHS:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: choose one of {', '.join(PATHS)} (auto: nccl where every "
+                         f"rank has a GPU of its own, host otherwise)")
+    return value
+
+
+def stage_cpu_tensors() -> bool:
+    """GRADSYNC_HOST_STAGING=cpu: CPU tensors take host staging's copies as well (the tests' knob)."""
+    value = os.environ.get("GRADSYNC_HOST_STAGING", "").strip().lower()
+    if value not in ("", "cpu", "0", "off"):
+        raise ValueError(f"GRADSYNC_HOST_STAGING={value!r}: give cpu (CPU tensors through the staging copies, "
+                         f"for tests) or leave it unset")
+    return value == "cpu"
+
+
+def gpu_identity() -> str:
+    """This rank's GPU as the other ranks can compare it: host and the current device's UUID (its index
+    where the UUID is not known)."""
+    device = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{host_id()}#{uuid if uuid is not None else f'cuda:{device}'}"
+
+
+def sharing(identities: list[str]) -> list[list[int]]:
+    """Groups of two or more ranks with the same GPU, in rank order."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        by_gpu.setdefault(identity, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def choose(identities: list[str] | None, backend: str | None, wanted: str, nccl_available: bool,
+           live: bool = False) -> tuple[str | None, str]:
+    """(path, backend string) for a world whose ranks have these GPUs (None: no CUDA here), given the
+    backend asked of init() (None: auto) and GRADSYNC_CUDA_PATH. Raises where nccl is asked for and
+    cannot be: ranks share a GPU, NCCL is missing, or the world is live."""
+    if identities is None:
+        return None, backend or "gloo"
+    shared = sharing(identities)
+    forced_nccl = wanted == "nccl" or (backend is not None and "nccl" in backend)
+    if forced_nccl:
+        why = (f"ranks {', '.join(' and '.join(map(str, group)) for group in shared)} share a GPU "
+               f"(NCCL refuses two ranks on one device)" if shared
+               else "this torch has no NCCL" if not nccl_available
+               else "live fault tolerance runs on host staging (a dead rank needs no NCCL abort there)" if live
+               else None)
+        if why is not None:
+            asked = f"backend={backend!r}" if backend is not None and "nccl" in backend else f"{ENV}=nccl"
+            raise RuntimeError(f"{asked}: {why}; use {ENV}=host (CUDA tensors through host memory, as gloo) or "
+                               f"give each rank a GPU of its own (torch.cuda.set_device(local_rank) before init)")
+        return "nccl", backend if backend is not None and "nccl" in backend else "cpu:gloo,cuda:nccl"
+    if wanted == "host" or shared or not nccl_available or live or (backend is not None and "nccl" not in backend):
+        return "host", backend or "gloo"
+    return "nccl", backend or "cpu:gloo,cuda:nccl"
+
+
+def settle(store, rank: int, world_size: int, timeout: float, backend: str | None, live: bool = False):
+    """Publish this rank's GPU on ``store``, read every rank's, and choose (see ``choose``)."""
+    if not torch.cuda.is_available():
+        if backend is not None and "nccl" in backend:
+            raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False")
+        return choose(None, backend, requested(), False)
+    key = "gradsync/gpu"   # the store is this init's own (runtime._meet)
+    store.set(f"{key}/{rank}", gpu_identity())
+    try:
+        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank}: not every rank published its GPU within {timeout:.0f} s: {exc}") from exc
+    identities = [store.get(f"{key}/{r}").decode() for r in range(world_size)]
+    return choose(identities, backend, requested(), dist.is_nccl_available(), live)

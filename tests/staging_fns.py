@@ -1,0 +1,149 @@
+"""Functions the host-staging tests run on every rank (module level, so child processes import them)."""
+
+import torch
+
+import gradsync as gs
+from cases import contribution, expected_sum
+
+
+def device() -> torch.device:
+    """cuda:0 where there is a GPU (every rank shares it), else the CPU (GRADSYNC_HOST_STAGING=cpu)."""
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def world_path():
+    from gradsync.comm.world_transport import default_transport
+    return gs.world().cuda_path, gs.world().backend, getattr(default_transport(), "stage_cpu", False)
+
+
+def every_collective(numels: list[int], dtypes: list[torch.dtype]):
+    """all_reduce (sum, and max on floats), reduce_scatter + all_gather and broadcast of the closed-form
+    contributions on this rank's device, each twice, against the closed form on the CPU; returns
+    the labels that differ and the meter's staged bytes."""
+    w, where = gs.world(), device()
+    wrong = []
+    gs.traffic_reset()
+    for dtype in dtypes:
+        for numel in numels:
+            want = expected_sum(w.world_size, numel, dtype)
+            for call in range(2):
+                t = contribution(w.rank, numel, dtype).to(where)
+                gs.all_reduce(t)
+                if t.device != where or not torch.equal(t.cpu(), want):
+                    wrong.append(f"all_reduce {dtype} {numel} #{call}")
+                shard = gs.reduce_scatter(contribution(w.rank, numel, dtype).to(where))
+                full = gs.all_gather(shard)
+                if full.device.type != where.type or not torch.equal(full.cpu(), want):
+                    wrong.append(f"reduce_scatter+all_gather {dtype} {numel} #{call}")
+                b = torch.full((numel,), w.rank, dtype=dtype, device=where)
+                gs.broadcast(b, src=w.world_size - 1)
+                if not torch.equal(b.cpu(), torch.full((numel,), w.world_size - 1, dtype=dtype)):
+                    wrong.append(f"broadcast {dtype} {numel} #{call}")
+                if dtype.is_floating_point:
+                    m = contribution(w.rank, numel, dtype).to(where)
+                    gs.all_reduce(m, op="max")
+                    if not torch.equal(m.cpu(), contribution(w.world_size - 1, numel, dtype)):
+                        wrong.append(f"all_reduce max {dtype} {numel} #{call}")
+    traffic = gs.traffic()
+    return wrong, traffic["device_to_host_bytes"], traffic["host_to_device_bytes"]
+
+
+def ddp_steps(steps: int, batch: int, seed: int = 0):
+    """DDP over a float64 MLP on this rank's device, ``batch`` samples a rank a step, rank r's slice of
+    one global batch of N x ``batch``: the final parameters (on the CPU)."""
+    w, where = gs.world(), device()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    ddp = gs.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
+        mine = slice(w.rank * batch, (w.rank + 1) * batch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
+        opt.step()
+    ddp.check_replicas()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def one_process_steps(world_size: int, steps: int, batch: int, seed: int = 0):
+    """The same training in one process with the global batch of world_size x ``batch`` (the oracle)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(world_size * batch, 3, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def zero1_steps(steps: int, batch: int, seed: int = 0):
+    """ShardedOptimizer (Adam) over the same model on this rank's device: the final parameters."""
+    w, where = gs.world(), device()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    ddp = gs.DistributedDataParallel(model)
+    opt = gs.ShardedOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
+        mine = slice(w.rank * batch, (w.rank + 1) * batch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def one_process_adam(world_size: int, steps: int, batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(world_size * batch, 3, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def torch_ddp_on_the_backend(backend: str, steps: int, batch: int, seed: int = 0):
+    """torch's own DDP on a process group of ``backend`` ("gradsync" or "gloo"), the module on this
+    rank's device: the final parameters (on the CPU)."""
+    import torch.distributed as dist
+
+    w, where = gs.world(), device()
+    group = dist.new_group(backend=backend)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
+        mine = slice(w.rank * batch, (w.rank + 1) * batch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def nccl_communicators_made() -> bool:
+    """Whether this process made an NCCL communicator (the host path must make none)."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        group._get_backend(torch.device("cuda"))
+        return True
+    except RuntimeError:
+        return False

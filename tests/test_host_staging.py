@@ -1,0 +1,121 @@
+"""CUDA tensors through host memory (comm/host_staging.py) and the choice of path (device_path.py).
+
+Without a GPU: the choice from every rank's GPU as a table, and the staging path's copies and
+bookkeeping run on CPU tensors (GRADSYNC_HOST_STAGING=cpu): every collective against the closed
+form, the meter's staged bytes against their count, DDP and ZeRO-1 against one process with the
+global batch. With a GPU (marker ``cuda``, skipped here): the same with 2, 3 and 4 ranks sharing
+cuda:0, torch's DDP on the "gradsync" backend against gloo's, and no NCCL communicator made.
+"""
+
+import pytest
+import torch
+
+import staging_fns
+from gradsync import device_path
+
+STAGE_CPU = {"GRADSYNC_HOST_STAGING": "cpu"}
+
+
+# -- the choice -----------------------------------------------------------------------------------
+def test_the_path_follows_the_ranks_gpus():
+    own, shared = ["h#a", "h#b", "g#a"], ["h#a", "h#b", "h#a", "h#c"]
+    assert device_path.choose(None, None, "auto", True) == (None, "gloo")
+    assert device_path.choose(own, None, "auto", True) == ("nccl", "cpu:gloo,cuda:nccl")
+    assert device_path.choose(shared, None, "auto", True) == ("host", "gloo")
+    assert device_path.choose(own, None, "auto", False) == ("host", "gloo")          # no NCCL in this torch
+    assert device_path.choose(own, None, "host", True) == ("host", "gloo")
+    assert device_path.choose(own, None, "auto", True, live=True) == ("host", "gloo")
+    assert device_path.choose(own, "gloo", "auto", True) == ("host", "gloo")         # the program asked for gloo
+    assert device_path.choose(own, "nccl", "auto", True) == ("nccl", "nccl")
+    assert device_path.sharing(shared) == [[0, 2]]
+
+
+@pytest.mark.parametrize("backend,wanted", [(None, "nccl"), ("nccl", "auto"), ("cpu:gloo,cuda:nccl", "auto")])
+def test_nccl_where_ranks_share_a_gpu_is_refused_naming_them(backend, wanted):
+    with pytest.raises(RuntimeError, match="ranks 0 and 2 share a GPU"):
+        device_path.choose(["h#a", "h#b", "h#a"], backend, wanted, True)
+    with pytest.raises(RuntimeError, match="live fault tolerance runs on host staging"):
+        device_path.choose(["h#a", "h#b"], backend, wanted, True, live=True)
+
+
+def test_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("GRADSYNC_CUDA_PATH", "pcie")
+    with pytest.raises(ValueError, match="choose one of auto, host, nccl"):
+        device_path.requested()
+    monkeypatch.setenv("GRADSYNC_HOST_STAGING", "gpu")
+    with pytest.raises(ValueError, match="give cpu"):
+        device_path.stage_cpu_tensors()
+
+
+# -- the staging path on CPU tensors ---------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_collective_through_the_staging_copies(world_of, world_size):
+    numels, dtypes = [0, 1, world_size + 1, 1000, 70_001], [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+    pool = world_of(world_size, **STAGE_CPU)
+    assert pool.run(staging_fns.world_path) == [(None, "gloo", True)] * world_size
+    for rank, (wrong, to_host, to_device) in enumerate(pool.run(staging_fns.every_collective, numels, dtypes)):
+        assert wrong == [], (rank, wrong)
+        # per call: all_reduce M in and out, reduce_scatter M in and its shard out, all_gather the shard
+        # in and M out, broadcast M in and out, and on floats a max all-reduce M in and out
+        counted = 0
+        for dtype in dtypes:
+            size = torch.empty((), dtype=dtype).element_size()
+            for numel in numels:
+                shard = numel // world_size + (rank < numel % world_size)
+                counted += 2 * size * (3 * numel + shard + (numel if dtype.is_floating_point else 0))
+        assert to_host == to_device == counted, (rank, to_host, to_device, counted)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_and_zero1_through_the_staging_copies_equal_one_process(world_of):
+    pool = world_of(3, **STAGE_CPU)
+    reference = staging_fns.one_process_steps(3, 10, 4)
+    for params in pool.run(staging_fns.ddp_steps, 10, 4):
+        for got, want in zip(params, reference):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    reference = staging_fns.one_process_adam(3, 10, 4)
+    for params in pool.run(staging_fns.zero1_steps, 10, 4):
+        for got, want in zip(params, reference):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_sharing_a_gpu_run_every_collective_through_the_host(world_of, world_size):
+    pool = world_of(world_size)
+    assert pool.run(staging_fns.world_path) == [("host", "gloo", False)] * world_size
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+    for rank, (wrong, to_host, to_device) in enumerate(
+            pool.run(staging_fns.every_collective, [0, 1, world_size + 1, 1000, 300_001], dtypes)):
+        assert wrong == [], (rank, wrong)
+        assert to_host > 0 and to_device > 0
+    assert pool.run(staging_fns.nccl_communicators_made) == [False] * world_size
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_and_zero1_on_a_shared_gpu_equal_one_process(world_of, world_size):
+    pool = world_of(world_size)
+    reference = staging_fns.one_process_steps(world_size, 10, 4)
+    for params in pool.run(staging_fns.ddp_steps, 10, 4):
+        for got, want in zip(params, reference):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    reference = staging_fns.one_process_adam(world_size, 10, 4)
+    for params in pool.run(staging_fns.zero1_steps, 10, 4):
+        for got, want in zip(params, reference):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_torch_ddp_on_the_gradsync_backend_with_a_cuda_module_equals_gloo(world_of):
+    pool = world_of(2)
+    ours = pool.run(staging_fns.torch_ddp_on_the_backend, "gradsync", 10, 4)
+    gloo = pool.run(staging_fns.torch_ddp_on_the_backend, "gloo", 10, 4)
+    for mine, theirs in zip(ours, gloo):
+        for got, want in zip(mine, theirs):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
