@@ -215,7 +215,7 @@ class NotNeeded(Exception):
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, job: str, forward_signals: tuple[int, ...] = (),
-               launcher: dict | None = None, replacement: bool = False) -> None:
+               launcher: dict | None = None, replacement: bool = False, live: bool = False) -> None:
     hold_signals(forward_signals)
     (Path(out_dir) / f"{rank}.ready").touch()
     parent = os.getppid()   # the launcher, or the forkserver it started
@@ -230,6 +230,8 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     if not replacement:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(nprocs)})
+    if live:   # a live world's CUDA tensors go through host memory: a death needs no NCCL abort (device_path.py)
+        os.environ.setdefault("GRADSYNC_CUDA_PATH", "host")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     # torch read OMP_NUM_THREADS when it was imported, which in a forked rank was in the forkserver
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
@@ -341,7 +343,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
         def process(rank: int, replacement: bool = False):
             return ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
                                args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, job,
-                                     tuple(forward_signals), launcher, replacement))
+                                     tuple(forward_signals), launcher, replacement, fault_tolerance == "live"))
 
         processes = [process(rank) for rank in range(nprocs)]
 

@@ -27,12 +27,14 @@ Phases, for a collective on a device tensor t of M bytes
 
 Copies counted: M to the host and M (an all-gather: N x M) back per rank, beside the wire's bytes:
 the meter records them apart (TrafficMeter.record_staging). What it costs: the two copies over the
-bus plus the host collective of the same bytes; the copies of a DDP bucket start when the bucket is
-handed to the communication thread, while backward goes on.
+bus plus the host collective of the same bytes; the copy of a DDP bucket waits for the event the
+reducer records when the bucket is ready (``produced_by``), so it overlaps the rest of backward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -41,6 +43,20 @@ from gradsync.meter import METER
 
 KEEP_BUFFERS = 64
 """Host buffers kept per transport (a program with more shapes allocates afresh)."""
+
+_PRODUCED = threading.local()
+
+
+@contextlib.contextmanager
+def produced_by(event):
+    """Within it, this thread's next copy to the host waits for ``event`` (a CUDA event recorded where
+    the tensor became final: DDP's reducer records one when a bucket is ready), not for everything
+    queued on the current stream when the collective starts. None: no change."""
+    _PRODUCED.event = event
+    try:
+        yield
+    finally:
+        _PRODUCED.event = None
 
 
 class HostStaging:
@@ -84,8 +100,11 @@ class HostStaging:
         host = entry[0]
         if flat.is_cuda:
             stream = self._stream(flat.device)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(flat.device))
+            ready = getattr(_PRODUCED, "event", None)
+            _PRODUCED.event = None
+            if ready is None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(flat.device))
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 host.copy_(flat, non_blocking=True)

@@ -47,10 +47,17 @@ import torch
 from torch.autograd import Variable
 
 from gradsync import runtime, trace
+from gradsync.comm.host_staging import produced_by
 from gradsync.ddp.buckets import Bucket, build_buckets
 from gradsync.ddp.grad_bucket import GradBucket
 from gradsync.ddp.group import ReplicaGroup
 from gradsync.ddp.hooks import ReduceState
+
+
+def _recorded_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class Reducer:
@@ -136,16 +143,21 @@ class Reducer:
     # -- 2. launch in bucket order, one hook at a time on the communication thread ----------------------
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
-            self._jobs.append(self._executor.submit(self._communicate, self.buckets[self._next_launch]))
+            bucket = self.buckets[self._next_launch]
+            # a CUDA bucket is final once backward's stream has run what is queued now: the event lets its
+            # copy to the host start then, not after what backward queues later (comm/host_staging.py)
+            ready = _recorded_event() if bucket.flat.is_cuda else None
+            self._jobs.append(self._executor.submit(self._communicate, bucket, ready))
             self._next_launch += 1
 
-    def _communicate(self, bucket: Bucket) -> None:
+    def _communicate(self, bucket: Bucket, ready=None) -> None:
         start = time.perf_counter()
         tracer = trace.tracer()
         t0 = tracer.now_us() if tracer else 0.0
         if isinstance(self.hook_state, ReduceState):
             self.hook_state.divisor = self.divisor
-        future = self.hook(self.hook_state, GradBucket(bucket, len(self.buckets)))
+        with produced_by(ready):
+            future = self.hook(self.hook_state, GradBucket(bucket, len(self.buckets)))
         result, end = self._wait_for(future, bucket)
         if self.precision is not None:
             self._results[bucket.index] = result   # full-precision gradients are written at the end

@@ -91,6 +91,10 @@ class TorchTransport(Transport):
         return runtime.transfer_group(self.world)
 
     def _check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
+        if tensor.is_cuda and self.world.cuda_path != "nccl":
+            raise ValueError(f"{op}: a CUDA tensor sent point-to-point in a world whose CUDA tensors go through host "
+                             f"memory (device_path.py: ranks share a GPU, or no NCCL); copy it to the CPU first "
+                             f"(the collectives stage CUDA tensors themselves)")
         if not tensor.is_contiguous():
             raise ValueError(f"{op}: transport needs a contiguous tensor (got strides {tensor.stride()})")
         if peer is not None and not (0 <= peer < self.world_size and peer != self.rank):
