@@ -29,6 +29,9 @@ Options (rows added to the same interleaved run):
                 mechanism as the built-in average, so its overlap shows what that mechanism keeps
     compiled    torch.compile (inductor) over torch DDP, over ours (compile(DDP(m))) and under ours
                 (DDP(compile(m))), each at the first bucket cap; compiled before the warm-up steps
+    device      "cuda": every rank's model and batch on cuda:0 (ranks sharing the GPU, so CUDA tensors go
+                through host memory: comm/host_staging.py), and torch's DDP on the "gradsync" backend
+                beside it on gloo (the peer that runs there); a step ends when the GPU is done
 
 The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank.
 """
@@ -52,6 +55,8 @@ NO_COMM = "no communication"
 """The same step on the bare model, each rank alone: the floor any implementation's step sits on."""
 ONE_COPY = "+ one gradient copy"
 """The floor plus one copy of every gradient: the least an average adds when no core is free."""
+ON_GRADSYNC = "torch DDP on gradsync"
+"""torch's DDP on a process group of the "gradsync" backend (with --device cuda)."""
 NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY, "torch DDP compiled")
 TORCH_HOOK = " + torch allreduce_hook"
 
@@ -79,6 +84,8 @@ def timed_step(model, optimizer, x, y, set_to_none: bool = True) -> float:
     optimizer.zero_grad(set_to_none=set_to_none)
     _loss(model(x), y).backward()
     optimizer.step()
+    if x.is_cuda:   # the step is over when the GPU has run it
+        torch.cuda.synchronize(x.device)
     elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
@@ -92,7 +99,7 @@ def _copy_each_gradient(model: nn.Module) -> torch.Tensor:
     """Copy each gradient into a flat buffer of the model's size (returned) once backward has
     accumulated it."""
     params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         target = flat.narrow(0, offset, p.numel()).view_as(p)
@@ -101,9 +108,11 @@ def _copy_each_gradient(model: nn.Module) -> torch.Tensor:
     return flat
 
 
-def _labels(bucket_mbs: list[float], torch_hook: bool, compiled: bool) -> list[tuple[str, float]]:
+def _labels(bucket_mbs: list[float], torch_hook: bool, compiled: bool, cuda: bool = False) -> list[tuple[str, float]]:
     """(row label, bucket cap in MiB) of every implementation the run times."""
     labels = [("torch DDP", 25.0)] + [(f"gradsync {cap:g} MiB", cap) for cap in bucket_mbs]
+    if cuda:
+        labels.append((ON_GRADSYNC, 25.0))
     if torch_hook:
         labels += [(f"gradsync {cap:g} MiB{TORCH_HOOK}", cap) for cap in bucket_mbs]
     if compiled:
@@ -116,6 +125,8 @@ def _wrap(label: str, model: nn.Module, cap: float):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    if label == ON_GRADSYNC:
+        return TorchDDP(model, bucket_cap_mb=cap, process_group=dist.new_group(backend="gradsync"))
     if label.startswith("torch DDP"):
         wrapped = TorchDDP(model, bucket_cap_mb=cap)
         return torch.compile(wrapped) if label.endswith("compiled") else wrapped
@@ -138,13 +149,15 @@ def _ours(wrapped):
 
 
 def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int,
-                torch_hook: bool = False, compiled: bool = False) -> list[dict]:
+                torch_hook: bool = False, compiled: bool = False, device: str = "cpu") -> list[dict]:
     torch.set_num_threads(1)
     w = gs.world()
+    where = torch.device("cuda:0" if device == "cuda" else device)
     runners = {}
-    for label, cap in _labels(bucket_mbs, torch_hook, compiled):
+    for label, cap in _labels(bucket_mbs, torch_hook, compiled, where.type == "cuda"):
         torch.manual_seed(0)
         model, x, y = _model_and_batch(model_name, batch)
+        model, x, y = model.to(where), x.to(where), y.to(where)
         runners[label] = (_wrap(label, model, cap), torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
 
     def step(label: str) -> float:
@@ -178,17 +191,25 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
                      "buckets": len(_ours(wrapped).buckets) if _ours(wrapped) is not None else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
                      "bytes_per_step": bytes_per_step.get(label),
-                     "transport": ("gloo" if label.startswith("torch DDP") or label.endswith(TORCH_HOOK)
+                     "device": where.type,
+                     "transport": ("gloo" if label.startswith("torch DDP") and label != ON_GRADSYNC
+                                   or label.endswith(TORCH_HOOK)
                                    else None if label in (NO_COMM, ONE_COPY) else ours)})
     return rows
 
 
 def run(workers: int, model: str, batch: int = 64, bucket_mbs: list[float] | None = None,
-        steps: int = 15, warmup: int = 3, torch_hook: bool = False, compiled: bool = False) -> list[dict]:
+        steps: int = 15, warmup: int = 3, torch_hook: bool = False, compiled: bool = False,
+        device: str = "cpu") -> list[dict]:
     if model not in BENCH_MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this machine has no CUDA GPU that torch can see (torch.cuda.is_available() "
+                           "is False); run without --device, or on a machine with a GPU")
     rows = gs.spawn(_bench_rank, nprocs=workers,
-                    args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup, torch_hook, compiled))[0]
+                    args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup, torch_hook, compiled, device))[0]
     baseline = next(r["step_s"] for r in rows if r["impl"] == "torch DDP")
     floor = next(r["step_s"] for r in rows if r["impl"] == NO_COMM)
     for r in rows:

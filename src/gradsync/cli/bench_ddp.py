@@ -27,6 +27,9 @@ def add_parser(benches) -> None:
     ddp.add_argument("--backend", metavar="LIST", help="instead: torch's own DDP on each torch.distributed backend "
                      "listed (e.g. gloo,gradsync), the first one the baseline; plus the torch API layer's cost")
     ddp.add_argument("--rounds", type=positive_int, default=3, help="with --backend: alternating runs per backend")
+    ddp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="cuda: every rank on cuda:0 (CUDA tensors through host memory), torch DDP on the gradsync "
+                          "backend beside gloo's (default cpu)")
 
 
 def run(args) -> int:
@@ -40,10 +43,11 @@ def run(args) -> int:
     except ValueError:
         raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
     rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps, torch_hook=args.torch_hook,
-                   compiled=args.compile)
+                   compiled=args.compile, device=args.device)
     ours = next(r["transport"] for r in rows if r["impl"].startswith("gradsync"))
     table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
-                        f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo")
+                        f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo"
+                        f"{', every rank on cuda:0' if args.device == 'cuda' else ''}")
     for column in ("implementation", "buckets", "step (ms)", "ours/torch", "vs floor", "overlap", "bytes/rank/step"):
         table.add_column(column, justify="right")
     for r in rows:
