@@ -218,3 +218,24 @@ def backend_cases(cases: list) -> list:
                 problem = problem or f"reduce_scatter_tensor call {call + 1} {why}"
         answers.append((problem, digest(results[0])))
     return answers
+
+
+def hierarchical_cases(hosts: tuple, cases: list) -> list:
+    """Each (dtype, op, numel) through algorithm="hierarchical" with this world's ranks pretending to
+    sit on ``hosts`` (cases.PretendHosts: the cross-host phase runs, which one real host skips),
+    against nonfinite_fold(); per case (problem or None, digest)."""
+    import dataclasses
+
+    from cases import PretendHosts
+    from gradsync.comm.collectives import Place, all_reduce_in
+    from gradsync.comm.world_transport import default_transport
+
+    w = gs.world()
+    place = Place(dataclasses.replace(w, hosts=hosts), PretendHosts(default_transport(), hosts))
+    answers = []
+    for dtype, op, numel in cases:
+        t = nonfinite_contribution(w.rank, w.world_size, numel, dtype, op)
+        all_reduce_in(place, t, op, "hierarchical")
+        good = same_values(t, nonfinite_fold(w.world_size, numel, dtype, op))
+        answers.append((None if good else "differs from the single-process fold (NaN and inf as torch)", digest(t)))
+    return answers

@@ -55,8 +55,9 @@ def assert_answers(answers: list, batch: list, world_size: int, what: str) -> No
 def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> None:
     """Every floating dtype and op through every algorithm at the size bands, through the in-place
     all-reduce and reduce-scatter of a tensor in a shared region (shared memory only), the
-    reduce-scatter and all-gather (staged, and read where it lies from single_copy.FROM_BYTES), and
-    the "gradsync" backend's all_reduce and reduce_scatter_tensor."""
+    reduce-scatter and all-gather (staged, and read where it lies from single_copy.FROM_BYTES), the
+    "gradsync" backend's all_reduce and reduce_scatter_tensor, and with 4 ranks the hierarchical
+    all-reduce across pretended hosts."""
     algorithms = ALGORITHMS + (["shared_memory"] if shared_memory else [])
     batch = []
     for dtype in nf.FLOATING:
@@ -84,6 +85,11 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
     batch = [(dtype, op, numel) for dtype in nf.FLOATING for op in nf.FLOAT_OPS for numel in (1, 97)]
     batch += [(torch.float32, op, bands(world_size, env, 4)[3] // world_size + 1) for op in nf.FLOAT_OPS]
     assert_answers(pool.run(nf.backend_cases, batch, case_timeout=600), batch, world_size, "gradsync backend")
+
+    if world_size == 4:   # the hierarchical all-reduce's cross-host phase, over 2 pretended hosts of 2
+        batch = [(dtype, op, numel) for dtype in nf.FLOATING for op in nf.FLOAT_OPS for numel in (1, 97)]
+        for hosts in (((0, 1), (2, 3)), ((0, 2), (1, 3))):
+            assert_answers(pool.run(nf.hierarchical_cases, hosts, batch), batch, world_size, f"hierarchical on {hosts}")
 
 
 @pytest.mark.timeout(600)
