@@ -191,6 +191,18 @@ def test_clip_grad_norm_equals_torch_ddp_zero_redundancy_optimizer_and_clip(worl
             assert all(torch.equal(got["ours"][n], first["ours"][n]) for n in got["ours"])
 
 
+# A NaN or inf on one rank, in another rank's shard (its last element), for each rank as the owner:
+# the inf-norm combines the ranks' maxima with an all-reduce "max", which must keep a NaN wherever it
+# is, so every rank raises, as torch's clip_grad_norm_(error_if_nonfinite=True) does.
+@pytest.mark.timeout(120)
+def test_a_nonfinite_gradient_in_any_ranks_shard_is_an_error_on_every_rank(world_of):
+    for rank, got in enumerate(world_of(3).run(zero_fns.nonfinite_in_each_shard)):
+        assert len(got) == 12
+        for (norm_type, value, owner), what in got.items():
+            assert isinstance(what, str) and what.startswith(f"The total norm of order {norm_type} for gradients"), (
+                f"rank {rank}: a {value} in rank {owner}'s shard, norm {norm_type}: {what}")
+
+
 @pytest.mark.timeout(300)
 def test_clip_in_the_wrong_place_is_loud_and_bad_arguments_are_refused(world_of):
     results = world_of(2).run(zero_fns.clip_misuse)

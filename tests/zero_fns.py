@@ -315,3 +315,43 @@ def changed_between_steps(opt_kind, steps, local_batch, bucket_cap_mb):
     theirs = train(reference, ddp, ZeroRedundancyOptimizer(reference.parameters(), optimizer_class=cls, **kwargs))
     return {"ours": ours, "torch": theirs, "buckets": len(opt.buckets),
             "values_placed": [b.values is not None for b in opt.buckets]}
+
+
+def nonfinite_in_each_shard():
+    """A NaN or an inf written into one rank's gradient at the last element of another rank's shard
+    of the first bucket, for each rank as that shard's owner (the first, a middle one, the last):
+    ShardedOptimizer.clip_grad_norm_ with error_if_nonfinite, for the 2-norm (the ranks' power sums
+    added) and the inf-norm (combined with max). Returns {(norm_type, value, owner): what this rank
+    got: the error's first words, or the norm it returned}."""
+    import math
+    import warnings
+
+    from gradsync.zero import LocalGradientWarning
+
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(1, w.world_size, 4, torch.float64)
+    model = ddp_fns.make_model("mlp", torch.float64)
+    opt = gs.ShardedOptimizer(model.parameters(), torch.optim.SGD, bucket_cap_mb=0.001, lr=0.1)
+    bucket = opt.buckets[0]
+    got = {}
+    for norm_type in (2.0, math.inf):
+        for value in (math.nan, math.inf):
+            for owner in range(w.world_size):
+                opt.zero_grad()
+                nn.CrossEntropyLoss()(model(xs[0].chunk(w.world_size)[w.rank]),
+                                      ys[0].chunk(w.world_size)[w.rank]).backward()
+                if w.rank == (owner + 1) % w.world_size:   # a rank other than the shard's owner
+                    index = bucket.chunks.offsets[owner] + bucket.chunks.sizes[owner] - 1
+                    offset = 0
+                    for p in bucket.params:
+                        if offset <= index < offset + p.numel():
+                            p.grad.view(-1)[index - offset] = value
+                        offset += p.numel()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", LocalGradientWarning)   # the value written is a change
+                    try:
+                        got[(norm_type, value, owner)] = float(opt.clip_grad_norm_(1.0, norm_type,
+                                                                                   error_if_nonfinite=True))
+                    except RuntimeError as exc:
+                        got[(norm_type, value, owner)] = str(exc)[:60]
+    return got
