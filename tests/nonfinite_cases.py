@@ -150,33 +150,35 @@ def all_reduce_cases(cases: list) -> list:
 
 
 def scatter_gather_cases(cases: list) -> list:
-    """Each (dtype, op, numel, in_region) through gs.reduce_scatter then gs.all_gather (``in_region``:
-    the input lies in a shared region, as ShardedOptimizer's gradients do), against
+    """Each (dtype, op, numel, in_region) twice through gs.reduce_scatter then gs.all_gather
+    (``in_region``: the input lies in a shared region, as ShardedOptimizer's gradients do), against
     nonfinite_fold() and gloo's all-reduce; per case (problem or None, digest of the gathered result)."""
     from gradsync.comm.allreduce_ring import ring_chunks
 
     w = gs.world()
     answers = []
     for dtype, op, numel, in_region in cases:
-        t = nonfinite_contribution(w.rank, w.world_size, numel, dtype, op)
-        if in_region:
-            region = shared_region(numel * dtype.itemsize).view(dtype)
-            region.copy_(t)
-            t = region
-        shard = gs.reduce_scatter(t, op=op)
-        full = gs.all_gather(shard)
         fold = nonfinite_fold(w.world_size, numel, dtype, op)
         gloo = gloo_all_reduce(w.rank, w.world_size, numel, dtype, op)
-        chunks = ring_chunks(numel, w.world_size)
-        problem = None
-        if not same_values(shard, chunks.view(fold, w.rank)):
-            problem = "this rank's shard differs from the single-process fold"
-        elif not same_values(full, fold):
-            problem = "the gathered result differs from the single-process fold"
-        else:
-            why = against_gloo(full, gloo, op, False, ~nan_anywhere(w.world_size, numel))
-            problem = f"the gathered result {why}" if why else None
-        answers.append((problem, digest(full)))
+        own = ring_chunks(numel, w.world_size).view(fold, w.rank)
+        problem, results = None, []
+        for call in range(2):
+            t = nonfinite_contribution(w.rank, w.world_size, numel, dtype, op)
+            if in_region:
+                region = shared_region(numel * dtype.itemsize).view(dtype)
+                region.copy_(t)
+                t = region
+            shard = gs.reduce_scatter(t, op=op)
+            full = gs.all_gather(shard)
+            results.append(full)
+            why = ("this rank's shard differs from the single-process fold" if not same_values(shard, own)
+                   else "the gathered result differs from the single-process fold" if not same_values(full, fold)
+                   else against_gloo(full, gloo, op, False, ~nan_anywhere(w.world_size, numel)))
+            if why:
+                problem = problem or f"call {call + 1}: {why}"
+        if not torch.equal(results[0].view(torch.uint8), results[1].view(torch.uint8)):
+            problem = problem or "two calls on the same input differ"
+        answers.append((problem, digest(results[0])))
     return answers
 
 
