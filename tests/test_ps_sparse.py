@@ -278,7 +278,8 @@ def test_bad_pull_rows_are_refused_with_the_reason(world_of):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,words", [("out_of_range", "row id 50 for table emb.weight, which has rows 0..49"), ("duplicate", "row 3 of table emb.weight more than once")])
+@pytest.mark.parametrize("kind,words", [("out_of_range", "row id 50 for table emb.weight, which has rows 0..49"),   # row R
+                                        ("duplicate", "row 3 of table emb.weight more than once")])
 def test_bad_sparse_push_is_refused_names_the_worker_and_changes_nothing(world_of, kind, words):
     pool = world_of(3)
     try:

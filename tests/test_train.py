@@ -41,7 +41,8 @@ def assert_each_sample_once(counts: Counter, n: int, what: str) -> None:
     missing = [i for i in range(n) if counts[i] == 0]
     twice = sorted(i for i, c in counts.items() if c > 1)
     assert not missing and not twice and set(counts) == set(range(n)), \
-        f"{what}: {len(missing)} ids never trained on (e.g. {missing[:5]}), {len(twice)} more than once (e.g. {twice[:5]})"
+        f"{what}: {len(missing)} ids never trained on (e.g. {missing[:5]}), {len(twice)} more than once " \
+        f"(e.g. {twice[:5]})"
 
 
 @pytest.mark.timeout(300)
