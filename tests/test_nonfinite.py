@@ -8,8 +8,8 @@ the last rank; +inf or -inf on each rank; +inf meeting -inf; 0 meeting inf; ...)
 tensor, so each scenario lands in every chunk, piece and size band. Nothing is drawn: the sizes
 are chosen at each band's edges.
 
-``check_nonfinite(pool, world_size, shared_memory)`` runs every case on one world: a setup here is a
-world size and the environment its ranks start with (SETUPS), so another path selected by an
+``check_nonfinite(pool, world_size, env, shared_memory)`` runs every case on one world: a setup here
+is a world size and the environment its ranks start with (SETUPS), so another path selected by an
 environment variable set before the ranks start is one more entry there.
 """
 
@@ -64,7 +64,7 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
         for op in nf.FLOAT_OPS:
             sizes = bands(world_size, env, dtype.itemsize)
             batch += [(algorithm, dtype, op, numel, False) for algorithm in algorithms for numel in sizes[:2]]
-            # past the direct/split bound: the split shared-memory all-reduce, and each algorithm once
+            # past the direct/split bound: the split shared-memory all-reduce, and the ring's segments
             batch += [(algorithm, dtype, op, sizes[2], False)
                       for algorithm in (["shared_memory", "ring"] if shared_memory else ["ring", "auto"])]
             if shared_memory:   # in a shared region: in place from IN_PLACE_FROM_BYTES, direct below it
