@@ -64,7 +64,7 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
         for op in nf.FLOAT_OPS:
             sizes = bands(world_size, env, dtype.itemsize)
             batch += [(algorithm, dtype, op, numel, False) for algorithm in algorithms for numel in sizes[:2]]
-            # past the direct/split bound: the split shared-memory all-reduce, and the ring's segments
+            # past the direct/split bound: the split shared-memory all-reduce, and the ring beside it
             batch += [(algorithm, dtype, op, sizes[2], False)
                       for algorithm in (["shared_memory", "ring"] if shared_memory else ["ring", "auto"])]
             if shared_memory:   # in a shared region: in place from IN_PLACE_FROM_BYTES, direct below it
