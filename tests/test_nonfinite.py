@@ -59,8 +59,11 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
     "gradsync" backend's all_reduce and reduce_scatter_tensor, and with 4 ranks the hierarchical
     all-reduce across pretended hosts."""
     algorithms = ALGORITHMS + (["shared_memory"] if shared_memory else [])
+    # over TCP the algorithms combine with the same torch ops as on shared memory, where every dtype
+    # runs: there a 4-byte and a 2-byte one
+    dtypes = nf.FLOATING if shared_memory else (torch.float32, torch.bfloat16)
     batch = []
-    for dtype in nf.FLOATING:
+    for dtype in dtypes:
         for op in nf.FLOAT_OPS:
             sizes = bands(world_size, env, dtype.itemsize)
             batch += [(algorithm, dtype, op, numel, False) for algorithm in algorithms for numel in sizes[:2]]
@@ -73,10 +76,13 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
     assert_answers(pool.run(nf.all_reduce_cases, batch, case_timeout=600), batch, world_size, "all_reduce")
 
     batch = []
-    for dtype in nf.FLOATING:
+    for dtype in dtypes:
         for op in nf.FLOAT_OPS:
-            batch += [(dtype, op, numel, False) for numel in (1, world_size + 1, 97,
-                                                              FROM_BYTES // dtype.itemsize + 2 * world_size + 1)]
+            # large: read where it lies from single_copy.FROM_BYTES; with tiny staging halves, staged in
+            # many pieces instead (the single-copy path is the same whatever the halves)
+            large = (bands(world_size, env, dtype.itemsize)[2] if "GRADSYNC_SHM_STAGE_MB" in env
+                     else FROM_BYTES // dtype.itemsize + 2 * world_size + 1)
+            batch += [(dtype, op, numel, False) for numel in (1, world_size + 1, 97, large)]
             if shared_memory:
                 batch.append((dtype, op, IN_PLACE_FROM_BYTES // dtype.itemsize + 2 * world_size + 1, True))
     assert_answers(pool.run(nf.scatter_gather_cases, batch, case_timeout=600), batch, world_size,
