@@ -104,6 +104,37 @@ def mismatched_all_reduce(kind: str, algorithm: str, numel: int = 12):
     gs.all_reduce(torch.ones(numel, dtype=dtype), algorithm=algorithm)
 
 
+def odd_rank_at_every_position(calls: list) -> list:
+    """For each (collective, kind, algorithm, numel) and each rank in turn as the odd one out (rank
+    0, every middle rank, the last): that rank passes ``numel`` + 1 elements (kind "size") or int32
+    (kind "dtype") where the others pass ``numel`` float32 (all_gather: shards of 4 + rank elements,
+    whose sizes may differ; only the dtype can). Every rank catches the error it gets and goes on, so
+    one world sees every position. Per call, the (odd rank, error type, message) seen here in turn,
+    then whether a well-formed all-reduce of ``numel`` afterwards gave the closed form."""
+    w = gs.world()
+    answers = []
+    for collective, kind, algorithm, numel in calls:
+        seen = []
+        for odd in range(w.world_size):
+            size, dtype = numel, torch.float32
+            if w.rank == odd:
+                size, dtype = (numel + 1, dtype) if kind == "size" else (numel, torch.int32)
+            try:
+                if collective == "all_reduce":
+                    gs.all_reduce(torch.ones(size, dtype=dtype), algorithm=algorithm)
+                elif collective == "reduce_scatter":
+                    gs.reduce_scatter(torch.ones(size, dtype=dtype))
+                else:
+                    gs.all_gather(torch.ones(4 + w.rank, dtype=dtype))
+                seen.append((odd, "no error", ""))
+            except Exception as exc:  # noqa: BLE001 - the error is the result
+                seen.append((odd, type(exc).__name__, str(exc)))
+        t = torch.full((numel,), float(w.rank + 1))
+        gs.all_reduce(t, algorithm=algorithm)
+        answers.append((seen, bool(torch.all(t == w.world_size * (w.world_size + 1) // 2))))
+    return answers
+
+
 def mismatch_across_the_split_bound(split_numel: int, direct_numel: int) -> list[bool]:
     """Every rank all-reduces ``split_numel`` float32 (the split all-reduce), then rank 1 alone
     ``direct_numel`` (the direct one) while the others repeat the split one: a mismatch every rank

@@ -1,5 +1,7 @@
 """Models, data and rank functions for the DDP tests (module level so ranks can import them)."""
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -209,6 +211,44 @@ def no_sync_train(micro_steps, local_batch):
             nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def no_sync_against_torch(windows, micro_steps, local_batch, local_steps):
+    """gradsync's DDP and torch's DDP (gloo, this world) on the same model and shards, each through
+    ``windows`` accumulation windows of ``micro_steps`` micro-batches: every micro-batch but the last
+    under no_sync(), then opt.step(). With ``local_steps`` the program also steps the optimizer after
+    each micro-batch under no_sync (local SGD: the replicas drift apart until the synchronised one).
+    Returns, for each, every parameter's .grad after each backward and the parameters after each
+    step: under no_sync .grad is this rank's own gradient, not the average."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    w = gs.world()
+    xs, ys = global_data(windows * micro_steps, w.world_size, local_batch, torch.float64)
+
+    def train(model, wrapped):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        grads, params = [], []
+        for window in range(windows):
+            opt.zero_grad()
+            for micro in range(micro_steps):
+                k = window * micro_steps + micro
+                x, y = xs[k].chunk(w.world_size)[w.rank], ys[k].chunk(w.world_size)[w.rank]
+                synced = micro == micro_steps - 1
+                with nullcontext() if synced else wrapped.no_sync():
+                    nn.functional.cross_entropy(wrapped(x), y).backward()
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                if local_steps or synced:
+                    opt.step()
+                    params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+                if local_steps and not synced:
+                    opt.zero_grad()
+        return grads, params
+
+    model = make_model("mlp", torch.float64)
+    ours = train(model, gs.DistributedDataParallel(model))
+    reference = make_model("mlp", torch.float64)
+    theirs = train(reference, TorchDDP(reference))
+    return {"ours": ours, "torch": theirs}
 
 
 def unused_without_flag():

@@ -101,16 +101,20 @@ def _wait_for_marks(sync_dir, ranks, clock, timeout=30.0):
         time.sleep(0.002)
 
 
-def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
+def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02, pace_s=5.0):
     """One server (rank 0), SGD; the straggler's pace set by the others' progress, not by sleeps.
 
     Every worker marks (a file in ``sync_dir``) that it is entering its pull at clock c. Before its
     push k, the straggler waits until every other worker has entered its pull at clock
     min(k + lead, steps), then ``grace_s`` more, so that a pull the server answers too early has been
-    answered before the push starts. Workers record, on the monotonic clock (one clock for every
-    process of the host), when each pull returned and when each push started.
+    answered before the push starts. A server that holds a worker back before the bound would stop
+    the others short of that clock: after ``pace_s`` seconds of waiting (well within the world's
+    timeout) the straggler records the clock it gave up at and stops pacing, so the run ends and the
+    test can say so. Workers record, on the monotonic clock (one clock for every process of the
+    host), when each pull returned and when each push started.
 
-    Returns ("server", stats, traffic) or ("worker", rank, pull_returned, push_started)."""
+    Returns ("server", stats, traffic) or ("worker", rank, pull_returned, push_started, gave_up_at),
+    gave_up_at None when the straggler never gave up (and for the other workers)."""
     w = gs.world()
     model = ddp_fns.make_model("mlp", torch.float64)
     ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode=mode, staleness=staleness)
@@ -120,22 +124,25 @@ def paced(mode, staleness, steps, straggler, lead, sync_dir, grace_s=0.02):
         return "server", ps.stats(), gs.traffic()
     others = [r for r in range(1, w.world_size) if r != w.rank]
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
-    pull_returned, push_started = [], []
+    pull_returned, push_started, gave_up_at = [], [], None
     for step in range(steps):
         _mark(sync_dir, w.rank, step)
         ps.pull()
         pull_returned.append(time.monotonic())
         nn.functional.cross_entropy(model(x), y).backward()
-        if w.rank == straggler:
-            _wait_for_marks(sync_dir, others, min(step + lead, steps))
-            time.sleep(grace_s)
+        if w.rank == straggler and gave_up_at is None:
+            try:
+                _wait_for_marks(sync_dir, others, min(step + lead, steps), timeout=pace_s)
+                time.sleep(grace_s)
+            except TimeoutError:
+                gave_up_at = min(step + lead, steps)
         push_started.append(time.monotonic())
         ps.push()
     _mark(sync_dir, w.rank, steps)
     ps.pull()
     pull_returned.append(time.monotonic())
     ps.close()
-    return "worker", w.rank, pull_returned, push_started
+    return "worker", w.rank, pull_returned, push_started, gave_up_at
 
 
 def in_step(mode, steps, sync_dir, settle_s=0.05, late_answer_s=0.0):

@@ -144,6 +144,13 @@ def bad_pull_rows():
             errors.append(("no error", ""))
         except (ValueError, TypeError) as exc:
             errors.append((type(exc).__name__, str(exc)))
+    initial = SparseNet().emb.weight.detach()
+    for row in (0, EMB_ROWS - 1):   # the boundary ids a pull may name
+        with torch.no_grad():
+            model.emb.weight[row] = -1.0
+        ps.pull(rows={"emb.weight": torch.tensor([row])})
+        same = torch.equal(model.emb.weight[row].detach(), initial[row])
+        errors.append(("no error", "") if same else ("wrong row", f"row {row} differs from the server's"))
     ps.close()
     return errors
 
@@ -169,7 +176,7 @@ def malformed_push(kind):
             client = ps._client
             transport = default_transport()
             dense = torch.zeros(sum(p.numel() for p in client.params), dtype=torch.float64)
-            bad = {"out_of_range": [3, EMB_ROWS + 7], "duplicate": [3, 5, 3]}[kind]
+            bad = {"out_of_range": [3, EMB_ROWS], "duplicate": [3, 5, 3]}[kind]   # row R: one past the last
             rows = [(torch.tensor(bad if spec.name == "emb.weight" else [1], dtype=torch.int64), spec)
                     for spec, _ in client.tables]
             rows = [(ids, torch.ones(len(ids), DIM, dtype=torch.float64), spec) for ids, spec in rows]

@@ -70,6 +70,26 @@ def test_no_sync_accumulates_like_one_large_batch(world_of):
         assert_close(params, {n: p.detach() for n, p in model.named_parameters()}, 1e-12, "no_sync")
 
 
+# no_sync's own value, against torch's DDP in the same world: .grad after every backward (under
+# no_sync each rank's own gradient, accumulated; after the synchronised one the average of the sums)
+# and the parameters after every step, over 3 windows of 3 micro-batches on 3 ranks; then with an
+# optimizer step after every micro-batch (local SGD), where the replicas drift apart under no_sync.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("local_steps", [False, True])
+def test_no_sync_leaves_the_same_gradients_and_parameters_as_torch_ddp(world_of, local_steps):
+    results = world_of(3).run(ddp_fns.no_sync_against_torch, 3, 3, 4, local_steps)
+    for rank, got in enumerate(results):
+        (our_grads, our_params), (their_grads, their_params) = got["ours"], got["torch"]
+        assert len(our_grads) == len(their_grads) == 9 and len(our_params) == len(their_params) == (9 if local_steps
+                                                                                                      else 3)
+        for k, (ours, theirs) in enumerate(zip(our_grads, their_grads)):
+            assert_close(ours, theirs, 1e-12, f"rank {rank}, .grad after backward {k} (micro-batch {k % 3})")
+        for k, (ours, theirs) in enumerate(zip(our_params, their_params)):
+            assert_close(ours, theirs, 1e-12, f"rank {rank}, parameters after step {k}")
+    first = [got["torch"][0][0] for got in results]   # under no_sync: each rank's own gradient
+    assert any(not torch.equal(first[0][n], first[1][n]) for n in first[0]), "the ranks' shards gave equal gradients"
+
+
 @pytest.mark.timeout(300)
 def test_unused_parameters_error_names_them(world_of):
     with pytest.raises(RankFailure) as info:

@@ -62,3 +62,43 @@ def test_collectives_after_a_mismatch_across_the_split_bound_are_right(world_of)
     # same half again, or the next all-reduces read what another call staged
     answers = world_of(3).run(cases.mismatch_across_the_split_bound, 600_000, 1000)
     assert answers == [[True, True]] * 3, answers
+
+
+ODD_RANK_CALLS = {   # world: (collective, kind, algorithm, numel) the odd rank out gets wrong
+    # shared memory: the staged check, with the data (direct and split all-reduce) or alone (ring)
+    "shm-3": [("all_reduce", "size", "shared_memory", 12), ("all_reduce", "size", "shared_memory", 600_000),
+              ("all_reduce", "dtype", "ring", 12), ("reduce_scatter", "dtype", "auto", 12),
+              ("all_gather", "dtype", "auto", 12)],
+    "shm-4": [("all_reduce", "size", "auto", 12), ("all_reduce", "dtype", "tree", 12)],
+    # TCP: each rank compares with its ring neighbours, which with 3 ranks are all the others
+    "tcp-3": [("all_reduce", "size", "ring", 12), ("all_reduce", "dtype", "native", 12),
+              ("reduce_scatter", "size", "auto", 12), ("all_gather", "dtype", "auto", 12)],
+    # TCP with GRADSYNC_DEBUG=1: every rank compares every rank's fingerprint, neighbours or not
+    "tcp-debug-4": [("all_reduce", "size", "ring", 12), ("all_reduce", "dtype", "native", 12),
+                    ("reduce_scatter", "size", "auto", 12)],
+}
+ODD_RANK_WORLDS = {"shm-3": (3, {}), "shm-4": (4, {}), "tcp-3": (3, {"GRADSYNC_TRANSPORT": "tcp"}),
+                   "tcp-debug-4": (4, {"GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_DEBUG": "1"})}
+
+
+# The odd rank out is every rank in turn (the first, each middle one, the last), on each way ranks
+# agree: a check that stops one rank short, or starts one late, misses an end. Every rank must
+# raise naming the odd rank, and the world must stay usable (each rank caught its error).
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setup", list(ODD_RANK_CALLS))
+def test_the_odd_rank_out_at_every_position_is_named_on_every_rank(world_of, setup):
+    world_size, env = ODD_RANK_WORLDS[setup]
+    calls = ODD_RANK_CALLS[setup]
+    answers = world_of(world_size, **env).run(cases.odd_rank_at_every_position, calls, case_timeout=60)
+    for index, (collective, kind, algorithm, numel) in enumerate(calls):
+        for rank in range(world_size):
+            seen, right = answers[rank][index]
+            assert [odd for odd, _, _ in seen] == list(range(world_size))
+            for odd, name, message in seen:
+                label = f"{setup} {collective} {kind} {algorithm}: rank {odd} odd, rank {rank}'s error"
+                assert name == "CollectiveMismatchError", f"{label}: {name} {message}"
+                assert f"rank {odd}" in message and "collective mismatch between" in message, f"{label}: {message}"
+                assert collective in message, f"{label}: {message}"
+                assert (f"{numel + 1} float32" in message) if kind == "size" else ("int32" in message), \
+                    f"{label}: {message}"
+            assert right, f"{setup} {collective} {kind}: an all-reduce after the mismatches was wrong on rank {rank}"

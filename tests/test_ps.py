@@ -1,5 +1,6 @@
 """Parameter server against independent oracles: one process with the global batch, gradsync DDP,
-closed-form traffic (W*M each way per step), and the SSP bound checked from clocks the workers record."""
+closed-form traffic (W*M each way per step), and the SSP bound checked from the clocks the server
+records at every answer and those the workers record."""
 
 import pytest
 import torch
@@ -201,7 +202,7 @@ def largest_gap_seen_by_workers(results) -> int:
     clock c returned while another worker had started only k pushes. The server counts a push only
     after it started, and answers a pull before it returns, so the server's gap for that pull
     (c - the slowest open worker's clock) was at least this."""
-    records = {rank: (pulls, pushes) for _, rank, pulls, pushes in workers_of(results)}
+    records = {rank: (pulls, pushes) for _, rank, pulls, pushes, _ in workers_of(results)}
     gaps = [0]
     for rank, (pulls, _) in records.items():
         for clock, returned in enumerate(pulls):
@@ -216,11 +217,20 @@ def largest_gap_seen_by_workers(results) -> int:
 def test_ssp_never_exceeds_its_bound(world_of, tmp_path, bound):
     steps = 8
     # the straggler (rank 3) pushes step k only once the two other workers wait in their pull at
-    # clock k + bound + 1, which the bound must hold back; so the workers see the gap reach the bound
+    # clock k + bound + 1, which the bound must hold back; so the gap reaches the bound exactly. The
+    # server records, for every pull it answers, the puller's clock minus the slowest open worker's
+    # (stats' clock_gap_histogram): never above the bound, and at it; the workers' own records agree
     results = world_of(4).run(ps_fns.paced, "ssp", bound, steps, 3, bound + 1, str(tmp_path))
+    (_, stats, _), = servers_of(results)
+    gaps = stats["clock_gap_histogram"]
+    assert sum(gaps.values()) == stats["pulls"] == 3 * (steps + 1), (gaps, stats["pulls"])
+    assert max(gaps) <= bound, f"the server answered a pull {max(gaps)} clocks ahead of the slowest worker: {gaps}"
+    gave_up = [at for *_, at in workers_of(results) if at is not None]
+    assert not gave_up, (f"the other workers never reached their pull at clock {gave_up[0]}: the server held them "
+                         f"back before the bound {bound} (gaps it answered at: {gaps})")
+    assert max(gaps) == bound == stats["max_clock_gap"], f"the gap never reached the bound {bound}: {gaps}"
     gap = largest_gap_seen_by_workers(results)
     assert gap == bound, f"the workers saw a pull answered {gap} clocks ahead of the slowest worker (bound {bound})"
-    (_, stats, _), = servers_of(results)
     assert stats["pushes"] == 3 * steps
     assert max(stats["staleness_histogram"]) <= 3 * bound + 2, stats["staleness_histogram"]
 
@@ -233,6 +243,7 @@ def test_ssp_with_a_huge_bound_runs_ahead_like_async(world_of, tmp_path):
     gap = largest_gap_seen_by_workers(results)
     assert gap == steps, f"the fast worker should run {steps} clocks ahead of the straggler, the workers saw {gap}"
     (_, stats, _), = servers_of(results)
+    assert stats["max_clock_gap"] == steps, stats["clock_gap_histogram"]
     assert max(stats["staleness_histogram"]) == steps, "the straggler's first push lands on version 8"
 
 

@@ -44,6 +44,40 @@ def test_the_whole_table_flag_is_refused_anywhere_but_on_a_pull_for_every_row_he
         wire.decode(Header(wire.PULL, 5, 0, 1, flags=wire.FLAG_WHOLE_TABLE).encode(), 5)
 
 
+@pytest.mark.parametrize("servers", [1, 3])
+def test_row_ids_at_every_boundary_are_accepted_or_refused_by_name(servers):
+    """The server's id check (sparse_wire.check_ids) at every boundary of a 10-row table: rows 0 and
+    R-1 = 9 accepted on the server that holds each; R = 10 and -1 refused, naming the id, the table
+    and its range, whichever server they reach, and the sender; a section of as many rows as the
+    server holds accepted, one more refused (no processes)."""
+    from gradsync.ps import sparse_wire
+    from gradsync.ps.protocol import ProtocolError
+    from gradsync.ps.sparse_tables import TableSpec
+
+    rows = 10
+    spec = TableSpec(0, "emb.weight", rows, 4, 8)
+    for row in (0, rows - 1):
+        for unique in (True, False):
+            sparse_wire.check_ids(torch.tensor([row]), spec, row % servers, servers, 5, "server", unique)
+    for row in (rows, -1):
+        for server in range(servers):
+            with pytest.raises(ProtocolError) as info:
+                sparse_wire.check_ids(torch.tensor([3 * servers, row]), spec, server, servers, 5, "server", True)
+            assert f"rank 5 sent row id {row} for table emb.weight, which has rows 0..9; refused" in str(info.value)
+            assert info.value.sender == 5
+    held = row_sharding.rows_on(0, rows, servers)
+    ids = row_sharding.global_rows(0, rows, servers)
+    for numel, accepted in ((held, True), (held + 1, False)):
+        header = sparse_wire.section_header(sparse_wire.PUSH_SECTION, 5, 0, spec, torch.arange(numel),
+                                            torch.zeros(numel, 4, dtype=torch.float64))
+        if accepted:
+            sparse_wire.check_section_header(header, sparse_wire.PUSH_SECTION, spec, 0, held, 5, "server")
+            sparse_wire.check_ids(ids, spec, 0, servers, 5, "server", True)
+        else:
+            with pytest.raises(ProtocolError, match=f"carries at most {held} rows"):
+                sparse_wire.check_section_header(header, sparse_wire.PUSH_SECTION, spec, 0, held, 5, "server")
+
+
 def _sparse_steps(rows_per_step, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.tensor(rows), torch.randn(len(rows), 3, dtype=torch.float64, generator=g))
@@ -239,10 +273,13 @@ def test_bad_pull_rows_are_refused_with_the_reason(world_of):
     assert errors[3][0] == "ValueError" and "int64" in errors[3][1]
     assert errors[4][0] == "ValueError" and "1-D" in errors[4][1]
     assert errors[5][0] == "TypeError" and "dict" in errors[5][1]
+    # the first and last rows are no error, and come back as the server holds them
+    assert errors[6:] == [("no error", ""), ("no error", "")], errors[6:]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,words", [("out_of_range", "row id 57"), ("duplicate", "row 3 of table emb.weight more than once")])
+@pytest.mark.parametrize("kind,words", [("out_of_range", "row id 50 for table emb.weight, which has rows 0..49"),   # row R
+                                        ("duplicate", "row 3 of table emb.weight more than once")])
 def test_bad_sparse_push_is_refused_names_the_worker_and_changes_nothing(world_of, kind, words):
     pool = world_of(3)
     try:

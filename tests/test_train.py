@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,25 @@ def gradient_bytes(bytes_sent: float, steps: int, per_step: float) -> float:
     extra = bytes_sent - steps * per_step
     assert 0 <= extra <= 32 * steps + 1024, (bytes_sent, steps, per_step, extra)
     return extra
+
+
+def samples_per_epoch(log_dir: Path) -> dict[int, Counter]:
+    """epoch -> how many times each sample id was trained on, from every rank's GRADSYNC_SAMPLE_LOG
+    file ("epoch id id ..." per step it trained)."""
+    seen: dict[int, Counter] = {}
+    for path in log_dir.glob("samples.*"):
+        for line in path.read_text().splitlines():
+            epoch, *ids = map(int, line.split())
+            seen.setdefault(epoch, Counter()).update(ids)
+    return seen
+
+
+def assert_each_sample_once(counts: Counter, n: int, what: str) -> None:
+    missing = [i for i in range(n) if counts[i] == 0]
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    assert not missing and not twice and set(counts) == set(range(n)), \
+        f"{what}: {len(missing)} ids never trained on (e.g. {missing[:5]}), {len(twice)} more than once " \
+        f"(e.g. {twice[:5]})"
 
 
 @pytest.mark.timeout(300)
@@ -89,11 +109,18 @@ def test_parameter_server_strategies_train_digits(tmp_path):
 @pytest.mark.timeout(300)
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     common = dict(workers=2, steps=30, batch_size=64, quiet=True, trace=False)
-    straight = run(TrainConfig(out=str(tmp_path / "a"), **common))
-    run(TrainConfig(out=str(tmp_path / "b"), **{**common, "steps": 13}))  # stops mid-epoch
-    resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=True, **common))
+    for leg in ("a", "b"):
+        (tmp_path / f"ids-{leg}").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path / "ids-a"))
+        straight = run(TrainConfig(out=str(tmp_path / "a"), **common))
+        patch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path / "ids-b"))
+        run(TrainConfig(out=str(tmp_path / "b"), **{**common, "steps": 13}))  # stops mid-epoch
+        resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=True, **common))
     for name, value in straight[0]["params"].items():
         assert torch.equal(value, resumed[0]["params"][name]), name
+    # across the stop the two legs trained on exactly the samples of the uninterrupted run, epoch by epoch
+    assert samples_per_epoch(tmp_path / "ids-b") == samples_per_epoch(tmp_path / "ids-a")
 
 
 @pytest.mark.timeout(300)
@@ -216,14 +243,44 @@ def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
 
 @pytest.mark.slow   # test_preempt.py's 2 -> 3 -> 2 -> 1 checks the same messages
 @pytest.mark.timeout(300)
-def test_resume_with_a_different_world_size_says_what_changed(tmp_path, capfd):
+def test_resume_with_a_different_world_size_says_what_changed(tmp_path, capfd, monkeypatch):
     """2 workers x 32 (global 64) resumed on 4: 16 per worker, global batch and lr kept, said before
-    the first step (tests/test_preempt.py counts the samples across such resumes)."""
+    the first step; the epoch goes on from the checkpoint's position, every sample once."""
+    from gradsync.train.datasets import digits
+
+    monkeypatch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path))
     assert main(["train", "--workers", "2", "--steps", "3", "--out", str(tmp_path), "--quiet"]) == 0
-    assert main(["train", "--workers", "4", "--steps", "6", "--out", str(tmp_path), "--resume", "--quiet"]) == 0
+    assert main(["train", "--workers", "4", "--epochs", "1", "--out", str(tmp_path), "--resume", "--quiet"]) == 0
     out = capfd.readouterr().out
     assert "global batch 64 kept: 16 per worker per micro-batch x 1 accumulation x 4 workers; lr 0.04 kept" in out
     assert "resumed from" in out
+    assert_each_sample_once(samples_per_epoch(tmp_path)[0], len(digits()[0]), "epoch 0, across the stop")
+
+
+# A stop mid-epoch on 2 workers of 64 (global batch 128, 5 steps: position 640), resumed on 3, where
+# 128 does not divide: 64 each, global batch 192, so the position is no whole number of the new
+# global batches (640 = 3 x 192 + 64). The checkpoint holds the position, and the resumed epoch
+# trains from exactly there: every sample of the epoch once across the stop (GRADSYNC_SAMPLE_LOG).
+# The loop's own rank function runs in the test worlds (train_fns.py), which saves starting them.
+@pytest.mark.timeout(300)
+def test_a_resume_on_another_world_size_trains_every_sample_of_the_epoch_once(world_of, tmp_path):
+    import train_fns
+    from gradsync import checkpoint
+    from gradsync.train.datasets import digits
+
+    n = len(digits()[0])
+    common = dict(epochs=1, batch_size=64, quiet=True, trace=False, out=str(tmp_path / "out"))
+    world_of(2).run(train_fns.train_logging_samples, {**common, "steps": 5}, str(tmp_path), case_timeout=240)
+    stopped = checkpoint.load(tmp_path / "out" / "checkpoint.pt")
+    assert (stopped["step"], stopped["epoch"], stopped["position"]) == (5, 0, 5 * 128), \
+        (stopped["step"], stopped["epoch"], stopped["position"])
+    first_leg = samples_per_epoch(tmp_path)[0]
+    assert sum(first_leg.values()) == 640 and max(first_leg.values()) == 1, "the first leg's 5 steps"
+    world_of(3).run(train_fns.train_logging_samples, {**common, "resume": True}, str(tmp_path), case_timeout=240)
+    done = checkpoint.load(tmp_path / "out" / "checkpoint.pt")
+    assert (done["step"], done["epoch"], done["position"]) == (5 + -(-(n - 640) // 192), 1, 0), \
+        (done["step"], done["epoch"], done["position"])
+    assert_each_sample_once(samples_per_epoch(tmp_path)[0], n, "epoch 0, across the stop")
 
 
 @pytest.mark.timeout(120)

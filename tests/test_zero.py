@@ -91,6 +91,24 @@ def test_zero1_over_tcp_keeps_plain_buffers_and_equals_one_process(world_of):
         assert r["sent"] == r["expected_bytes"] and r["buckets"] > 1
 
 
+# The program changes the parameters between steps (model.load_state_dict(), then new .data): each
+# step must start from them as they are. Over TCP the shard is a copy, refreshed from the parameters
+# at every step (ShardedOptimizer._refresh_shard); over shared memory it is the parameters' shared
+# values, which take in a replaced .data. 3 ranks and 1 KB buckets: every rank's shard of every
+# bucket ends somewhere else inside the parameters.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_zero1_takes_parameters_changed_between_steps_as_torch_zero_redundancy_optimizer(world_of, transport):
+    steps = 4
+    env = {"GRADSYNC_TRANSPORT": "tcp"} if transport == "tcp" else {}
+    results = world_of(3, **env).run(zero_fns.changed_between_steps, "adam", steps, 4, 0.001)
+    for rank, got in enumerate(results):
+        assert got["buckets"] > 1 and got["values_placed"] == [transport == "shm"] * got["buckets"], got
+        for step in range(steps):
+            error = relative_error(got["ours"][step], got["torch"][step])
+            assert error <= 1e-12, f"rank {rank}, after step {step}: {error:.3g} from torch's ZeroRedundancyOptimizer"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 3), (3, 2), (2, 2)])
 def test_state_dict_reshards_onto_another_world_size(world_of, saved_by, loaded_by):
@@ -171,6 +189,18 @@ def test_clip_grad_norm_equals_torch_ddp_zero_redundancy_optimizer_and_clip(worl
     for per_case in results[1:]:   # one coefficient on every rank: the replicas stay identical
         for got, first in zip(per_case, results[0]):
             assert all(torch.equal(got["ours"][n], first["ours"][n]) for n in got["ours"])
+
+
+# A NaN or inf on one rank, in another rank's shard (its last element), for each rank as the owner:
+# the inf-norm combines the ranks' maxima with an all-reduce "max", which must keep a NaN wherever it
+# is, so every rank raises, as torch's clip_grad_norm_(error_if_nonfinite=True) does.
+@pytest.mark.timeout(120)
+def test_a_nonfinite_gradient_in_any_ranks_shard_is_an_error_on_every_rank(world_of):
+    for rank, got in enumerate(world_of(3).run(zero_fns.nonfinite_in_each_shard)):
+        assert len(got) == 12
+        for (norm_type, value, owner), what in got.items():
+            assert isinstance(what, str) and what.startswith(f"The total norm of order {norm_type} for gradients"), (
+                f"rank {rank}: a {value} in rank {owner}'s shard, norm {norm_type}: {what}")
 
 
 @pytest.mark.timeout(300)

@@ -62,3 +62,19 @@ def ps_resume(out: str):
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return type(exc).__name__, str(exc)
     return "no error", ""
+
+
+def train_logging_samples(config: dict, log_dir: str):
+    """The training loop's own rank function (train/loop.py train_rank) on this world, with
+    GRADSYNC_SAMPLE_LOG=``log_dir`` (each rank appends "epoch id id ..." per step it trains); returns
+    rank 0's summary (None elsewhere)."""
+    import os
+
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import train_rank
+
+    os.environ["GRADSYNC_SAMPLE_LOG"] = log_dir
+    try:
+        return train_rank(TrainConfig(workers=gs.world().world_size, **config))["summary"]
+    finally:
+        del os.environ["GRADSYNC_SAMPLE_LOG"]

@@ -272,3 +272,86 @@ def clip_misuse():
             next(model.parameters()).grad[0, 0] = float("nan")
         result["nonfinite"] = raised(lambda: opt.clip_grad_norm_(1.0, error_if_nonfinite=True), RuntimeError)
     return result
+
+
+def changed_between_steps(opt_kind, steps, local_batch, bucket_cap_mb):
+    """ShardedOptimizer and torch's DDP + ZeroRedundancyOptimizer (gloo, this world) train the same
+    model on the same shards while the program changes the parameters between steps, the same way
+    on every rank: before step 1 model.load_state_dict() of other weights (in place), before step 2
+    every parameter given new .data (each step must start from the parameters as they are, as a torch
+    optimizer does). Returns both parameter sets after each step, and per bucket whether its values
+    lie in a shared region (shared memory: the shard is that region; else a copy refreshed each step)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    cls, kwargs = OPTIMIZERS[opt_kind]
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(steps, w.world_size, local_batch, torch.float64)
+    other_weights = ddp_fns.make_model("mlp", torch.float64, seed=100).state_dict()
+
+    def change(model, step):
+        if step == 1:
+            model.load_state_dict(other_weights)
+        elif step == 2:
+            for p in model.parameters():
+                p.data = p.detach() * 0.5 + 0.01
+
+    def train(model, forward, opt):
+        after = []
+        for step in range(steps):
+            change(model, step)
+            opt.zero_grad()
+            x, y = xs[step].chunk(w.world_size)[w.rank], ys[step].chunk(w.world_size)[w.rank]
+            nn.CrossEntropyLoss()(forward(x), y).backward()
+            opt.step()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return after
+
+    model = ddp_fns.make_model("mlp", torch.float64, seed=w.rank)
+    opt = gs.ShardedOptimizer(model.parameters(), cls, bucket_cap_mb=bucket_cap_mb, **kwargs)
+    ours = train(model, model, opt)
+    reference = ddp_fns.make_model("mlp", torch.float64, seed=w.rank)
+    ddp = TorchDDP(reference)   # broadcasts rank 0's parameters, as ShardedOptimizer does
+    theirs = train(reference, ddp, ZeroRedundancyOptimizer(reference.parameters(), optimizer_class=cls, **kwargs))
+    return {"ours": ours, "torch": theirs, "buckets": len(opt.buckets),
+            "values_placed": [b.values is not None for b in opt.buckets]}
+
+
+def nonfinite_in_each_shard():
+    """A NaN or an inf written into one rank's gradient at the last element of another rank's shard
+    of the first bucket, for each rank as that shard's owner (the first, a middle one, the last):
+    ShardedOptimizer.clip_grad_norm_ with error_if_nonfinite, for the 2-norm (the ranks' power sums
+    added) and the inf-norm (combined with max). Returns {(norm_type, value, owner): what this rank
+    got: the error's first words, or the norm it returned}."""
+    import math
+    import warnings
+
+    from gradsync.zero import LocalGradientWarning
+
+    w = gs.world()
+    xs, ys = ddp_fns.global_data(1, w.world_size, 4, torch.float64)
+    model = ddp_fns.make_model("mlp", torch.float64)
+    opt = gs.ShardedOptimizer(model.parameters(), torch.optim.SGD, bucket_cap_mb=0.001, lr=0.1)
+    bucket = opt.buckets[0]
+    got = {}
+    for norm_type in (2.0, math.inf):
+        for value in (math.nan, math.inf):
+            for owner in range(w.world_size):
+                opt.zero_grad()
+                nn.CrossEntropyLoss()(model(xs[0].chunk(w.world_size)[w.rank]),
+                                      ys[0].chunk(w.world_size)[w.rank]).backward()
+                if w.rank == (owner + 1) % w.world_size:   # a rank other than the shard's owner
+                    index = bucket.chunks.offsets[owner] + bucket.chunks.sizes[owner] - 1
+                    offset = 0
+                    for p in bucket.params:
+                        if offset <= index < offset + p.numel():
+                            p.grad.view(-1)[index - offset] = value
+                        offset += p.numel()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", LocalGradientWarning)   # the value written is a change
+                    try:
+                        got[(norm_type, value, owner)] = float(opt.clip_grad_norm_(1.0, norm_type,
+                                                                                   error_if_nonfinite=True))
+                    except RuntimeError as exc:
+                        got[(norm_type, value, owner)] = str(exc)[:60]
+    return got
