@@ -19,8 +19,8 @@ import torch
 import cases
 import nonfinite_cases as nf
 import readme_claims
-from gradsync.comm.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
-from gradsync.comm.shm.single_copy import FROM_BYTES
+from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+from gradsync.comm.transport.shm.single_copy import FROM_BYTES
 
 ALGORITHMS = ["ring", "halving_doubling", "tree", "naive", "native", "auto", "hierarchical"]
 TINY_STAGE_MB = "0.004"
@@ -31,6 +31,8 @@ SETUPS = {   # name: (world size, environment of every rank, every rank on one h
     "shm-4-tiny": (4, {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": TINY_STAGE_MB}, True),
     "tcp-3": (3, {"GRADSYNC_TRANSPORT": "tcp"}, False),
     "shm-2": (2, {}, True),
+    # the shared-memory collectives' Python path, where the native core runs the others
+    "shm-3-python": (3, {"GRADSYNC_NATIVE": "0"}, True),
 }
 
 
@@ -99,7 +101,8 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("setup", ["shm-3", "shm-4-tiny", "tcp-3", pytest.param("shm-2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("setup", ["shm-3", "shm-4-tiny", "tcp-3", "shm-3-python",
+                                   pytest.param("shm-2", marks=pytest.mark.slow)])
 def test_nan_and_inf_through_every_op_algorithm_and_path_match_torch_and_gloo(world_of, setup):
     world_size, env, shared_memory = SETUPS[setup]
     pool = world_of(world_size, **env)
