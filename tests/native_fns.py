@@ -85,7 +85,7 @@ def affinity_while_in_the_core():
     """The main thread's affinity as a watcher thread samples it during native all-reduces, and after
     each: (own_core, before, [(name, affinities sampled inside, affinity after)]). "late peer": the
     last rank enters 50 ms late, so the others sleep in the core's barrier (pinned before they sleep);
-    "4 MiB": a two-shot all-reduce of HOLD_BELOW_BYTES, not held where every rank has a core."""
+    "4 MiB": a two-shot all-reduce of HOLD_BELOW_BYTES, the last rank late too (held as well)."""
     import threading
 
     transport = default_transport()

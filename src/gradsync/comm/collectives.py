@@ -91,8 +91,9 @@ def here() -> Place:
 
 
 HOLD_BELOW_BYTES = 4 << 20
-"""With a core per local rank, only collectives of fewer bytes than this are held on the rank's core
-(``_on_own_core``); with more ranks than cores, every one is."""
+"""On the Python path with a core per local rank, only collectives of fewer bytes than this are held on
+the rank's core (``_on_own_core``); with more ranks than cores, or with the native core, every one is
+(``_holds``)."""
 
 
 def _on_own_core(collective):
@@ -125,8 +126,14 @@ def _on_own_core(collective):
 
 def _holds(transport: Transport, nbytes: int) -> bool:
     """Whether a collective of ``nbytes`` is held on its rank's core (_on_own_core): every one where
-    ranks outnumber cores, below HOLD_BELOW_BYTES with a core per rank."""
-    return not getattr(transport, "spin_allowed", False) or nbytes < HOLD_BELOW_BYTES
+    ranks outnumber cores or the native core runs the collectives, below HOLD_BELOW_BYTES on the
+    Python path with a core per rank. With the native core, whose barriers come microseconds apart,
+    two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier:
+    N=2, 4 MiB took 2.8 ms in two runs of three and 0.54 ms in the third; held, 543-581 us in every
+    run, 16 MiB 2.2-2.3 ms, 64 MiB 11.9-12.0 ms (2026-12-04, `gradsync bench collectives --rounds 3`,
+    load 3)."""
+    return (getattr(transport, "core", None) is not None or not getattr(transport, "spin_allowed", False)
+            or nbytes < HOLD_BELOW_BYTES)
 
 
 def shared_allocator(w: runtime.World):
