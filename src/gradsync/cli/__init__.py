@@ -45,3 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gradsync {args.command}: interrupted", file=sys.stderr)
+        return 130

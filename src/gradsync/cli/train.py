@@ -3,6 +3,8 @@ train/config.py's TrainConfig)."""
 
 from __future__ import annotations
 
+import sys
+
 from gradsync.cli.args import positive_int
 
 
@@ -70,17 +72,25 @@ def run(args) -> int:
 
     import signal
 
-    from gradsync.train.preempt import EXIT_PREEMPTED, signal_number
+    from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    results = run(cfg)
+    try:
+        results = run(cfg)
+    except KeyboardInterrupt:   # a second Ctrl-C: the ranks were stopped at once
+        print(f"gradsync train: interrupted again: stopped at once; {cfg.out} keeps the last checkpoint written",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    for signum in (signal_number(cfg.preempt_signal), signal.SIGINT):
+        if signum is not None:   # training is over: a signal now must not turn its end into a kill or a traceback
+            signal.signal(signum, signal.SIG_IGN)
     results = [r for r in results if r is not None]   # --fault-tolerance live: members that died return nothing
-    if cfg.model == "word2vec" and not any(r.get("preempted") for r in results):
+    stopped = [r["preempted"] for r in results if r.get("preempted")]
+    if cfg.model == "word2vec" and not stopped:
         from gradsync.train.word2vec import print_neighbours
 
         print_neighbours(results)
-    signum = signal_number(cfg.preempt_signal)
-    if signum is not None:   # training is over: a preemption signal now must not turn success into a kill
-        signal.signal(signum, signal.SIG_IGN)
-    return EXIT_PREEMPTED if any(r.get("preempted") for r in results) else 0
+    if any(s.get("reason") == "interrupted" for s in stopped):
+        return EXIT_INTERRUPTED
+    return EXIT_PREEMPTED if stopped else 0
