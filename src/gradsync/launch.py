@@ -81,6 +81,9 @@ JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Signals a scheduler or a terminal sends to every process of a job at once (SIGTERM: `timeout`,
 Slurm's scancel, `kill -- -PGID`; SIGINT: Ctrl-C; SIGUSR1: --preempt-signal SIGUSR1). The
 forkserver ignores them (_ensure_forkserver_without_stdio); a rank takes them back as it starts."""
+REPEATED_SIGNAL_SECONDS = 0.25
+"""Two SIGINTs closer than this are one Ctrl-C received twice, not a second one: `timeout -s INT`
+signals the command and then its whole process group, the command included."""
 
 
 def _context():
@@ -431,13 +434,15 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
                     starting.remove((rank, p))
             time.sleep(0.01)
 
-    interrupts = [0]
+    first_interrupt: list[float] = []
 
     def relay(signum, frame) -> None:
         if signum == signal.SIGINT:
-            interrupts[0] += 1
-            if interrupts[0] >= 2:   # a second Ctrl-C: stop at once (spawn's finally stops the ranks)
-                raise KeyboardInterrupt
+            if first_interrupt and time.monotonic() - first_interrupt[0] >= REPEATED_SIGNAL_SECONDS:
+                raise KeyboardInterrupt   # a second Ctrl-C: stop at once (spawn's finally stops the ranks)
+            if first_interrupt:
+                return
+            first_interrupt.append(time.monotonic())
         starting = []
         for rank, p in enumerate(processes):
             if (out_dir / f"{rank}.ready").exists():
@@ -448,8 +453,8 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
             threading.Thread(target=send_when_ready, args=(starting, signum), daemon=True).start()
 
     previous = {signum: signal.signal(signum, relay) for signum in signums}
-    for signum in signums:   # held by the launcher before it started relaying (hold_signals)
-        for _ in range(min(take_held(signum)[0], 2)):
+    for signum in signums:   # held by the launcher before it started relaying (hold_signals): relayed once
+        if take_held(signum)[0]:
             relay(signum, None)
     try:
         yield

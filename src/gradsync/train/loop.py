@@ -337,8 +337,10 @@ def run(cfg: TrainConfig) -> list[dict]:
         from gradsync.train.loop_live import train_live_rank, workers_summary
         from gradsync.train.loop_ps_live import train_ps_live_rank
 
-        results = gs.spawn(train_ps_live_rank if cfg.strategy in PS_STRATEGIES else train_live_rank, nprocs=cfg.workers,
-                           args=(cfg,), timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts)
+        ps = cfg.strategy in PS_STRATEGIES
+        results = gs.spawn(train_ps_live_rank if ps else train_live_rank, nprocs=cfg.workers, args=(cfg,),
+                           timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts,
+                           forward_signals=() if ps else stop_signals(cfg))
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     try:

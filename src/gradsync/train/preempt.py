@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.launch import take_held
+from gradsync.launch import REPEATED_SIGNAL_SECONDS, take_held
 from gradsync.train.config import TrainConfig
 
 EXIT_PREEMPTED = 75
@@ -83,6 +83,7 @@ class PreemptWatch:
         self.received = 0      # preemption signals
         self.interrupts = 0    # SIGINTs
         self.first_at: float | None = None   # time.time() of the first of either
+        self._first_interrupt = 0.0           # time.monotonic() of the first SIGINT
         self._previous: dict = {}
 
     @property
@@ -100,7 +101,10 @@ class PreemptWatch:
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:
+            if self.interrupts and time.monotonic() - self._first_interrupt < REPEATED_SIGNAL_SECONDS:
+                return   # the same Ctrl-C, received twice (launch.REPEATED_SIGNAL_SECONDS)
             self.interrupts += 1
+            self._first_interrupt = self._first_interrupt or time.monotonic()
             if self.interrupts >= 2 and self.interrupt_twice_raises:
                 raise KeyboardInterrupt
         else:
@@ -114,9 +118,9 @@ class PreemptWatch:
         for signum in (signal.SIGINT,) if self.signum is None else (self.signum, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
             held, first = take_held(signum)   # arrived during start-up (launch.hold_signals)
-            if signum == signal.SIGINT:
-                self.interrupts += held
-            else:
+            if signum == signal.SIGINT and held:   # held Ctrl-Cs count as one: their times are not kept
+                self.interrupts, self._first_interrupt = 1, time.monotonic()
+            elif signum != signal.SIGINT:
                 self.received += held
             self.first_at = self.first_at or first
         return self
