@@ -211,7 +211,7 @@ def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world
 @pytest.mark.timeout(120)
 def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
     code = main(["train", "--workers", "2", "--batch-size", "1000", "--out", str(tmp_path), "--quiet"])
-    assert code == 2 and "fewer than one step" in capsys.readouterr().err
+    assert code == 2 and "a step must fit in an epoch" in capsys.readouterr().err
 
 
 @pytest.mark.slow   # test_preempt.py's 2 -> 3 -> 2 -> 1 checks the same messages

@@ -150,6 +150,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     else:
         total_steps = step
 
+    first_step = step
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
     for line in plan.changes:
         report.note(line)
@@ -242,7 +243,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                          statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank,
-                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds))
+                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds),
+                            trained=step - first_step)
     wrapped.close()
     if sample_log is not None:
         sample_log.close()

@@ -312,7 +312,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                         dtype=torch.float64)
     per_rank = collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
     checkpoints.after_step(live, batch, final=True)
-    summary = report.finish(wall, live.step, evaluation, per_rank)
+    summary = report.finish(wall, live.step, evaluation, per_rank, trained=live.step - (step if saved else 0))
     live.close()
     if sample_log is not None:
         sample_log.close()

@@ -115,6 +115,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if saved:
         ps.load_state_dict(saved["ps"])
     step = saved["ps"]["clocks"][worker_index] if saved and not ps.is_server else 0
+    first_step = step
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
     for line in plan.changes:
         report.note(line)
@@ -189,7 +190,8 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     total_updates = float(per_rank[:, 5].sum())
     staleness = {"mean": float(per_rank[:, 6].sum()) / total_updates if total_updates else 0.0,
                  "max": float(per_rank[:, 7].max()), "updates": total_updates}
-    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness)
+    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness,
+                            trained=total_steps - first_step)
     return {"summary": summary, "digest": param_digest(model), "ps": stats,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": []}
@@ -210,5 +212,6 @@ def _save(cfg: TrainConfig, plan, model, ps, state: dict, steps_per_epoch: int) 
         epoch, batch = divmod(step, steps_per_epoch)
         checkpoint.save(Path(cfg.out) / resume.CHECKPOINT_NAME, {
             "model": model.state_dict(), "ps": state, "step": step, "epoch": epoch,
-            "position": batch * plan.global_batch, "world_size": w.world_size, **resume.run_record(cfg, plan)})
+            "position": batch * plan.global_batch, "world_size": w.world_size, "steps_per_epoch": steps_per_epoch,
+            **resume.run_record(cfg, plan)})
     gs.all_reduce(torch.zeros(1))

@@ -186,7 +186,7 @@ def resume_command(cfg: TrainConfig) -> str:
     for field in dataclasses.fields(TrainConfig):
         value = getattr(cfg, field.name)
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("resume", "workers", "out") or value == field.default:
+        if field.name in ("resume", "overwrite", "workers", "out") or value == field.default:
             continue
         argv += [flag] if value is True else [flag, str(value)]
     return shlex.join(argv + ["--workers", str(cfg.workers), "--out", cfg.out, "--resume"])

@@ -131,8 +131,10 @@ class Reporter:
 
     def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
                workers: int | None = None, staleness: dict | None = None,
-               checkpoints: tuple[int, float, float] | None = None) -> dict | None:
-        """``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
+               checkpoints: tuple[int, float, float] | None = None, trained: int | None = None) -> dict | None:
+        """``steps``: the step the run has reached; ``trained``: how many of them this command trained
+        (default all; fewer after --resume), which ``wall``, the throughput and the per-rank figures
+        are of. ``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
         ``workers``: ranks that train (default: all; parameter servers do not). ``staleness``: for
         parameter-server runs, {"mean": versions, "max": versions, "updates": count}, shown instead of overlap.
         ``checkpoints``: (how many, seconds on the training thread, seconds writing in the background)."""
@@ -141,12 +143,14 @@ class Reporter:
         if not self.enabled:
             return None
         c = self.cfg
-        samples = steps * c.batch_size * c.grad_accum * (workers or per_rank.shape[0])
+        trained = steps if trained is None else trained
+        samples = trained * c.batch_size * c.grad_accum * (workers or per_rank.shape[0])
         compute = per_rank[:, 0].tolist()
         median_compute = statistics.median([t for t in compute if t > 0] or [0.0])
         stragglers = [r for r, t in enumerate(compute) if median_compute > 0 and t > STRAGGLER_FACTOR * median_compute]
         overlaps = [o for o in per_rank[:, 4].tolist() if o >= 0]
-        summary = {"wall_s": wall, "steps": steps, "samples_per_s": samples / wall if wall > 0 else 0.0,
+        summary = {"wall_s": wall, "steps": steps, "steps_trained": trained,
+                   "samples_per_s": samples / wall if wall > 0 else 0.0,
                    "accuracy": evaluation.get("accuracy"), "test_loss": evaluation.get("test_loss"),
                    "bytes_sent_per_rank": per_rank[:, 3].tolist(), "compute_s": compute,
                    "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
@@ -158,7 +162,8 @@ class Reporter:
         table = Table(title="gradsync train: summary")
         table.add_column("")
         table.add_column("value", justify="right")
-        table.add_row("time", f"{wall:.1f} s for {steps} steps")
+        table.add_row("time", f"{wall:.1f} s for {trained} steps" + (
+            f" (steps {steps - trained + 1}-{steps}, resumed at step {steps - trained})" if trained < steps else ""))
         table.add_row("throughput", f"{summary['samples_per_s']:,.0f} samples/s")
         table.add_row("test accuracy" if c.model != "charlm" else "next-byte accuracy", f"{summary['accuracy']:.2%}")
         table.add_row("test loss", f"{summary['test_loss']:.4f}")

@@ -105,7 +105,7 @@ def saved_plan(cfg: TrainConfig, state: dict) -> BatchPlan:
     return old
 
 
-def _family(value):
+def family(value):
     """ddp, zero1 and local checkpoint the same things (whole weights, whole optimizer state), so one
     resumes the others: a job of 2 ddp workers may continue as one local process."""
     return "ddp|zero1|local" if value in ("ddp", "zero1", "local") else value
@@ -162,8 +162,8 @@ def agreed(cfg: TrainConfig) -> bool:
 def read(cfg: TrainConfig) -> dict:
     """The checkpoint in ``cfg.out``, refused if it belongs to another run (IDENTITY)."""
     state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
-    mine = {k: _family(getattr(cfg, k)) for k in IDENTITY}
-    theirs = {k: _family(state["identity"].get(k)) for k in IDENTITY}
+    mine = {k: family(getattr(cfg, k)) for k in IDENTITY}
+    theirs = {k: family(state["identity"].get(k)) for k in IDENTITY}
     if mine != theirs:
         differing = {k: (theirs[k], mine[k]) for k in IDENTITY if mine[k] != theirs[k]}
         raise checkpoint.CheckpointError(f"the checkpoint belongs to a different run: (checkpoint, now) = {differing}")

@@ -1,0 +1,98 @@
+"""`gradsync train`'s bad flags and --out cases, decided in the launcher before any rank starts.
+
+The oracle is the table in docs/reliability.md ("bad flags, refused before any rank starts"): each
+row's flags, run through gradsync's main in this process with gs.spawn and gs.init replaced by a
+failure (a rank would have been started), must exit 2 within a second with one line on stderr that
+says what the row says. RUN stands for a directory holding a 3-step ddp run's checkpoint, EMPTY for
+an empty directory.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+import gradsync as gs
+from gradsync import checkpoint
+from gradsync.cli import main
+from gradsync.train import resume
+from gradsync.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "### `gradsync train`: bad flags, refused before any rank starts"
+
+
+def _rows() -> list[tuple[str, str]]:
+    text = (ROOT / "docs" / "reliability.md").read_text().split(SECTION, 1)[1]
+    rows = re.findall(r"^\| `([^`]*)`[^|]* \| `([^`]*)` \|$", text, flags=re.MULTILINE)
+    assert len(rows) >= 25, f"the table has {len(rows)} rows"
+    return rows
+
+
+def _a_run(out: Path, steps: int = 3) -> Path:
+    """A checkpoint as a 2-worker ddp run of ``steps`` steps on digits leaves it (its record, no weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = TrainConfig(out=str(out))
+    checkpoint.save(out / resume.CHECKPOINT_NAME, {**resume.run_record(written, resume.BatchPlan.fresh(written, 2)),
+                                                   "step": steps, "epoch": 0, "position": 64 * steps})
+    (out / "metrics.jsonl").write_text('{"event": "start"}\n')
+    return out
+
+
+@pytest.fixture
+def no_ranks(monkeypatch, tmp_path):
+    """Runs in tmp_path (the default --out, runs/latest, lands there); starting a rank fails the test."""
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.chdir(tmp_path)
+    gs.spawn   # load the public names, then replace the two ways a rank starts
+    monkeypatch.setattr(gs, "spawn", started)
+    monkeypatch.setattr(gs, "init", started)
+
+
+def _train(argv: list[str]) -> tuple[int, float]:
+    started = time.perf_counter()
+    try:
+        code = main(["train", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, time.perf_counter() - started
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, says", _rows(), ids=[flags for flags, _ in _rows()])
+def test_a_bad_flag_fails_in_one_line_before_any_rank_starts(flags, says, no_ranks, tmp_path, capsys):
+    paths = {"RUN": str(_a_run(tmp_path / "run")), "EMPTY": str(tmp_path / "empty")}
+    (tmp_path / "empty").mkdir()
+    swap = lambda text: re.sub(r"\b(RUN|EMPTY)\b", lambda m: paths[m.group(1)], text)   # noqa: E731
+    code, seconds = _train(shlex.split(swap(flags)))
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert len(err.strip().splitlines()) == 1, err
+    assert swap(says) in err, err
+    assert seconds < 1.0, f"{seconds:.2f} s to refuse {flags}"
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_out_the_finished_run_and_the_default_directory(no_ranks, tmp_path, capsys):
+    """--resume of a finished run: one line, exit 0, no rank; a run in the default --out is replaced
+    (its files removed, said in one line) where a run in a named one is refused (the table above)."""
+    run = _a_run(tmp_path / "run")
+    assert _train(["--resume", "--steps", "3", "--out", str(run)])[0] == 0
+    out = capsys.readouterr().out
+    assert out.strip() == (f"gradsync train: the run in {run} is finished (step 3, --steps 3): nothing left to train; "
+                           "give a larger --epochs or --steps with --resume to train on"), out
+    with pytest.raises(AssertionError, match="a rank was started"):   # in epoch 0 of --epochs 1: steps left
+        _train(["--resume", "--epochs", "1", "--out", str(run)])
+    default = _a_run(tmp_path / "runs" / "latest")
+    with pytest.raises(AssertionError, match="a rank was started"):
+        _train(["--steps", "3"])
+    assert capsys.readouterr().out.startswith("gradsync train: replaced the run in runs/latest (cnn on digits, "
+                                              "--strategy ddp, checkpoint at step 3); name --out DIR to keep a run")
+    assert not (default / "checkpoint.pt").exists() and not (default / "metrics.jsonl").exists()
