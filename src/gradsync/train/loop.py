@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -158,7 +157,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report.start(global_batch, shown_base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
     report.setup(**_layout(model, wrapped))
     gs.traffic_reset()
-    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": [], "checkpoint_s": 0.0, "checkpoints": 0}
+    # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)
+    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "hidden_s": 0.0, "bucket_s": 0.0, "checkpoint_s": 0.0,
+             "checkpoints": 0}
     evaluation = {}
     started = time.perf_counter()
     boundary = StepBoundary(cfg, watch)
@@ -215,7 +216,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             stats["wait_s"] += wrapped.wait_seconds
             stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
-                stats["overlaps"].append(wrapped.last_overlap)
+                stats["hidden_s"] += wrapped.last_overlap * wrapped.comm_seconds
+                stats["bucket_s"] += wrapped.comm_seconds
             report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm,
                         bytes_sent=gs.traffic()["bytes_sent"] if w.rank == 0 else None)
             due, stop = boundary(step)
@@ -240,7 +242,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         evaluation = evaluate(cfg, model, test_set)
     wrapped.check_replicas()
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
-                         statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
+                         stats["hidden_s"] / stats["bucket_s"] if stats["bucket_s"] > 0 else -1.0],
+                        dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank,
                             checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds),

@@ -148,13 +148,16 @@ class Reporter:
         compute = per_rank[:, 0].tolist()
         median_compute = statistics.median([t for t in compute if t > 0] or [0.0])
         stragglers = [r for r, t in enumerate(compute) if median_compute > 0 and t > STRAGGLER_FACTOR * median_compute]
-        overlaps = [o for o in per_rank[:, 4].tolist() if o >= 0]
+        # overlap: each rank's share weighed by its communication time (doctor.py computes the same from a trace)
+        weighed = [(o * c, c) for o, c in zip(per_rank[:, 4].tolist(), per_rank[:, 1].tolist()) if o >= 0]
+        overlap = (sum(h for h, _ in weighed) / sum(c for _, c in weighed)
+                   if weighed and sum(c for _, c in weighed) > 0 else None)
         summary = {"wall_s": wall, "steps": steps, "steps_trained": trained,
                    "samples_per_s": samples / wall if wall > 0 else 0.0,
                    "accuracy": evaluation.get("accuracy"), "test_loss": evaluation.get("test_loss"),
                    "bytes_sent_per_rank": per_rank[:, 3].tolist(), "compute_s": compute,
                    "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
-                   "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers,
+                   "overlap": overlap, "stragglers": stragglers,
                    "staleness": staleness, "checkpoints": checkpoints[0] if checkpoints else None,
                    "checkpoint_s": checkpoints[1] if checkpoints else None,
                    "checkpoint_write_s": checkpoints[2] if checkpoints else None}
@@ -172,7 +175,8 @@ class Reporter:
             table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "
                                        f"{staleness['updates']:.0f} shard updates (server version - version pushed on)")
         else:
-            table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
+            table.add_row("overlap share", "-" if summary["overlap"] is None else
+                          f"{summary['overlap']:.0%} of bucket all-reduce time ran before backward ended (all ranks)")
         table.add_row("compute / comm / exposed wait",
                       f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
         if checkpoints is not None:
