@@ -96,3 +96,58 @@ def test_out_the_finished_run_and_the_default_directory(no_ranks, tmp_path, caps
     assert capsys.readouterr().out.startswith("gradsync train: replaced the run in runs/latest (cnn on digits, "
                                               "--strategy ddp, checkpoint at step 3); name --out DIR to keep a run")
     assert not (default / "checkpoint.pt").exists() and not (default / "metrics.jsonl").exists()
+
+
+def _tour_train_commands() -> list[list[str]]:
+    """The README tour's `gradsync train` commands in order (after `timeout N`, between && and ;)."""
+    text = (ROOT / "README.md").read_text().split("## A tour", 1)[1].split("```", 2)[1]
+    commands = []
+    for line in text.splitlines():
+        for part in re.split(r"&&|;", line.split("#", 1)[0]):
+            if "gradsync train" not in part:
+                continue
+            argv = shlex.split(part)
+            if argv[:2] == ["timeout", argv[1] if len(argv) > 1 else ""]:
+                argv = argv[2:]
+            if argv[:2] == ["gradsync", "train"]:
+                commands.append(argv[2:])
+    assert len(commands) >= 20, commands
+    return commands
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_tour_train_commands_pass_every_check_in_order(no_ranks, monkeypatch, tmp_path, capsys):
+    """Each `gradsync train` line of the tour, run in order in one directory, passes every check made
+    before the ranks start and reaches them; each run leaves its metrics.jsonl where it trained, so a
+    later line that trains into a directory an earlier one named, without --resume, is refused as
+    a user's would be. The naive line runs on N >= 3 workers, where the gather-to-one pattern's
+    rank 0 sends (N-1) x M, not ring's 2(N-1)/N x M (equal at N = 2); word2vec's line trains a
+    minute's 3,000 steps."""
+    reached: list = []
+
+    def start(fn, nprocs=None, args=(), **kwargs):
+        cfg = args[0]
+        reached.append(cfg)
+        (Path(cfg.out) / "metrics.jsonl").write_text('{"event": "start"}\n')   # what a run leaves
+        if cfg.resume or Path(cfg.out, resume.CHECKPOINT_NAME).exists():
+            return []
+        checkpoint.save(Path(cfg.out) / resume.CHECKPOINT_NAME, {**resume.run_record(cfg, resume.BatchPlan.fresh(
+            cfg, cfg.workers - (cfg.servers if cfg.strategy.startswith(("ps", "ssp")) else 0))), "step": 1,
+            "epoch": 0, "position": 1, "ps": {"clocks": [1]}} if cfg.strategy.startswith(("ps", "ssp")) else
+            {**resume.run_record(cfg, resume.BatchPlan.fresh(cfg, cfg.workers)), "step": 1, "epoch": 0, "position": 1})
+        return []
+
+    monkeypatch.setattr(gs, "spawn", start)
+    monkeypatch.setattr(gs, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("local start")))
+    for argv in _tour_train_commands():
+        before = len(reached)
+        try:
+            code = main(["train", *argv])
+        except AssertionError as error:   # --strategy local starts in this process
+            code = 0 if str(error) == "local start" else error
+        err = capsys.readouterr().err
+        assert code == 0 and (len(reached) == before + 1 or "--strategy local" in " ".join(argv)), (argv, code, err)
+    naive = [cfg for cfg in reached if cfg.algorithm == "naive"]
+    assert naive and all(cfg.workers >= 3 for cfg in naive), [cfg.workers for cfg in naive]
+    word2vec = [cfg for cfg in reached if cfg.model == "word2vec"]
+    assert [cfg.steps for cfg in word2vec] == [3000, None] and word2vec[1].epochs == 1

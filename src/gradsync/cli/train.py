@@ -4,9 +4,15 @@ train/config.py's TrainConfig)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from gradsync.cli.args import positive_int
+
+
+WORD2VEC_DEFAULT_STEPS = 3000
+"""What `gradsync train --model word2vec` trains without --epochs or --steps: about a minute with 3
+workers here (one pass over the 1.5 million-token corpus is about 26,000 steps at the default batch)."""
 
 
 class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
@@ -54,7 +60,9 @@ def add_parser(commands) -> None:
                                          "charlm for stdlib-text, word2vec for stdlib-tokens)")
     flag("--dataset", choices=DATASETS, help="default: the model's natural dataset (digits for cnn and mlp, "
                                              "stdlib-text for charlm, stdlib-tokens for word2vec)")
-    flag("--epochs", type=positive_int, help="passes over the training set (ignored with --steps)")
+    flag("--epochs", type=positive_int, default=None,
+         help=f"passes over the training set, ignored with --steps (default: {defaults['epochs']}; word2vec: "
+              f"--steps {WORD2VEC_DEFAULT_STEPS:,}, about a minute, unless --epochs or --steps is given)")
     flag("--steps", type=positive_int, help="optimizer steps in all, counted from the run's start even when "
                                             "resuming (default: as many as --epochs take)")
     flag("--batch-size", type=positive_int, help="samples per worker per micro-batch")
@@ -140,7 +148,12 @@ def run(args) -> int:
     from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
 
     fields = TrainConfig.__dataclass_fields__
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    given = {k: v for k, v in vars(args).items() if k in fields and not (k == "epochs" and v is None)}
+    cfg = TrainConfig(**given)
+    if cfg.model == "word2vec" and args.epochs is None and cfg.steps is None and not cfg.resume:
+        cfg = dataclasses.replace(cfg, steps=WORD2VEC_DEFAULT_STEPS)
+        print(f"gradsync train: word2vec trains {WORD2VEC_DEFAULT_STEPS:,} steps by default (about a minute); "
+              f"--epochs 1 is one pass over the whole corpus", flush=True)
     finished = _before_spawning(cfg)
     if finished:
         print(finished, flush=True)

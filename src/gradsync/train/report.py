@@ -2,7 +2,8 @@
 
 The summary's per-rank columns come from every rank (all-gathered): compute seconds (step time
 minus time spent waiting for buckets), communication seconds (time the communication thread spent
-reducing, overlapped or not), exposed wait (time backward's end waited for reductions), bytes sent.
+reducing, overlapped or not), exposed wait (time from backward's end until its reductions were done:
+queued buckets and the slowest rank included, so it may exceed the communication seconds), bytes sent.
 A rank whose compute time is more than 20% above the median is named as a straggler.
 """
 
@@ -173,12 +174,17 @@ class Reporter:
         table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
         if staleness is not None:
             table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "
-                                       f"{staleness['updates']:.0f} shard updates (server version - version pushed on)")
+                                       f"{staleness['updates']:.0f} shard updates (server version - version pushed on; "
+                                       f"a version is one update the server applied)"
+                          + (f"; --staleness {c.staleness} bounds steps, each worker's clock, not versions"
+                             if c.strategy == "ssp" else ""))
         else:
             table.add_row("overlap share", "-" if summary["overlap"] is None else
                           f"{summary['overlap']:.0%} of bucket all-reduce time ran before backward ended (all ranks)")
         table.add_row("compute / comm / exposed wait",
-                      f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
+                      f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks; "
+                      f"the wait, from backward's end until its reductions were done, includes waiting for the "
+                      f"slowest rank and may exceed comm)")
         if checkpoints is not None:
             table.add_row("checkpoints", f"{checkpoints[0]} written: {checkpoints[1]:.2f} s on the training thread "
                                          f"(snapshots, waits), {checkpoints[2]:.2f} s writing in the background (rank 0)")
