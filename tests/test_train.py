@@ -192,6 +192,21 @@ def test_a_rank_without_the_checkpoint_another_resumes_from_is_an_error_naming_i
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_where_no_rank_has_a_checkpoint_says_there_is_none(world_of, tmp_path):
+    """--resume (under torchrun: decided by the ranks) where no rank's --out holds a checkpoint: every
+    rank says there is none there, not that --out must be shared."""
+    import train_fns
+
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    for out in outs:
+        out.mkdir()
+    for rank, (name, message) in enumerate(world_of(2).run(train_fns.resume_where_only_rank_0_has_the_checkpoint,
+                                                            [str(out) for out in outs])):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith(f"--resume: {outs[rank]} holds no checkpoint (checkpoint.pt) on any rank"), message
+
+
+@pytest.mark.timeout(120)
 def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world_of, tmp_path):
     """A ps-async checkpoint of 2 workers, resumed by 4 ranks with 1 server (3 workers): every rank
     refuses before it builds anything, naming both numbers (each worker's shard and clock are its own)."""

@@ -151,6 +151,9 @@ def agreed(cfg: TrainConfig) -> bool:
     if not bool(flags[:, 0].any()):
         return False
     missing = [rank for rank in range(w.world_size) if not flags[rank, 1]]
+    if len(missing) == w.world_size:
+        raise checkpoint.CheckpointError(f"--resume: {cfg.out} holds no checkpoint ({CHECKPOINT_NAME}) on any rank; "
+                                         f"train without --resume to start a run there")
     if missing:
         asking = int(flags[:, 0].nonzero()[0])
         raise checkpoint.CheckpointError(
