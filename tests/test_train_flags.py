@@ -151,3 +151,49 @@ def test_the_readme_tour_train_commands_pass_every_check_in_order(no_ranks, monk
     assert naive and all(cfg.workers >= 3 for cfg in naive), [cfg.workers for cfg in naive]
     word2vec = [cfg for cfg in reached if cfg.model == "word2vec"]
     assert [cfg.steps for cfg in word2vec] == [3000, None] and word2vec[1].epochs == 1
+
+
+def test_train_help_gives_every_flag_a_meaning_and_its_default(capsys, monkeypatch):
+    """`gradsync train --help`: every flag has words of its own, and every flag with a value by default
+    shows it as `(default: X)` in its help, --out's runs/latest among them."""
+    from gradsync.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")   # no line breaks inside a value (argparse wraps at hyphens)
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    options = capsys.readouterr().out.split("options:", 1)[1]
+    blocks = {block.split()[0]: " ".join(block.split()[1:]) for block in re.split(r"\n  (?=-)", options)
+              if block.strip()}
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    flags = [a for a in train._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 30
+    for action in flags:
+        flag = action.option_strings[0]
+        block = blocks.get(flag, "")
+        words = block.removeprefix(action.metavar or action.dest.upper()).split() if action.nargs != 0 else block.split()
+        assert len(words) >= 3, f"{flag} has no meaning in --help: {block!r}"
+        if action.default not in (None, False, ""):
+            assert f"(default: {action.default})" in block, f"{flag}: no default shown: {block!r}"
+    assert "(default: runs/latest)" in blocks["--out"]
+
+
+def test_the_staleness_unit_is_steps_in_the_help_the_readme_and_the_summary(tmp_path, capsys):
+    """--staleness bounds worker clocks (steps), while the summary's staleness counts versions: the help,
+    the README's ssp line and the summary all say steps for the bound."""
+    import torch
+
+    from gradsync.train.report import Reporter
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "how many steps (worker clocks) the fastest worker may run ahead of the slowest" in text
+    tour = (ROOT / "README.md").read_text().split("## A tour", 1)[1]
+    (ssp,) = [line for line in tour.splitlines() if "--strategy ssp" in line and "--staleness 2" in line]
+    assert "2+ steps ahead" in ssp, ssp
+    report = Reporter(TrainConfig(workers=3, strategy="ssp", out=str(tmp_path)), 10, enabled=True)
+    report.finish(1.0, 10, {"accuracy": 0.5, "test_loss": 1.0}, torch.ones(3, 5), workers=2,
+                  staleness={"mean": 1.5, "max": 5.0, "updates": 40.0})
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "max 5 versions" in shown and "--staleness 2 bounds steps, each worker's clock, not versions" in shown, shown

@@ -21,7 +21,7 @@ class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action) -> str:
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        if action.default not in (None, False, argparse.SUPPRESS) and "(default" not in text:
             shown = action.default if not isinstance(action.default, str) or action.default else "''"
             text += f" (default: {shown})"
         return text
