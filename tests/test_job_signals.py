@@ -38,11 +38,14 @@ def _uninterrupted(args: list[str], out: Path) -> dict:
     pytest.param(["--strategy", "zero1", "--workers", "2", "--steps", "40"], signal.SIGINT,
                  marks=pytest.mark.slow),   # a second trial: test_preempt.py's ps-async one is Ctrl-C to the group
     (["--fault-tolerance", "live", "--workers", "2", "--steps", "40"], signal.SIGTERM),
-], ids=["zero1-ctrl-c", "live-sigterm"])
+    pytest.param(["--fault-tolerance", "live", "--strategy", "ps-sync", "--workers", "3", "--steps", "40"],
+                 signal.SIGINT, marks=pytest.mark.slow),   # a second trial: live mode's ddp one is in the default run
+], ids=["zero1-ctrl-c", "live-sigterm", "live-ps-sync-ctrl-c"])
 def test_a_signal_to_the_whole_job_checkpoints_and_resumes_bit_identically(tmp_path, job, signum):
-    """Ctrl-C to a zero1 job (exit 130) and SIGTERM to a live-mode job (exit 75), each to every process
-    at once: one "preempted at step N" line, no traceback, the checkpoint at the last step trained;
-    the printed command (live mode: in live mode again) ends with the uninterrupted run's weights."""
+    """Ctrl-C to a zero1 job and to a live-mode ps-sync job (exit 130), SIGTERM to a live-mode ddp job
+    (exit 75), each to every process at once: one "preempted at step N" line, no traceback, the
+    checkpoint at the last step trained; the printed command (live mode: in live mode again) ends
+    with the uninterrupted run's weights."""
     args = [*job, *JOB]
     expected = _uninterrupted(args, tmp_path / "a")
     stop = _preempt(args, tmp_path / "b", steps_in=8, target="group", signum=signum)

@@ -146,9 +146,7 @@ class TrainConfig:
         if self.checkpoint_interval()[1] is not None:
             raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
                                f"of steps (200), not a time ({self.checkpoint_every!r})")
-        refused = [(self.resume and self.strategy in PS_STRATEGIES,
-                    f"--resume with --strategy {self.strategy} (a live parameter-server job reads no checkpoint)"),
-                   (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
+        refused = [(self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
                    (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]
         for given, flag in refused:
             if given:

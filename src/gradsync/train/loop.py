@@ -345,7 +345,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         ps = cfg.strategy in PS_STRATEGIES
         results = gs.spawn(train_ps_live_rank if ps else train_live_rank, nprocs=cfg.workers, args=(cfg,),
                            timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts,
-                           forward_signals=() if ps else stop_signals(cfg))
+                           forward_signals=stop_signals(cfg))
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
     try:
