@@ -58,6 +58,37 @@ def test_a_signal_to_the_whole_job_checkpoints_and_resumes_bit_identically(tmp_p
         assert torch.equal(value, weights[name]), name
 
 
+@pytest.mark.timeout(30)
+def test_one_ctrl_c_received_twice_counts_once_and_a_later_one_is_a_second(tmp_path):
+    """In this process, as the launcher (launch._relaying) and as a one-process job (PreemptWatch with
+    interrupt_twice_raises): two SIGINTs 10 ms apart are one Ctrl-C (timeout -s INT sends two); one
+    0.3 s later is a second Ctrl-C, which raises KeyboardInterrupt (stop at once)."""
+    from gradsync import launch
+    from gradsync.train.preempt import PreemptWatch
+
+    def ctrl_c(after: float) -> None:
+        time.sleep(after)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)   # the handler runs
+
+    def once_received_twice() -> None:
+        try:
+            ctrl_c(0.0)
+            ctrl_c(0.0)
+        except KeyboardInterrupt:
+            pytest.fail("one Ctrl-C received twice was taken for a second one")
+
+    with launch._relaying((signal.SIGINT,), [], tmp_path):
+        once_received_twice()
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c(0.3)
+    with PreemptWatch("SIGTERM", interrupt_twice_raises=True) as watch:
+        once_received_twice()
+        assert watch.interrupts == 1 and watch.stop_code == 2
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c(0.3)
+
+
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     """Ctrl-C (SIGINT to the job's process group) while training, then again while the checkpoint that
@@ -75,9 +106,12 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
         time.sleep(0.005)
     previous = checkpoint.load(written)["step"]
     os.killpg(job.pid, signal.SIGINT)
+    first = time.monotonic()
     while not (tmp_path / "writing").exists():   # the first Ctrl-C's checkpoint is being written, slowly
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.005)
+    # a person's second Ctrl-C: later than launch.REPEATED_SIGNAL_SECONDS, which is one Ctrl-C received twice
+    time.sleep(max(0.0, first + 0.3 - time.monotonic()))
     os.killpg(job.pid, signal.SIGINT)
     second = time.monotonic()
     stdout, stderr = job.communicate(timeout=60)

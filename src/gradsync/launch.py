@@ -81,7 +81,7 @@ JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Signals a scheduler or a terminal sends to every process of a job at once (SIGTERM: `timeout`,
 Slurm's scancel, `kill -- -PGID`; SIGINT: Ctrl-C; SIGUSR1: --preempt-signal SIGUSR1). The
 forkserver ignores them (_ensure_forkserver_without_stdio); a rank takes them back as it starts."""
-REPEATED_SIGNAL_SECONDS = 0.25
+REPEATED_SIGNAL_SECONDS = 0.1
 """Two SIGINTs closer than this are one Ctrl-C received twice, not a second one: `timeout -s INT`
 signals the command and then its whole process group, the command included."""
 
