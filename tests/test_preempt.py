@@ -71,7 +71,6 @@ def _preempt(args: list[str], out: Path, steps_in: int, target: str = "launcher"
         time.sleep(0.005)
     if target == "group":
         os.killpg(job.pid, signum)
-
     else:
         os.kill(job.pid if target == "launcher" else _rank_pids(job.pid)[int(target.removeprefix("rank"))], signum)
     stdout, stderr = job.communicate(timeout=120)
