@@ -26,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -311,7 +313,17 @@ def _remove_partial_writes(out: Path) -> None:
 
 
 def run(cfg: TrainConfig) -> list[dict]:
-    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
+    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes. Ctrl-C is
+    this job's while it runs (train/preempt.py) and the caller's again when it returns."""
+    interrupt = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(cfg)
+    finally:
+        if interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
+
+
+def _run(cfg: TrainConfig) -> list[dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     hold_signals(stop_signals(cfg))   # a preemption during start-up stops the job after its first step
     if _under_torchrun() and cfg.fault_tolerance == "live":
