@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 
 from gradsync.cli.args import positive_int
-
 
 WORD2VEC_DEFAULT_STEPS = 3000
 """What `gradsync train --model word2vec` trains without --epochs or --steps: about a minute with 3
@@ -115,8 +116,6 @@ def add_parser(commands) -> None:
 def _before_spawning(cfg) -> str | None:
     """The checks that need no rank (train/runs.py): the batch fits the data, --out holds what this
     command expects. Returns the line saying a resumed run is finished, if it is."""
-    import os
-
     from gradsync.train import runs
 
     runs.check_batch(cfg)
@@ -142,9 +141,6 @@ step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130."""
 def run(args) -> int:
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
-
-    import signal
-
     from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
 
     fields = TrainConfig.__dataclass_fields__
