@@ -241,18 +241,21 @@ def test_peers_must_name_known_baselines_and_gloo(capsys):
     assert "choose baselines from gloo, mpi" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(120)
-def test_bench_collectives_skips_the_mpi_columns_with_the_reason_when_mpirun_is_missing(tmp_path, capsys, monkeypatch):
-    from gradsync.bench import mpi_peer
+@pytest.mark.timeout(60)
+def test_bench_collectives_with_mpi_requested_and_missing_is_an_error_with_the_install_command(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """--peers gloo,mpi where mpirun is missing: exit 2 before anything is measured, one line with the
+    reason and the install command exactly as a shell takes it (brackets included)."""
+    from gradsync.bench import collectives, mpi_peer
 
     monkeypatch.setattr(mpi_peer, "find_mpirun", lambda: None)
+    monkeypatch.setattr(collectives, "run", lambda *a, **k: pytest.fail("a benchmark ran"))
     out = tmp_path / "rows.json"
     assert main(["bench", "collectives", "--workers", "2", "--sizes", "4K", "--reps", "1", "--algorithms", "ring",
-                 "--peers", "gloo,mpi", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "MPI columns skipped: " in printed and "no mpirun" in printed and "ours/MPI" not in printed
-    result = json.loads(out.read_text())
-    assert "no mpirun" in result["mpi_skipped"] and "mpi" not in {r["transport"] for r in result["rows"]}
+                 "--peers", "gloo,mpi", "--json", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "no mpirun beside this Python or on PATH" in printed.err, printed.err
+    assert 'pip install -e ".[bench]"' in printed.err and not out.exists()
 
 
 def test_the_mpi_peer_reduces_memory_from_torchs_allocator_as_ours_does():

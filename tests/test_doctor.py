@@ -59,8 +59,8 @@ def test_uneven_hosts_and_an_unfinished_run_are_flagged(runs, tmp_path):
 
 
 @pytest.mark.parametrize("buckets, expected", [
-    ([(50, 100), (90, 10)], ("OK", "55% of bucket all-reduce time ran before backward ended (1 steps, trace.json)")),
-    ([(100, 40), (95, 60)], ("WARN", "5% of bucket all-reduce time ran before backward ended (1 steps, trace.json)")),
+    ([(50, 100), (90, 10)], ("OK", "55% of bucket all-reduce time ran before backward ended (all ranks, 1 steps, trace.json)")),
+    ([(100, 40), (95, 60)], ("WARN", "5% of bucket all-reduce time ran before backward ended (all ranks, 1 steps, trace.json)")),
 ])
 def test_overlap_is_the_share_of_bucket_time_before_backward_ended(runs, tmp_path, buckets, expected):
     """A planted timeline: backward from 0 to 100 us, buckets (start, duration): (50, 100) hides 50 of
@@ -70,6 +70,31 @@ def test_overlap_is_the_share_of_bucket_time_before_backward_ended(runs, tmp_pat
     trace += [{"name": f"all_reduce bucket {k}", "ph": "X", "pid": 0, "ts": ts, "dur": dur} for k, (ts, dur) in enumerate(buckets)]
     found = verdicts(planted(runs / "giant", tmp_path, trace=trace))
     assert (found["overlap"].verdict, found["overlap"].detail) == expected
+
+
+def test_the_overlap_of_every_rank_is_weighed_by_time(runs, tmp_path):
+    """Two ranks' timelines: rank 0's bucket (50, 100) hides 50 us of 100 before its backward ends at
+    100; rank 1's (0, 10) hides all 10 of 10. Weighed by time, (50 + 10) / 110 = 55%, where rank 0
+    alone would say 50% and a mean of the ranks' shares 75%."""
+    trace = [{"name": name, "ph": "i", "pid": pid, "ts": ts} for pid in (0, 1)
+             for name, ts in (("backward start", 0), ("backward end", 100))]
+    trace += [{"name": "all_reduce bucket 0", "ph": "X", "pid": 0, "ts": 50, "dur": 100},
+              {"name": "all_reduce bucket 0", "ph": "X", "pid": 1, "ts": 0, "dur": 10}]
+    found = verdicts(planted(runs / "giant", tmp_path, trace=trace))
+    assert found["overlap"].detail.startswith("55% of bucket all-reduce time"), found["overlap"].detail
+
+
+def test_the_summary_and_the_doctor_report_the_same_overlap(runs):
+    """The summary's overlap share (from each rank's reducer: its buckets' spans against its own
+    backward's end) and the doctor's (from the trace's events, every rank) are one quantity: on the
+    real run with many buckets they agree to within a point, whatever the run measured."""
+    from gradsync.doctor import _overlap_from_trace
+
+    records = [json.loads(line) for line in (runs / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r["event"] == "summary")
+    from_trace, steps = _overlap_from_trace(runs / "tiny" / "trace.json")
+    assert steps == 6 and summary["overlap"] is not None
+    assert abs(summary["overlap"] - from_trace) <= 0.01, (summary["overlap"], from_trace)
 
 
 @pytest.mark.timeout(300)

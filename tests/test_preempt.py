@@ -27,15 +27,17 @@ from gradsync.train.datasets import digits
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["--batch-size", "16", "--epochs", "3", "--seed", "0", "--timeout", "30", "--quiet"]  # 45 steps/epoch at N=2
 EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
 REPLAY_TOLERANCE = 1e-4
 """How far a leg's update may be from one process's replay of its steps (replay.py): float32 sums in
 another order, 2e-7 to 6e-7 over the legs of about 11 steps here, 0 for the one-process leg."""
 
 
 def _cli(args: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
+    """`gradsync train` in a process group of its own (its pid is the group's id), as a shell job."""
     return subprocess.Popen([sys.executable, "-m", "gradsync.cli", "train", *args, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=True)
 
 
 def _last_step(out: Path) -> int | None:
@@ -53,7 +55,9 @@ def _last_step(out: Path) -> int | None:
 
 def _preempt(args: list[str], out: Path, steps_in: int, target: str = "launcher", signum=signal.SIGTERM,
              env: dict | None = None) -> dict:
-    """Start a job, signal it once it has trained ``steps_in`` steps, and return how it ended."""
+    """Start a job, signal it once it has trained ``steps_in`` steps, and return how it ended.
+    ``target``: "launcher", "rankN", or "group": every process of the job at once (`timeout`, Slurm,
+    `kill -- -PGID`; with SIGINT what Ctrl-C in a terminal does), which must end as quietly."""
     job = _cli(args, out, env)
     deadline = time.monotonic() + 150
     first = None
@@ -65,10 +69,14 @@ def _preempt(args: list[str], out: Path, steps_in: int, target: str = "launcher"
         assert job.poll() is None, f"the job ended before it could be signalled: {job.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, "the job trained too few steps in 150 s"
         time.sleep(0.005)
-    pid = job.pid if target == "launcher" else _rank_pids(job.pid)[int(target.removeprefix("rank"))]
-    os.kill(pid, signum)
+    if target == "group":
+        os.killpg(job.pid, signum)
+    else:
+        os.kill(job.pid if target == "launcher" else _rank_pids(job.pid)[int(target.removeprefix("rank"))], signum)
     stdout, stderr = job.communicate(timeout=120)
-    assert job.returncode == EXIT_PREEMPTED, (job.returncode, stderr[-3000:])
+    expected = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+    assert job.returncode == expected, (job.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr and "gradsync: error" not in stderr, stderr[-3000:]
     line = [x for x in stdout.splitlines() if x.startswith("preempted at step ")]
     assert len(line) == 1, stdout
     stopped = int(line[0].split()[3].rstrip(";"))
@@ -124,13 +132,16 @@ def _each_id_once_per_epoch(seen: dict[int, Counter], epochs: int) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_to_the_launcher_then_resume_is_bit_identical_ddp(straight, tmp_path):
-    """SIGTERM to `gradsync train` mid-epoch: exit 75 with a checkpoint at the last trained step; the
-    printed command resumes it to exactly the uninterrupted weights, every sample seen once per epoch."""
+@pytest.mark.parametrize("target", ["group", pytest.param("launcher", marks=pytest.mark.slow)])  # group: launcher too
+def test_sigterm_then_resume_is_bit_identical_ddp(straight, tmp_path, target):
+    """SIGTERM mid-epoch to `gradsync train` (launcher) or to every process of the job at once (group:
+    `timeout`, Slurm, `kill -- -PGID`; the forkserver, the ranks' parent, must survive it): exit 75
+    with a checkpoint at the last trained step; the printed command resumes it to exactly the
+    uninterrupted weights, every sample seen once per epoch."""
     _each_id_once_per_epoch(straight["ids"], 3)   # the uninterrupted run itself, with its shorter last step
     (tmp_path / "ids").mkdir()
     env = {"GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids")}
-    stop = _preempt(["--workers", "2", *JOB], tmp_path, steps_in=8, env=env)
+    stop = _preempt(["--workers", "2", *JOB], tmp_path, steps_in=8, target=target, env=env)
     # 45 steps per epoch: 44 of 32 samples and one of the last 29 (1437 in all)
     state = stop["state"]
     assert state["position"] == min(32 * (stop["step"] - 45 * state["epoch"]), 1437), (stop["step"], state["position"])
@@ -430,9 +441,12 @@ def test_ps_sync_preempted_at_a_worker_resumes_on_two_servers_bit_identical(tmp_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ps-async", pytest.param("ssp", marks=pytest.mark.slow)])   # ssp: as async
-def test_async_ps_preempted_at_a_worker_resumes_every_worker_at_its_own_clock(tmp_path, strategy):
-    """1 server + 2 workers, SIGTERM to worker rank 2 alone: from then on every answer carries the stop
+@pytest.mark.parametrize("strategy, target, signum", [("ps-async", "group", signal.SIGINT),   # Ctrl-C
+                                                      pytest.param("ssp", "rank2", signal.SIGTERM,
+                                                                   marks=pytest.mark.slow)])   # ssp: as async
+def test_async_ps_preempted_resumes_every_worker_at_its_own_clock(tmp_path, strategy, target, signum):
+    """1 server + 2 workers, Ctrl-C (SIGINT to every process: exit 130, no traceback) or SIGTERM to
+    worker rank 2 alone: from then on every answer carries the stop
     flag and each worker stops at its own clock with its last push applied (the checkpoint's clocks
     are the steps each worker logged: nothing trained is lost). Resumed, each worker goes on at its
     own clock, and over both runs every worker trained exactly its own shard's batches, in order, as
@@ -442,7 +456,7 @@ def test_async_ps_preempted_at_a_worker_resumes_every_worker_at_its_own_clock(tm
     before, after = tmp_path / "ids-before", tmp_path / "ids-after"
     before.mkdir()
     after.mkdir()
-    stop = _preempt([*job, "--workers", "3"], tmp_path, steps_in=8, target="rank2",
+    stop = _preempt([*job, "--workers", "3"], tmp_path, steps_in=8, target=target, signum=signum,
                     env={"GRADSYNC_SAMPLE_LOG": str(before)})
     clocks = stop["state"]["ps"]["clocks"]
     assert all(0 < clock < 60 for clock in clocks), clocks

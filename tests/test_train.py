@@ -219,6 +219,21 @@ def test_a_rank_without_the_checkpoint_another_resumes_from_is_an_error_naming_i
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_where_no_rank_has_a_checkpoint_says_there_is_none(world_of, tmp_path):
+    """--resume (under torchrun: decided by the ranks) where no rank's --out holds a checkpoint: every
+    rank says there is none there, not that --out must be shared."""
+    import train_fns
+
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    for out in outs:
+        out.mkdir()
+    for rank, (name, message) in enumerate(world_of(2).run(train_fns.resume_where_only_rank_0_has_the_checkpoint,
+                                                            [str(out) for out in outs])):
+        assert name == "CheckpointError", (rank, name, message)
+        assert message.startswith(f"--resume: {outs[rank]} holds no checkpoint (checkpoint.pt) on any rank"), message
+
+
+@pytest.mark.timeout(120)
 def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world_of, tmp_path):
     """A ps-async checkpoint of 2 workers, resumed by 4 ranks with 1 server (3 workers): every rank
     refuses before it builds anything, naming both numbers (each worker's shard and clock are its own)."""
@@ -238,7 +253,7 @@ def test_a_parameter_server_resume_on_another_number_of_workers_is_refused(world
 @pytest.mark.timeout(120)
 def test_dataset_smaller_than_a_step_is_refused(capsys, tmp_path):
     code = main(["train", "--workers", "2", "--batch-size", "1000", "--out", str(tmp_path), "--quiet"])
-    assert code == 2 and "fewer than one step" in capsys.readouterr().err
+    assert code == 2 and "a step must fit in an epoch" in capsys.readouterr().err
 
 
 @pytest.mark.slow   # test_preempt.py's 2 -> 3 -> 2 -> 1 checks the same messages

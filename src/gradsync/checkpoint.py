@@ -37,11 +37,15 @@ def save(path: str | Path, state: dict) -> Path:
     torch.save(state, buffer)
     payload = buffer.getvalue()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little") + payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little") + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:   # a write cut short (an error, a second Ctrl-C) leaves no half-written file
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

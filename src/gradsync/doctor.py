@@ -4,11 +4,12 @@ practitioners use when data-parallel training underperforms.
     batch math     per-worker batch x workers x accumulation = global batch; the learning rate after
                    scaling (a larger global batch without a larger lr, or without warm-up, trains worse)
     overlap        how much bucket all-reduce time runs while backward is still computing?
-                   (trace.json: each bucket span's part before its step's "backward end"; else the
-                   summary's overlap share); under 10% is a WARN
+                   (trace.json: each bucket span's part before its step's "backward end", weighed
+                   by time over every rank and step, as the summary's overlap share is; without a
+                   trace, the summary's figure); under 10% is a WARN
     bucket sizes   too small: every bucket pays 2(N-1) message latencies (4+ buckets, median < 256 KiB);
-                   too large: one bucket holding >= 90% of the gradients cannot start before
-                   backward ends, so nothing overlaps
+                   too large: one bucket holding >= 90% of the gradients starts only with the last
+                   gradient, so it overlaps backward's last moments at most
     unused params  the reducer raises on them unless find_unused_parameters is set (so a finished run
                    had none, or paid the extra used-count all-reduce)
     stragglers     ranks whose compute time is > 20% above the median (they make everyone wait)
@@ -56,29 +57,35 @@ def _read_run(run_dir: Path) -> dict[str, list[dict]]:
 
 
 def _overlap_from_trace(trace_path: Path) -> tuple[float, int] | None:
-    """(share of rank 0's bucket all-reduce time that ran before its step's backward ended, steps).
+    """(share of every rank's bucket all-reduce time that ran before its step's backward ended, steps).
 
-    The same quantity as the summary's overlap share, recomputed from the timeline: a bucket
-    launched by the very last gradient hook hides nothing even though it starts during backward."""
+    The summary's overlap share, recomputed from the timeline: both weigh each bucket by its time
+    and sum over every rank and step (train/report.py). A bucket launched by the very last gradient
+    hook hides nothing even though it starts during backward."""
     try:
         events = json.loads(trace_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    rank0 = [e for e in events if e.get("pid") == 0 and e.get("ph") in ("X", "i")]
-    starts = sorted(e["ts"] for e in rank0 if e.get("name") == "backward start")
-    ends = sorted(e["ts"] for e in rank0 if e.get("name") == "backward end")
-    spans = [(e["ts"], e.get("dur", 0.0)) for e in rank0 if str(e.get("name", "")).startswith("all_reduce bucket")]
-    if not starts or not ends or not spans:
-        return None
     hidden = total = 0.0
-    for start, duration in spans:
-        # the step a bucket belongs to began at the last "backward start" before the bucket
-        step_start = max((s for s in starts if s <= start), default=None)
-        step_end = min((e for e in ends if step_start is not None and e >= step_start), default=start)
-        hidden += max(0.0, min(start + duration, step_end) - start)
-        total += duration
-    return (hidden / total if total > 0 else 0.0), len(ends)
+    steps = None
+    for pid in sorted({e.get("pid") for e in events if e.get("ph") in ("X", "i")}, key=str):
+        mine = [e for e in events if e.get("pid") == pid and e.get("ph") in ("X", "i")]
+        starts = sorted(e["ts"] for e in mine if e.get("name") == "backward start")
+        ends = sorted(e["ts"] for e in mine if e.get("name") == "backward end")
+        spans = [(e["ts"], e.get("dur", 0.0)) for e in mine if str(e.get("name", "")).startswith("all_reduce bucket")]
+        if not starts or not ends or not spans:
+            continue
+        steps = len(ends) if steps is None else steps
+        for start, duration in spans:
+            # the step a bucket belongs to began at the last "backward start" before the bucket
+            step_start = max((s for s in starts if s <= start), default=None)
+            step_end = min((e for e in ends if step_start is not None and e >= step_start), default=start)
+            hidden += max(0.0, min(start + duration, step_end) - start)
+            total += duration
+    if steps is None:
+        return None
+    return (hidden / total if total > 0 else 0.0), steps
 
 
 def examine(run_dir: str | Path) -> list[Finding]:
@@ -105,11 +112,12 @@ def examine(run_dir: str | Path) -> list[Finding]:
             share, steps = trace_counts
             findings.append(Finding("overlap", "OK" if share >= 0.1 else "WARN",
                                     f"{share:.0%} of bucket all-reduce time ran before backward ended "
-                                    f"({steps} steps, trace.json)"))
+                                    f"(all ranks, {steps} steps, trace.json)"))
         elif summary and summary.get("overlap") is not None:
             share = summary["overlap"]
             findings.append(Finding("overlap", "OK" if share >= 0.1 else "WARN",
-                                    f"{share:.0%} of communication ran during backward (summary)"))
+                                    f"{share:.0%} of bucket all-reduce time ran before backward ended "
+                                    f"(all ranks, the summary)"))
         else:
             findings.append(Finding("overlap", "INFO", "no trace.json and no overlap figure: rerun with --trace"))
     else:
@@ -126,7 +134,8 @@ def examine(run_dir: str | Path) -> list[Finding]:
         elif len(buckets) == 1 or max(buckets) >= 0.9 * total:
             findings.append(Finding("bucket sizes", "WARN" if workers > 1 else "INFO",
                                     f"one bucket holds {max(buckets) / total:.0%} of {total / 2**20:.1f} MiB of "
-                                    f"gradients: it cannot start before backward ends; lower --bucket-mb"))
+                                    f"gradients: it starts only when the last gradient is ready, so what overlaps "
+                                    f"is backward's last moments, not its layers; lower --bucket-mb"))
         else:
             findings.append(Finding("bucket sizes", "OK", f"{len(buckets)} buckets, "
                                     f"{min(buckets) / 2**20:.2f}-{max(buckets) / 2**20:.2f} MiB, "

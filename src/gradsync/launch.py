@@ -24,7 +24,10 @@ the next step with a checkpoint, train/preempt.py) is never mistaken for a stopp
 holds them from its first line (hold_signals: counted, not acted on) and says so with a file
 {rank}.ready; until then the launcher keeps a relayed signal back and delivers it once the file is
 there, so a signal during start-up (interpreter, imports, rendezvous) is not a kill. Whoever handles
-the signal later takes the held count (take_held).
+the signal later takes the held count (take_held). A signal to the whole job at once (JOB_SIGNALS:
+`timeout`, Slurm, `kill -- -PGID`, Ctrl-C) reaches the launcher, which relays it, and every rank
+directly, which counts it once more; the forkserver, the ranks' parent, ignores it. With SIGINT
+among ``forward_signals`` a second one to the launcher stops the ranks at once (KeyboardInterrupt).
 
 Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
 OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
@@ -74,6 +77,13 @@ STOP_SIGNAL = signal.SIGUSR2
 
 START_PRELOAD = ["torch", "torch.distributed", "gradsync"]
 """What the forkserver imports once, before it forks any rank."""
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Signals a scheduler or a terminal sends to every process of a job at once (SIGTERM: `timeout`,
+Slurm's scancel, `kill -- -PGID`; SIGINT: Ctrl-C; SIGUSR1: --preempt-signal SIGUSR1). The
+forkserver ignores them (_ensure_forkserver_without_stdio); a rank takes them back as it starts."""
+REPEATED_SIGNAL_SECONDS = 0.1
+"""Two SIGINTs closer than this are one Ctrl-C received twice, not a second one: `timeout -s INT`
+signals the command and then its whole process group, the command included."""
 
 
 def _context():
@@ -97,12 +107,19 @@ def _ensure_forkserver_without_stdio() -> None:
     each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
     would otherwise wait for it too (ranks get the launcher's stdio at each call instead). Once
     started, it is left alone: stdout is not touched again (should it have died, multiprocessing
-    starts another, with the launcher's stdio)."""
+    starts another, with the launcher's stdio).
+
+    It is started with JOB_SIGNALS ignored and blocked (both survive its exec): a signal to the
+    whole job (module docstring) must not kill the ranks' parent. The launcher blocks them only
+    while it starts the forkserver, so one arriving meanwhile waits and then reaches its handler."""
     if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
         return
     _flush_stdio()
     saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_RDWR)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    actions = {signum: signal.signal(signum, signal.SIG_IGN) for signum in JOB_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
@@ -112,6 +129,9 @@ def _ensure_forkserver_without_stdio() -> None:
         os.dup2(saved[1], 2)
         for fd in (*saved, devnull):
             os.close(fd)
+        for signum, action in actions.items():
+            signal.signal(signum, action)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class _InheritedFd:
@@ -133,7 +153,8 @@ def _launcher_state() -> dict:
     (pickled apart: they are unpickled, importing their modules, once the environment is taken)."""
     _flush_stdio()
     return {"environ": dict(os.environ), "stdio": (_InheritedFd(1), _InheritedFd(2)),
-            "hooks": pickle.dumps(runtime.hooks())}
+            "hooks": pickle.dumps(runtime.hooks()),
+            "ignored": tuple(s for s in JOB_SIGNALS if signal.getsignal(s) is signal.SIG_IGN)}
 
 
 def _take_launcher_state(state: dict) -> None:
@@ -213,10 +234,26 @@ class NotNeeded(Exception):
     its value is None and it is no failure."""
 
 
+def _take_back_job_signals(forward_signals: tuple[int, ...], ignored: tuple[int, ...]) -> None:
+    """A rank forked by the forkserver starts with JOB_SIGNALS blocked and ignored (its parent's).
+    Those it does not hold (forward_signals) get the launcher's actions back: ignored where the
+    launcher ignores them (``ignored``), else their defaults (SIGINT: KeyboardInterrupt); then
+    they are unblocked."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in JOB_SIGNALS:
+        if signum in ignored:
+            signal.signal(signum, signal.SIG_IGN)
+        elif signum not in forward_signals:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
+
+
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, job: str, forward_signals: tuple[int, ...] = (),
                launcher: dict | None = None, replacement: bool = False, live: bool = False) -> None:
     hold_signals(forward_signals)
+    _take_back_job_signals(forward_signals, launcher["ignored"] if launcher else ())
     (Path(out_dir) / f"{rank}.ready").touch()
     parent = os.getppid()   # the launcher, or the forkserver it started
     _die_with_parent()
@@ -377,7 +414,8 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
 def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
     """While the ranks run, each of ``signums`` reaching the launcher is sent on to every live rank,
     to a rank that is still starting once it is ready (only the main thread can install handlers;
-    elsewhere the signals keep their actions)."""
+    elsewhere the signals keep their actions). SIGINT among them: the first is relayed, a second
+    raises KeyboardInterrupt here (a second Ctrl-C stops the job at once)."""
     if not signums or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -398,7 +436,15 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
                     starting.remove((rank, p))
             time.sleep(0.01)
 
+    first_interrupt: list[float] = []
+
     def relay(signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if first_interrupt and time.monotonic() - first_interrupt[0] >= REPEATED_SIGNAL_SECONDS:
+                raise KeyboardInterrupt   # a second Ctrl-C: stop at once (spawn's finally stops the ranks)
+            if first_interrupt:
+                return
+            first_interrupt.append(time.monotonic())
         starting = []
         for rank, p in enumerate(processes):
             if (out_dir / f"{rank}.ready").exists():
@@ -409,7 +455,7 @@ def _relaying(signums: tuple[int, ...], processes: list, out_dir: Path):
             threading.Thread(target=send_when_ready, args=(starting, signum), daemon=True).start()
 
     previous = {signum: signal.signal(signum, relay) for signum in signums}
-    for signum in signums:   # held by the launcher before it started relaying (hold_signals)
+    for signum in signums:   # held by the launcher before it started relaying (hold_signals): relayed once
         if take_held(signum)[0]:
             relay(signum, None)
     try:

@@ -76,14 +76,15 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_size(text: str) -> int:
-    """'4K' -> 4096, '16M' -> 16 MiB, '100' -> 100 bytes."""
-    text = text.strip().upper().removesuffix("B")
+    """'4K', '4KB' or '4KiB' -> 4096; '16M' -> 16 MiB; '100' or '100B' -> 100 bytes (K, M, G are powers of 1024)."""
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        if text and text[-1] in UNITS:
-            return int(float(text[:-1]) * UNITS[text[-1]])
-        return int(text)
+        if number and number[-1] in UNITS:
+            return int(float(number[:-1]) * UNITS[number[-1]])
+        return int(number)
     except ValueError:
-        raise ValueError(f"cannot read size {text!r}: use bytes or a K/M/G suffix, e.g. 4K,64K,1M,16M") from None
+        raise ValueError(f"cannot read size {text.strip()!r}: use bytes or a K/M/G suffix (KiB, MiB, GiB), "
+                         f"e.g. 4K,64K,1M,16M") from None
 
 
 def human_bytes(nbytes: float) -> str:

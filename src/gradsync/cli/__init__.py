@@ -30,9 +30,16 @@ COMMANDS = {"bench": bench, "simulate": simulate, "figures": figures, "doctor": 
 """Each command's module, in the order `gradsync --help` lists them."""
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A command's bad flag is one line naming it and what is accepted (not the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description="Data-parallel training runtime for PyTorch.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
     for command in COMMANDS.values():
         command.add_parser(commands)
     return parser
@@ -45,3 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, TypeError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gradsync {args.command}: interrupted", file=sys.stderr)
+        return 130

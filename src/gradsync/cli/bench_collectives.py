@@ -45,12 +45,14 @@ def run(args) -> int:
         raise ValueError(f"--fit calibrates one transport; got --transport {','.join(transports)}: pick one")
     if args.rounds > 1 and (args.fit or len(transports) > 1):
         raise ValueError(f"--rounds {args.rounds} repeats one run: use it without --fit and with one --transport")
+    with_mpi = "mpi" in args.peers
+    if with_mpi:
+        _require_mpi()
     console = display.console()
     ceiling = collectives.memory_copy_bandwidth()
     console.print(f"memory copy on this host (one thread, 64 MiB): {ceiling / 1e9:.1f} GB/s -- the ceiling for "
                   f"moving bytes between local ranks")
     result = {"rows": [], "fit": None, "memory_copy_GBps": ceiling / 1e9, "rounds": args.rounds}
-    with_mpi = "mpi" in args.peers and _mpi_available(result, console)
     ours, theirs = [], []
     for _ in range(args.rounds):
         rows = []
@@ -100,15 +102,14 @@ def run(args) -> int:
     return 1 if wrong else 0
 
 
-def _mpi_available(result: dict, console) -> bool:
-    """False, with the reason printed and recorded, when mpi4py or mpirun is missing."""
+def _require_mpi() -> None:
+    """--peers ...,mpi asks for the MPI peer: before anything runs, an error saying why it cannot run here
+    and the exact install command, when mpi4py or mpirun is missing."""
     from gradsync.bench import mpi_peer
 
     reason = mpi_peer.unavailable()
     if reason:
-        console.print(f"MPI columns skipped: {reason}")
-        result["mpi_skipped"] = reason
-    return reason is None
+        raise RuntimeError(f"--peers mpi: the MPI peer cannot run here: {reason}; or leave mpi out of --peers")
 
 
 def _run_mpi_peer(args, result: dict, console) -> list[dict]:

@@ -3,7 +3,29 @@ train/config.py's TrainConfig)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+
 from gradsync.cli.args import positive_int
+
+WORD2VEC_DEFAULT_STEPS = 3000
+"""What `gradsync train --model word2vec` trains without --epochs or --steps: about a minute with 3
+workers here (one pass over the 1.5 million-token corpus is about 26,000 steps at the default batch)."""
+
+
+class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless the help says it (a flag that is off or unset by
+    default says what that means in its help)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "(default" not in text:
+            shown = action.default if not isinstance(action.default, str) or action.default else "''"
+            text += f" (default: {shown})"
+        return text
 
 
 def add_parser(commands) -> None:
@@ -12,75 +34,141 @@ def add_parser(commands) -> None:
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.datasets import DATASETS
     from gradsync.train.models import MODELS
+    from gradsync.train.runs import DEFAULT_OUT
 
-    defaults = TrainConfig.__dataclass_fields__
-    train = commands.add_parser("train", help="N local workers train a real model on real data")
-    train.add_argument("--workers", type=positive_int, default=defaults["workers"].default, help="local worker processes")
-    train.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    train.add_argument("--algorithm", choices=ALGORITHMS, default="auto")
-    train.add_argument("--servers", type=positive_int, default=1, help="how many of the --workers processes serve parameters (ps-sync, ps-async, ssp)")
-    train.add_argument("--staleness", type=int, default=2, help="SSP bound in versions")
-    train.add_argument("--model", choices=MODELS, default=None, help="default: the dataset's natural model")
-    train.add_argument("--dataset", choices=DATASETS, default=None, help="default: digits (or stdlib-text for charlm)")
-    train.add_argument("--epochs", type=positive_int, default=defaults["epochs"].default)
-    train.add_argument("--steps", type=positive_int, default=None, help="total optimizer steps (overrides --epochs)")
-    train.add_argument("--batch-size", type=positive_int, default=32, help="samples per worker per micro-batch")
-    train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    train.add_argument("--lr", type=float, default=None, help="base learning rate for one worker's batch")
-    train.add_argument("--lr-scaling", choices=LR_SCALING, default="linear")
-    train.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
-    train.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB")
-    train.add_argument("--compress", choices=COMPRESSION, default="none",
-                       help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
-    train.add_argument("--powersgd-rank", type=positive_int, default=2, metavar="R",
-                       help="PowerSGD's approximation rank (--compress powersgd)")
-    train.add_argument("--sync-every", type=positive_int, default=8, metavar="H",
-                       help="--strategy diloco: inner steps each worker takes alone between outer steps")
-    train.add_argument("--outer-lr", type=float, default=0.7, help="--strategy diloco: the outer Nesterov SGD's lr")
-    train.add_argument("--outer-momentum", type=float, default=0.9, help="--strategy diloco: its momentum")
-    train.add_argument("--clip-grad", type=float, default=None, metavar="X",
-                       help="clip the averaged gradient to total 2-norm X before each optimizer step, as torch's "
-                            "clip_grad_norm_ on one process (ps-sync: on the servers; ps-async, ssp: each push)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl, trace.json, checkpoints")
-    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    train.add_argument("--trace", action="store_true", help="write a Chrome trace timeline (trace.json)")
-    train.add_argument("--timeout", type=float, default=60.0, help="seconds any wait between ranks may take")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
-    train.add_argument("--max-restarts", type=int, default=0,
-                       help="after a failure, restart the workers from the last checkpoint up to this many times; "
-                            "with --fault-tolerance live: start up to this many replacement ranks for dead ones, "
-                            "each joining the running world")
-    train.add_argument("--fault-tolerance", choices=FAULT_TOLERANCE, default="restart",
-                       help="when a rank dies: restart (stop every rank; see --max-restarts) or live (the survivors "
-                            "rebuild their world and train on, no restart; --strategy ddp)")
-    train.add_argument("--live-batch", choices=LIVE_BATCH, default="keep-global",
-                       help="--fault-tolerance live, after ranks die: keep the global batch, or keep each rank's "
-                            "batch and scale the learning rate by new/old world size (default keep-global)")
-    train.add_argument("--checkpoint-every", default="", metavar="N|TIME",
-                       help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h)")
-    train.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS, default="SIGTERM",
-                       help="on this signal (to the launcher or any rank) stop at the next step with a checkpoint "
-                            "and exit 75 (default SIGTERM; none: the signal's default action)")
+    defaults = {name: field.default for name, field in TrainConfig.__dataclass_fields__.items()}
+    train = commands.add_parser("train", help="N local workers train a real model on real data",
+                                formatter_class=_DefaultsShown, description=RUNBOOK)
+
+    def flag(name: str, **options) -> None:
+        field = name.removeprefix("--").replace("-", "_")
+        if field in defaults and "default" not in options and options.get("action") != "store_true":
+            options["default"] = defaults[field]
+        train.add_argument(name, **options)
+
+    flag("--workers", type=positive_int, help="local worker processes (torchrun sets the world instead)")
+    flag("--strategy", choices=STRATEGIES, metavar="{" + ",".join(STRATEGIES) + "}",
+         help="how the gradients become one update: ddp (all-reduce), ps-sync / ps-async / ssp (the first --servers "
+              "processes serve parameters), zero1 (sharded optimizer state), local (one process), diloco (average "
+              "the replicas every --sync-every steps)")
+    flag("--algorithm", choices=ALGORITHMS, metavar="{" + ",".join(ALGORITHMS) + "}",
+         help="all-reduce algorithm (ddp, zero1, diloco); auto picks by message size")
+    flag("--servers", type=positive_int,
+         help="how many of the --workers processes serve parameters (ps-sync, ps-async, ssp); the rest train")
+    flag("--staleness", type=int,
+         help="ssp: how many steps (worker clocks) the fastest worker may run ahead of the slowest; 0: lockstep")
+    flag("--model", choices=MODELS, help="default: the dataset's natural model (cnn for digits and synthetic, "
+                                         "charlm for stdlib-text, word2vec for stdlib-tokens)")
+    flag("--dataset", choices=DATASETS, help="default: the model's natural dataset (digits for cnn and mlp, "
+                                             "stdlib-text for charlm, stdlib-tokens for word2vec)")
+    flag("--epochs", type=positive_int, default=None,
+         help=f"passes over the training set, ignored with --steps (default: {defaults['epochs']}; word2vec: "
+              f"--steps {WORD2VEC_DEFAULT_STEPS:,}, about a minute, unless --epochs or --steps is given)")
+    flag("--steps", type=positive_int, help="optimizer steps in all, counted from the run's start even when "
+                                            "resuming (default: as many as --epochs take)")
+    flag("--batch-size", type=positive_int, help="samples per worker per micro-batch")
+    flag("--grad-accum", type=positive_int, help="micro-batches per optimizer step")
+    flag("--lr", type=float, help="base learning rate for one worker's batch (default: the model's: 0.02 cnn and "
+                                  "mlp, 0.001 charlm, 0.2 word2vec)")
+    flag("--lr-scaling", choices=LR_SCALING,
+         help="linear: lr x global batch / per-worker batch (Goyal et al. 2017); none: lr as given")
+    flag("--warmup-steps", type=int, help="steps of linear learning-rate warm-up from 0; 0: none")
+    flag("--bucket-mb", type=float, help="DDP bucket cap in MiB")
+    flag("--compress", choices=COMPRESSION,
+         help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
+    flag("--powersgd-rank", type=positive_int, metavar="R", help="PowerSGD's approximation rank (--compress powersgd)")
+    flag("--sync-every", type=positive_int, metavar="H",
+         help="--strategy diloco: inner steps each worker takes alone between outer steps")
+    flag("--outer-lr", type=float, help="--strategy diloco: the outer Nesterov SGD's lr")
+    flag("--outer-momentum", type=float, help="--strategy diloco: its momentum")
+    flag("--clip-grad", type=float, metavar="X",
+         help="clip the averaged gradient to total 2-norm X before each optimizer step, as torch's clip_grad_norm_ "
+              "on one process (ps-sync: on the servers; ps-async, ssp: each push); default: no clipping")
+    flag("--seed", type=int, help="seed of the model's initialisation, the data split and the shuffling")
+    flag("--out", help="directory for metrics.jsonl, checkpoint.pt and trace.json; a run already in a directory you "
+                       "name is refused unless --resume or --overwrite, while the default one is replaced, saying so "
+                       f"(default: {DEFAULT_OUT})")
+    flag("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
+    flag("--overwrite", action="store_true", help="replace the run already in --out (default: refuse to start)")
+    flag("--trace", action="store_true", help="also write a Chrome trace timeline, trace.json (open it in Perfetto)")
+    flag("--timeout", type=float, help="seconds any wait between ranks may take before it is an error")
+    flag("--quiet", action="store_true", help="no progress bar")
+    flag("--max-restarts", type=int,
+         help="after a failure, restart the workers from the last checkpoint up to this many times; with "
+              "--fault-tolerance live: start up to this many replacement ranks for dead ones, each joining the "
+              "running world")
+    flag("--fault-tolerance", choices=FAULT_TOLERANCE,
+         help="when a rank dies: restart (stop every rank; see --max-restarts) or live (the survivors rebuild their "
+              "world and train on, no restart: --strategy ddp, ps-sync, ps-async or ssp; a dead server ends a "
+              "parameter-server job)")
+    flag("--live-batch", choices=LIVE_BATCH,
+         help="--fault-tolerance live, after ranks die: keep the global batch, or keep each rank's batch and scale the "
+              "learning rate by new/old world size")
+    flag("--checkpoint-every", metavar="N|TIME",
+         help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h); default: at each epoch's "
+              "end only")
+    flag("--preempt-signal", choices=PREEMPT_SIGNALS,
+         help="on this signal (to the launcher, any rank or the whole job) stop after the step in flight with a "
+              "checkpoint and exit 75 (none: the signal's default action); Ctrl-C does the same and exits 130, a "
+              "second Ctrl-C stops at once")
+
+
+def _before_spawning(cfg) -> str | None:
+    """The checks that need no rank (train/runs.py): the batch fits the data, --out holds what this
+    command expects. Returns the line saying a resumed run is finished, if it is."""
+    from gradsync.train import runs
+
+    runs.check_batch(cfg)
+    if cfg.resume:
+        return runs.check_resume(cfg)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:   # a torchrun restart continues its run
+        first = os.environ.get("RANK", "0") == "0"   # under torchrun every rank checks (before any writes), one says
+        runs.claim_out(cfg, cfg.overwrite, say=print if first else lambda *_, **__: None)
+    return None
+
+
+RUNBOOK = """N local workers train a model on data that ships offline, and one summary says what the ranks did.
+
+  gradsync train                                  2 workers, a CNN on scikit-learn's digits (a few seconds)
+  gradsync train --workers 4 --strategy zero1     4 workers, optimizer state sharded
+  gradsync train --out runs/a --steps 80 --resume continue the run in runs/a to step 80
+  torchrun --nproc-per-node 2 -m gradsync.train   the same flags under torchrun
+
+A signal stops the job cleanly: SIGTERM (to the launcher, a rank or the whole job: timeout, Slurm) after the
+step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130."""
 
 
 def run(args) -> int:
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
-
-    import signal
-
-    from gradsync.train.preempt import EXIT_PREEMPTED, signal_number
+    from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
 
     fields = TrainConfig.__dataclass_fields__
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    results = run(cfg)
+    given = {k: v for k, v in vars(args).items() if k in fields and not (k == "epochs" and v is None)}
+    cfg = TrainConfig(**given)
+    if cfg.model == "word2vec" and args.epochs is None and cfg.steps is None and not cfg.resume:
+        cfg = dataclasses.replace(cfg, steps=WORD2VEC_DEFAULT_STEPS)
+        print(f"gradsync train: word2vec trains {WORD2VEC_DEFAULT_STEPS:,} steps by default (about a minute); "
+              f"--epochs 1 is one pass over the whole corpus", flush=True)
+    finished = _before_spawning(cfg)
+    if finished:
+        print(finished, flush=True)
+        return 0
+    try:
+        results = run(cfg)
+    except KeyboardInterrupt:   # a second Ctrl-C: the ranks were stopped at once
+        print(f"gradsync train: interrupted again: stopped at once; {cfg.out} keeps the last checkpoint written",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    for signum in (signal_number(cfg.preempt_signal), signal.SIGINT):
+        if signum is not None:   # training is over: a signal now must not turn its end into a kill or a traceback
+            signal.signal(signum, signal.SIG_IGN)
     results = [r for r in results if r is not None]   # --fault-tolerance live: members that died return nothing
-    if cfg.model == "word2vec" and not any(r.get("preempted") for r in results):
+    stopped = [r["preempted"] for r in results if r.get("preempted")]
+    if cfg.model == "word2vec" and not stopped:
         from gradsync.train.word2vec import print_neighbours
 
         print_neighbours(results)
-    signum = signal_number(cfg.preempt_signal)
-    if signum is not None:   # training is over: a preemption signal now must not turn success into a kill
-        signal.signal(signum, signal.SIG_IGN)
-    return EXIT_PREEMPTED if any(r.get("preempted") for r in results) else 0
+    if any(s.get("reason") == "interrupted" for s in stopped):
+        return EXIT_INTERRUPTED
+    return EXIT_PREEMPTED if stopped else 0

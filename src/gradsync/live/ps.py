@@ -56,8 +56,12 @@ it and not on the others. The dead worker's pushes stay where they were applied;
 the samples it had not trained is the caller's choice (train/loop_ps_live.py deals its remaining
 steps to the open survivors, by PSRecovery.lost_clocks and open_workers).
 
-What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm), stopping
-early, checkpoints.
+Stopping early (a preemption): serve(stop) and run_step(train_step, stop) pass it on to the
+ParameterServer, whose answers then say ``stopping``; the worker calls finish(), which closes without
+another pull. The caller then gathers ps.state_dict() through collective() and writes its
+checkpoint; ps.load_state_dict() after construction continues it (train/loop_ps_live.py).
+
+What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm).
 """
 
 from __future__ import annotations
@@ -208,25 +212,29 @@ class LivePS:
         return runtime.world()
 
     # -- serving and training ------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Serve until every worker has closed, rebuilding the world each time a worker dies."""
+    def serve(self, stop: Callable[[], bool] | None = None) -> None:
+        """Serve until every worker has closed, rebuilding the world each time a worker dies. ``stop()``
+        asks to end the job early, as ParameterServer.serve's."""
         while True:
             try:
-                self.ps.serve()
+                self.ps.serve(stop)
                 return
             except Exception as exc:
                 failure = self._failure(exc)
             self.recover(failure)
 
-    def run_step(self, train_step: Callable[[nn.Module], dict]) -> bool:
+    def run_step(self, train_step: Callable[[nn.Module], dict], stop: bool = False) -> bool:
         """Pull, ``train_step(model)`` (forward and backward of this worker's share), push; True when
         committed, False when a member died and the world was rebuilt (live.step and live.progress are
-        then the agreed ones: train the step they say next)."""
+        then the agreed ones: train the step they say next) or when the pull said the job stops here
+        (``stopping``: finish() next). ``stop`` asks the servers to end the job early (push(stop))."""
         self._pending_progress = None
         try:
             self.ps.pull()
+            if self.ps.stopping:   # these parameters are the job's last: nothing more is trained
+                return False
             self._pending_progress = dict(train_step(self.model))
-            self.ps.push()
+            self.ps.push(stop)
         except Exception as exc:
             failure = self._failure(exc)
         else:
@@ -240,7 +248,8 @@ class LivePS:
         and a step is to be trained again (live.step went back), True once closed."""
         try:
             if not self.closed:
-                self.ps.pull()
+                if not self.ps.stopping:   # a stopped job's last pull was the one that said so
+                    self.ps.pull()
                 self.ps.close()
                 self.closed = True
         except Exception as exc:
@@ -249,6 +258,11 @@ class LivePS:
             return True
         self.recover(failure)
         return self.closed
+
+    @property
+    def stopping(self) -> bool:
+        """Worker: a pull said the job ends early (finish() next); server: it was asked to."""
+        return self.ps.stopping
 
     def collective(self, fn: Callable[[], object]):
         """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if a

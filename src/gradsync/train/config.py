@@ -44,7 +44,8 @@ class TrainConfig:
     servers: int = 1
     """How many of the ``workers`` processes serve parameters (ps-* and ssp); the rest train."""
     staleness: int = 2
-    """SSP bound: how many versions a worker may run ahead of the slowest."""
+    """SSP bound, in steps (worker clocks): how many steps the fastest worker may run ahead of the
+    slowest (0: lockstep). The summary's staleness counts versions, which advance once per push."""
     model: str | None = None
     """cnn | mlp | charlm | word2vec; None: the dataset's natural model."""
     dataset: str | None = None
@@ -85,6 +86,9 @@ class TrainConfig:
     """Directory for metrics.jsonl, trace.json and checkpoints."""
     resume: bool = False
     """Continue from the checkpoint in ``out``."""
+    overwrite: bool = False
+    """Replace the run already in ``out`` (its checkpoint, metrics, traces: train/runs.py) instead of
+    refusing to start; the default ``out`` is replaced without it."""
     trace: bool = False
     """Record a timeline and write trace.json."""
     timeout: float = 60.0
@@ -142,9 +146,7 @@ class TrainConfig:
         if self.checkpoint_interval()[1] is not None:
             raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
                                f"of steps (200), not a time ({self.checkpoint_every!r})")
-        refused = [(self.resume, "--resume (live mode reads no checkpoint: continue a live job's checkpoint with "
-                                 "--fault-tolerance restart --resume)"),
-                   (self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
+        refused = [(self.clip_grad is not None, "--clip-grad"), (self.trace, "--trace"),
                    (self.compress == "powersgd", "--compress powersgd (its per-rank error feedback would be lost)")]
         for given, flag in refused:
             if given:
@@ -188,15 +190,22 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.staleness < 0 or self.warmup_steps < 0:
-            raise ValueError(f"--staleness and --warmup-steps must be >= 0, got {self.staleness} and {self.warmup_steps}")
+        if self.staleness < 0:
+            raise ValueError(f"--staleness must be an integer >= 0 (how many steps the fastest SSP worker may run "
+                             f"ahead of the slowest), got {self.staleness}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be an integer >= 0 (0: no warm-up), got {self.warmup_steps}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite replaces it: give one of them")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             raise ValueError(f"--clip-grad must be a finite number > 0 (the largest total 2-norm of the averaged "
                              f"gradient), got {self.clip_grad}")
-        if self.bucket_mb <= 0 or self.timeout <= 0:
-            raise ValueError(f"--bucket-mb and --timeout must be > 0, got {self.bucket_mb} and {self.timeout}")
+        for name in ("bucket_mb", "timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0, got {value}")
         if self.strategy.startswith("ps") or self.strategy == "ssp":
             if self.servers >= self.workers:
                 raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
@@ -216,9 +225,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} and "
-                             f"{self.outer_momentum}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         if self.compress == "powersgd" and self.strategy != "ddp":
             raise RuntimeError(f"--compress powersgd compresses the gradients DDP all-reduces; --strategy "
                                f"{self.strategy} sends none that way (use --strategy ddp)")

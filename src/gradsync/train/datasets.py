@@ -34,10 +34,24 @@ def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
+def _stdlib_sources() -> list[Path]:
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def stdlib_text_windows(context: int = 64, max_bytes: int = TEXT_BYTES) -> int:
+    """How many windows stdlib_text cuts (train and test), from the files' sizes alone."""
+    total = 0
+    for path in _stdlib_sources():
+        total += path.stat().st_size
+        if total >= max_bytes:
+            break
+    return max(min(total, max_bytes) - 1, 0) // context
+
+
 def stdlib_text(context: int = 64, max_bytes: int = TEXT_BYTES) -> tuple[TensorDataset, TensorDataset]:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
+    for path in _stdlib_sources():
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)

@@ -11,8 +11,9 @@ world size) -> build_model -> wrap_model -> build_optimizer -> maybe_resume -> t
 epoch's order from data.EpochCursor, micro-batches with no_sync, warm-up lr, step, the step-boundary
 verdict: checkpoint? preempted? -- preempt.py) -> evaluate -> checkpoint -> summarise.
 
-Preemption: SIGTERM (--preempt-signal) to the launcher or any rank stops every rank after the same
-step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exits 75.
+Preemption: SIGTERM (--preempt-signal) to the launcher, any rank or the whole job stops every rank
+after the same step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exits 75;
+Ctrl-C does the same and exits 130 (a second Ctrl-C: at once). train/preempt.py.
 
 Batch math (printed at start):
     global batch = per-worker batch x workers x accumulation steps
@@ -25,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
-import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ from gradsync.train.datasets import build_dataset
 from gradsync.train.diloco_job import DiLoCoJob
 from gradsync.train.loop_ps import MODE_OF, train_ps_rank
 from gradsync.train.models import build_model
-from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, signal_number
+from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, spawned_rank, stop_signals
 from gradsync.train.report import Reporter
 from gradsync.train.resume import CHECKPOINT_NAME
 from gradsync.train import resume
@@ -104,7 +106,7 @@ def _micro_loss(cfg: TrainConfig, logits, y, ids: list[int], step_size: int, ful
 
 def train_worker(cfg: TrainConfig) -> dict:
     """One rank's job; returns its statistics (and timeline events when tracing)."""
-    with PreemptWatch(cfg.preempt_signal) as watch:
+    with PreemptWatch(cfg.preempt_signal, interrupt_twice_raises=not spawned_rank()) as watch:
         return _train_worker(cfg, watch)
 
 
@@ -149,6 +151,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     else:
         total_steps = step
 
+    first_step = step
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
     for line in plan.changes:
         report.note(line)
@@ -156,7 +159,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report.start(global_batch, shown_base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
     report.setup(**_layout(model, wrapped))
     gs.traffic_reset()
-    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "overlaps": [], "checkpoint_s": 0.0, "checkpoints": 0}
+    # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)
+    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "hidden_s": 0.0, "bucket_s": 0.0, "checkpoint_s": 0.0,
+             "checkpoints": 0}
     evaluation = {}
     started = time.perf_counter()
     boundary = StepBoundary(cfg, watch)
@@ -213,13 +218,14 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             stats["wait_s"] += wrapped.wait_seconds
             stats["compute_s"] += elapsed - wrapped.wait_seconds
             if wrapped.last_overlap is not None:
-                stats["overlaps"].append(wrapped.last_overlap)
+                stats["hidden_s"] += wrapped.last_overlap * wrapped.comm_seconds
+                stats["bucket_s"] += wrapped.comm_seconds
             report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm,
                         bytes_sent=gs.traffic()["bytes_sent"] if w.rank == 0 else None)
             due, stop = boundary(step)
             if stop:
                 return _preempted(cfg, report, watch, lambda *at: save(*at, background=False), wrapped, step, epoch,
-                                  position)
+                                  position, boundary.reason)
             if due and step < total_steps and position < cursor.n:  # at an epoch's end the epoch's save follows
                 save(step, epoch, position)
         finished_epoch = position >= cursor.n
@@ -238,10 +244,12 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         evaluation = evaluate(cfg, model, test_set)
     wrapped.check_replicas()
     mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
-                         statistics.fmean(stats["overlaps"]) if stats["overlaps"] else -1.0], dtype=torch.float64)
+                         stats["hidden_s"] / stats["bucket_s"] if stats["bucket_s"] > 0 else -1.0],
+                        dtype=torch.float64)
     per_rank = gs.all_gather(mine).view(w.world_size, -1)
     summary = report.finish(wall, step, evaluation, per_rank,
-                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds))
+                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds),
+                            trained=step - first_step)
     wrapped.close()
     if sample_log is not None:
         sample_log.close()
@@ -250,14 +258,14 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             "events": trace.disable() if cfg.trace else []}
 
 
-def _preempted(cfg, report, watch, save, wrapped, step: int, epoch: int, position: int) -> dict:
+def _preempted(cfg, report, watch, save, wrapped, step: int, epoch: int, position: int, reason: str) -> dict:
     """Every rank stops after the same step: one checkpoint, rank 0 says how to continue."""
     save(step, epoch, position)
     command = resume_command(cfg)
     report.preempted(step, command, signal_at=watch.first_at)
     wrapped.close()
     return {"summary": None, "preempted": {"step": step, "epoch": epoch, "position": position, "command": command,
-                                           "signals": watch.received},
+                                           "signals": watch.received, "reason": reason},
             "digest": None, "params": None, "events": trace.disable() if cfg.trace else []}
 
 
@@ -272,12 +280,6 @@ def train_rank(cfg: TrainConfig) -> dict:
     return train_worker(cfg)
 
 
-def _preempt_signals(cfg: TrainConfig) -> tuple[int, ...]:
-    """What the launcher relays to the ranks: the preemption signal."""
-    signum = signal_number(cfg.preempt_signal)
-    return () if signum is None else (signum,)
-
-
 def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
     """gs.spawn, and after a failure up to ``cfg.max_restarts`` more attempts, each resuming from the
     newest checkpoint this job wrote (an older one in --out, from another run, is never used)."""
@@ -286,7 +288,7 @@ def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
     for attempt in range(cfg.max_restarts + 1):
         try:
             return gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
-                            forward_signals=_preempt_signals(cfg))
+                            forward_signals=stop_signals(cfg))
         except gs.SpawnError as exc:
             if attempt == cfg.max_restarts:
                 raise
@@ -298,10 +300,32 @@ def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
     raise AssertionError("unreachable")
 
 
+def _remove_partial_writes(out: Path) -> None:
+    """The temporary files (checkpoint.save's .NAME.tmp-PID) of ranks that were stopped while writing."""
+    for partial in out.glob(".*.tmp-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            partial.unlink(missing_ok=True)
+        except PermissionError:   # alive, another user's
+            pass
+
+
 def run(cfg: TrainConfig) -> list[dict]:
-    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes."""
+    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes. Ctrl-C is
+    this job's while it runs (train/preempt.py) and the caller's again when it returns."""
+    interrupt = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(cfg)
+    finally:
+        if interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
+
+
+def _run(cfg: TrainConfig) -> list[dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    hold_signals(_preempt_signals(cfg))   # a preemption during start-up stops the job after its first step
+    hold_signals(stop_signals(cfg))   # a preemption during start-up stops the job after its first step
     if _under_torchrun() and cfg.fault_tolerance == "live":
         from gradsync.train.loop_live import train_live_rank
 
@@ -330,11 +354,17 @@ def run(cfg: TrainConfig) -> list[dict]:
         from gradsync.train.loop_live import train_live_rank, workers_summary
         from gradsync.train.loop_ps_live import train_ps_live_rank
 
-        results = gs.spawn(train_ps_live_rank if cfg.strategy in PS_STRATEGIES else train_live_rank, nprocs=cfg.workers,
-                           args=(cfg,), timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts)
+        ps = cfg.strategy in PS_STRATEGIES
+        results = gs.spawn(train_ps_live_rank if ps else train_live_rank, nprocs=cfg.workers, args=(cfg,),
+                           timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts,
+                           forward_signals=stop_signals(cfg))
         print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
         return results
-    results = _spawn_with_restarts(cfg)
+    try:
+        results = _spawn_with_restarts(cfg)
+    except KeyboardInterrupt:   # a second Ctrl-C: the ranks were stopped at once, maybe mid-write
+        _remove_partial_writes(Path(cfg.out))
+        raise
     if cfg.trace:
         trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
     return results

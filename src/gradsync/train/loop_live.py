@@ -18,15 +18,21 @@ scales the learning rate by W' / W (back up when the world grows). Each rank's l
 summed loss x W / (step's samples), so the ranks' average is the step's mean loss however unevenly
 the share falls.
 
-Checkpoints (--checkpoint-every N, steps only): after each N-th committed step the rank 0 of the
-world as it is then snapshots the state and writes it in the background (checkpoint.py: a temporary
-file, then an atomic rename), and again at the end. A rank 0 that dies while writing leaves the
-previous checkpoint whole; the new rank 0 removes the dead member's temporary file and writes the
-next one. The checkpoint records the batch as it is then (the world size whose global batch it is,
-the learning rate after a resize), so `--fault-tolerance restart --resume` continues it.
+Checkpoints, as in the default mode: at each epoch's end, or with --checkpoint-every N (steps only)
+after each N-th committed step, the rank 0 of the world as it is then snapshots the state and writes
+it in the background (checkpoint.py: a temporary file, then an atomic rename), and again at the end.
+A rank 0 that dies while writing leaves the previous checkpoint whole; the new rank 0 removes the
+dead member's temporary file and writes the next one. The checkpoint records the batch as it is then
+(the world size whose global batch it is, the learning rate after a resize), so --resume continues
+it, in this mode or in the default one.
 
-What this mode leaves out: reading a checkpoint back (--resume), preemption, tracing, --clip-grad,
---compress powersgd and every strategy but ddp (train/config.py says why for each).
+Preemption (train/preempt.py): the preemption signal or Ctrl-C, to the launcher, any member or the
+whole job, stops every member after the same committed step (one all-reduce(max) of the members'
+stop codes per step, run again if a member dies during it), rank 0 writes the checkpoint and says
+how to resume, and the job exits 75 (Ctrl-C: 130).
+
+What this mode leaves out: tracing, --clip-grad, --compress powersgd and every strategy but ddp and
+the parameter-server ones (train/config.py says why for each).
 
 Test knobs: GRADSYNC_SAMPLE_LOG=DIR makes every member append "step epoch id id ..." for each step
 it starts to DIR/live.<pid>.m<member> (a step tried again after a recovery is written again: the last
@@ -45,6 +51,7 @@ before it ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import signal
@@ -56,7 +63,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync import checkpoint
+from gradsync import checkpoint, runtime
 from gradsync.data import EpochCursor
 from gradsync.live import LiveDDP, resized
 from gradsync.train import resume
@@ -65,6 +72,7 @@ from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, par
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
+from gradsync.train.preempt import PreemptWatch, resume_command, spawned_rank, STOP_REASONS
 from gradsync.train.report import Reporter
 
 
@@ -130,9 +138,14 @@ class LiveCheckpoints:
         return resume.state_of(cfg, plan, live.module, live.optimizer, live.step, live.progress["epoch"],
                                live.progress["position"], live.world.world_size)
 
-    def after_step(self, live: LiveDDP, batch: dict, final: bool = False) -> None:
-        """Write a checkpoint if one is due (rank 0 alone; the others hold the same state)."""
-        if self.every is None or live.world.rank != 0 or not (final or live.step % self.every == 0):
+    def after_step(self, live: LiveDDP, batch: dict, final: bool = False, epoch_ended: bool = False) -> None:
+        """Write a checkpoint if one is due (rank 0 alone; the others hold the same state): every N-th
+        step with --checkpoint-every N, else at each epoch's end; ``final`` (the job's end or its
+        preemption): now, before returning."""
+        due = live.step % self.every == 0 if self.every is not None else epoch_ended
+        if live.world.rank != 0 or not (final or due) or (final and live.step in self.written[-1:]):
+            if final and live.world.rank == 0:
+                self.writer.wait()
             return
         state = checkpoint.snapshot(self._state(live, batch))
         if self.kill == (live.step, "checkpoint"):
@@ -147,7 +160,7 @@ class LiveCheckpoints:
 
     def after_recovery(self, live: LiveDDP, lost: list[int]) -> None:
         """The new rank 0 removes what the ``lost`` members on this host left half written."""
-        if self.every is None or live.world.rank != 0:
+        if live.world.rank != 0:
             return
         for member in lost:
             where = live.membership.location(member)
@@ -157,22 +170,41 @@ class LiveCheckpoints:
 
 def train_live_rank(cfg: TrainConfig) -> dict:
     """One member's job (see the module docstring); returns its statistics and recoveries."""
+    with PreemptWatch(cfg.preempt_signal, interrupt_twice_raises=not spawned_rank()) as watch:
+        return _train_live_rank(cfg, watch)
+
+
+def _stop_code(watch: PreemptWatch) -> int:
+    """The strongest stop code of the members (preempt.STOP_REASONS): collective."""
+    code = torch.tensor([watch.stop_code], dtype=torch.int64)
+    if gs.world().world_size > 1:
+        gs.all_reduce(code, op="max")
+    return int(code[0])
+
+
+def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     torch.manual_seed(cfg.seed)
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    plan = resume.BatchPlan.fresh(cfg, cfg.workers)
+    joining = runtime.replacement() is not None   # a replacement receives the state from rank 0 instead
+    saved = resume.read(cfg) if not joining and resume.agreed(cfg) else None
+    plan = resume.BatchPlan.for_resume(cfg, cfg.workers, saved) if saved else resume.BatchPlan.fresh(cfg, cfg.workers)
+    cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}   # a replacement receives rank 0's
     model = build_model(cfg.model, cfg.dataset)
     optimizer = build_optimizer(cfg, model.parameters(), plan.peak_lr)
+    step, epoch, position = resume.apply(saved, model, optimizer) if saved else (0, 0, 0)
 
     def on_resize(live: LiveDDP, old_world: int) -> None:
         batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
                                                     live.world.world_size)
 
     # a replacement joins the running world here, receiving the state, the progress and the batch
-    live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": 0, "position": 0}, shared=batch,
+    live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": epoch, "position": position}, shared=batch,
                    admit_joiners=cfg.max_restarts > 0,   # --max-restarts K: the launcher starts up to K replacements
                    bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                    comm_hook=None if cfg.compress == "none" else cfg.compress)
+    if saved:
+        live.step = step
     w = live.world
     cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
     kill = _planted_kill(live.member)
@@ -181,7 +213,10 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
-    report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0), resumed_at=None)
+    for line in plan.changes:
+        report.note(line)
+    report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0),
+                 resumed_at=live.step if saved else None)
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)
@@ -252,12 +287,23 @@ def train_live_rank(cfg: TrainConfig) -> dict:
         stats["compute_s"] += elapsed - live.model.wait_seconds
         report.step(live.step, current["epoch"], current["loss"], current["step_size"] / elapsed,
                     live.model.last_overlap)
-        checkpoints.after_step(live, batch)
-        if live.progress["epoch"] != current["epoch"]:   # the epoch's last step
+        epoch_ended = live.progress["epoch"] != current["epoch"]
+        checkpoints.after_step(live, batch, epoch_ended=epoch_ended)
+        if epoch_ended:   # the epoch's last step
             if kill == (live.step, "evaluate"):
                 _die()
             evaluation = collective(lambda: evaluate(cfg, model, test_set))
             report.epoch(current["epoch"], live.step, evaluation)
+        reason = STOP_REASONS[collective(lambda: _stop_code(watch))] if watch.active else None
+        if reason is not None:
+            checkpoints.after_step(live, batch, final=True)
+            command = resume_command(cfg)
+            report.preempted(live.step, command, signal_at=watch.first_at)
+            live.close()
+            return {"summary": None, "preempted": {"step": live.step, "command": command, "reason": reason,
+                                                   "signals": watch.received},
+                    "digest": None, "member": live.member, "recoveries": [r.__dict__ for r in live.recoveries],
+                    "params": None, "events": [], "checkpoints": checkpoints.written}
     wall = time.perf_counter() - started
     if not evaluation:
         evaluation = collective(lambda: evaluate(cfg, model, test_set))
@@ -266,7 +312,7 @@ def train_live_rank(cfg: TrainConfig) -> dict:
                         dtype=torch.float64)
     per_rank = collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
     checkpoints.after_step(live, batch, final=True)
-    summary = report.finish(wall, live.step, evaluation, per_rank)
+    summary = report.finish(wall, live.step, evaluation, per_rank, trained=live.step - (step if saved else 0))
     live.close()
     if sample_log is not None:
         sample_log.close()

@@ -17,7 +17,7 @@ Sparse tables (word2vec): a model with ``make_sparse()`` trains its embeddings w
 each step a worker reads its micro-batches first, then pulls only the rows they need
 (``model.rows_needed``) and pushes only the rows they touched (ps/sparse_wire.py).
 
-Preemption (train/preempt.py's signal, to the launcher or any rank): a worker that received it sets
+Preemption (train/preempt.py's signal or Ctrl-C, to the launcher, any rank or the whole job): a worker that received it sets
 the stop flag on its next push, a server polls it between messages (ParameterServer.serve(stop)), and
 the servers' next answers carry the flag, so sync workers all stop on the same version and async/ssp
 workers each at their own clock; nothing pushed is lost. Then every rank gathers the servers' state
@@ -47,7 +47,7 @@ from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, par
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
-from gradsync.train.preempt import PreemptWatch, resume_command
+from gradsync.train.preempt import STOP_REASONS, PreemptWatch, resume_command, spawned_rank
 from gradsync.train.report import Reporter
 from gradsync.train import resume
 
@@ -78,7 +78,7 @@ def _optimizer_fn(cfg: TrainConfig, peak_lr: float, pushes_per_version: int):
 
 def train_ps_rank(cfg: TrainConfig) -> dict:
     """One rank's job under a parameter-server strategy; returns its statistics."""
-    with PreemptWatch(cfg.preempt_signal) as watch:
+    with PreemptWatch(cfg.preempt_signal, interrupt_twice_raises=not spawned_rank()) as watch:
         return _train_ps_rank(cfg, watch)
 
 
@@ -115,6 +115,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if saved:
         ps.load_state_dict(saved["ps"])
     step = saved["ps"]["clocks"][worker_index] if saved and not ps.is_server else 0
+    first_step = step
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
     for line in plan.changes:
         report.note(line)
@@ -165,15 +166,17 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if sample_log is not None:
         sample_log.close()
     wall = time.perf_counter() - started
-    stopped = torch.tensor([int(not ps.is_server and ps.stopping and step < total_steps)])
+    # [some worker stopped early, the strongest stop code any rank has (preempt.STOP_REASONS)]
+    stopped = torch.tensor([int(not ps.is_server and ps.stopping and step < total_steps), watch.stop_code])
     gs.all_reduce(stopped, op="max")
     state = ps.state_dict()
     _save(cfg, plan, model, ps, state, steps_per_epoch)
-    if bool(stopped):
+    if bool(stopped[0]):
         first_worker = state["clocks"][0]
         report.preempted(first_worker, resume_command(cfg), signal_at=watch.first_at)
         return {"summary": None, "preempted": {"step": first_worker, "clocks": state["clocks"],
-                                               "signals": watch.received},
+                                               "signals": watch.received,
+                                               "reason": STOP_REASONS[int(stopped[1])] or "preempted"},
                 "digest": None, "params": None, "events": []}
     stats = ps.stats()
     evaluation = evaluate(cfg, model, test_set, ranks=list(range(servers, w.world_size)))
@@ -187,7 +190,8 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     total_updates = float(per_rank[:, 5].sum())
     staleness = {"mean": float(per_rank[:, 6].sum()) / total_updates if total_updates else 0.0,
                  "max": float(per_rank[:, 7].max()), "updates": total_updates}
-    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness)
+    summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=workers, staleness=staleness,
+                            trained=total_steps - first_step)
     return {"summary": summary, "digest": param_digest(model), "ps": stats,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
             "events": []}
@@ -208,5 +212,6 @@ def _save(cfg: TrainConfig, plan, model, ps, state: dict, steps_per_epoch: int) 
         epoch, batch = divmod(step, steps_per_epoch)
         checkpoint.save(Path(cfg.out) / resume.CHECKPOINT_NAME, {
             "model": model.state_dict(), "ps": state, "step": step, "epoch": epoch,
-            "position": batch * plan.global_batch, "world_size": w.world_size, **resume.run_record(cfg, plan)})
+            "position": batch * plan.global_batch, "world_size": w.world_size, "steps_per_epoch": steps_per_epoch,
+            **resume.run_record(cfg, plan)})
     gs.all_reduce(torch.zeros(1))

@@ -21,8 +21,15 @@ while a survivor is still open; a push some servers applied and others had not (
 
 The global batch and the learning rate stay (keep-global, live/policy.py).
 
-What this mode leaves out: --live-batch keep-per-rank, sparse models (word2vec), checkpoints,
-preemption, --clip-grad, tracing, torchrun.
+Checkpoints and preemption, as the default mode's parameter-server jobs (train/loop_ps.py): the
+preemption signal or Ctrl-C, to the launcher, any rank or the whole job, makes the workers ask the
+servers to stop (their next answers say so), every rank then gathers the servers' state and rank 0
+writes the checkpoint, and the job exits 75 (Ctrl-C: 130); a checkpoint is also written at the end.
+--resume continues one in live mode with the same number of workers: each worker at its clock (sync:
+the epoch and position of its step), the servers at their version.
+
+What this mode leaves out: --live-batch keep-per-rank, sparse models (word2vec), --clip-grad,
+tracing, torchrun.
 
 Test knobs (as train/loop_live.py's): GRADSYNC_SAMPLE_LOG=DIR makes every worker append "step epoch
 id id ..." for each step it starts to DIR/live.<pid>.m<member> (a step trained again is written
@@ -33,6 +40,7 @@ M SIGKILL itself in its step S (0-based), after its forward.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -47,32 +55,64 @@ from gradsync.train.common import evaluate, loss_of, param_digest
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_live import _chunks, _die, _planted_kill
-from gradsync.train.loop_ps import MODE_OF, _optimizer_fn
+from gradsync.train.loop_ps import MODE_OF, _optimizer_fn, _save
 from gradsync.train.models import build_model
+from gradsync.train.preempt import STOP_REASONS, PreemptWatch, resume_command, spawned_rank
 from gradsync.train.report import Reporter
 
 
 def train_ps_live_rank(cfg: TrainConfig) -> dict:
     """One member's job (see the module docstring); returns its statistics and recoveries."""
+    with PreemptWatch(cfg.preempt_signal, interrupt_twice_raises=not spawned_rank()) as watch:
+        return _train_ps_live_rank(cfg, watch)
+
+
+def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     w = gs.world()
     torch.manual_seed(cfg.seed)
     train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    plan = resume.BatchPlan.fresh(cfg, w.world_size - cfg.servers)
+    workers = w.world_size - cfg.servers
+    saved = resume.read(cfg) if resume.agreed(cfg) else None
+    plan = resume.BatchPlan.for_resume(cfg, workers, saved) if saved else resume.BatchPlan.fresh(cfg, workers)
+    cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
     model = build_model(cfg.model, cfg.dataset)
+    if saved:
+        model.load_state_dict(saved["model"])
     mode = MODE_OF[cfg.strategy]
     live = LivePS(model, _optimizer_fn(cfg, plan.peak_lr, 1 if mode == "sync" else plan.workers),
                   num_servers=cfg.servers, mode=mode, staleness=cfg.staleness)
+    if saved:   # after construction, before serving or pulling (ParameterServer.load_state_dict)
+        live.ps.load_state_dict(saved["ps"])
+    first_step = saved["ps"]["clocks"][w.rank - cfg.servers] if saved and not live.is_server else 0
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == cfg.servers)
-    report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0), resumed_at=None)
+    for line in plan.changes:
+        report.note(line)
+    report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0),
+                 resumed_at=saved["step"] if saved else None)
     started = time.perf_counter()
     compute_s = 0.0
     if live.is_server:
-        live.serve()
+        live.serve(stop=lambda: watch.requested)
     else:
-        compute_s = _train(cfg, live, train_set, cursor, total_steps, report, plan)
+        compute_s = _train(cfg, live, train_set, cursor, total_steps, report, plan, watch, first_step)
     wall = time.perf_counter() - started
+    # [some worker stopped early, the strongest stop code any rank has (preempt.STOP_REASONS)]
+    stopped = torch.tensor([int(not live.is_server and live.stopping and live.step < total_steps), watch.stop_code])
+    live.collective(lambda: gs.all_reduce(stopped, op="max"))
+    state = live.collective(live.ps.state_dict)
+    live.collective(lambda: _save(cfg, plan, model, live.ps, state, cursor.steps_from(0)))
+    if bool(stopped[0]):
+        report.enabled = live.world.rank == cfg.servers
+        first_worker = state["clocks"][0]
+        report.preempted(first_worker, resume_command(cfg), signal_at=watch.first_at)
+        live.close()
+        return {"summary": None, "preempted": {"step": first_worker, "clocks": state["clocks"],
+                                               "signals": watch.received,
+                                               "reason": STOP_REASONS[int(stopped[1])] or "preempted"},
+                "digest": None, "member": live.member, "recoveries": [r.__dict__ for r in live.recoveries],
+                "params": None, "events": []}
     report.enabled = live.world.rank == cfg.servers   # the first worker may have died: the new one reports
     evaluation = live.collective(lambda: evaluate(cfg, model, test_set,
                                                   ranks=list(range(cfg.servers, live.world.world_size))))
@@ -87,7 +127,7 @@ def train_ps_live_rank(cfg: TrainConfig) -> dict:
                  "max": float(per_rank[:, 7].max()), "updates": updates}
     # workers=W at the start: every step of the plan trains the global batch G = b x accumulation x W
     summary = report.finish(wall, total_steps, evaluation, per_rank[:, :5], workers=plan.workers,
-                            staleness=staleness)
+                            staleness=staleness, trained=total_steps - first_step)
     live.close()
     return {"summary": summary, "digest": param_digest(model), "member": live.member, "ps": stats,
             "recoveries": [r.__dict__ for r in live.recoveries], "params": None, "events": []}
@@ -114,7 +154,7 @@ def tasks_of(first_workers: list[int], steps: int, recoveries) -> dict[int, list
 
 
 def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total_steps: int, report,
-           plan: resume.BatchPlan) -> float:
+           plan: resume.BatchPlan, watch: PreemptWatch, first_step: int) -> float:
     """The worker's loop: steps until ``total_steps``, then the final pull and close; its compute seconds."""
     kill = _planted_kill(live.member)
     if kill is not None and kill[1] != "forward":
@@ -122,7 +162,11 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)
-    live.progress = {"epoch": 0, "position": 0}
+    # a resumed worker goes on at its clock (sync: the epoch and position of that step; async and ssp
+    # index their tasks by it)
+    live.step = first_step
+    per_epoch = cursor.steps_from(0)
+    live.progress = {"epoch": first_step // per_epoch, "position": first_step % per_epoch * cursor.global_batch}
     current = {"compute_s": 0.0}
 
     first_workers = list(range(cfg.servers, cfg.servers + plan.workers))
@@ -163,8 +207,8 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
     recoveries = 0
     while True:
         step_started = time.perf_counter()
-        if live.step < (total_steps if live.mode == "sync" else len(tasks())):
-            if live.run_step(train_step):
+        if live.step < (total_steps if live.mode == "sync" else len(tasks())) and not live.stopping:
+            if live.run_step(train_step, stop=watch.requested):
                 report.step(live.step, current["epoch"], current["loss"],
                             current["step_size"] / (time.perf_counter() - step_started), None)
         elif live.finish():

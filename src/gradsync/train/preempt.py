@@ -3,10 +3,15 @@
 Vocabulary
     preemption signal  SIGTERM by default (what schedulers send before killing: Slurm, Kubernetes,
                        spot reclaim), or SIGUSR1 (--preempt-signal); sent to the launcher (which
-                       forwards it to every rank, launch.py) or to any one rank
+                       forwards it to every rank, launch.py), to any one rank, or to every process
+                       of the job at once (`timeout`, Slurm's scancel, `kill -- -PGID`)
+    interrupt          Ctrl-C: SIGINT to every process of the job; handled as a preemption that
+                       exits EXIT_INTERRUPTED. A second one stops the job at once (the launcher
+                       stops the ranks; the checkpoint on disk is the last one written, whole)
     step boundary      after optimizer.step() on every rank: no collective is in flight
     verdict            what the ranks decide after each step, in ONE all-reduce(max) of two integers:
-                       [rank 0's checkpoint clock has run out, some rank received the signal]
+                       [rank 0's checkpoint clock has run out, the strongest stop code any rank
+                       has (STOP_REASONS)]
 
 A signal that arrives while the rank starts up (before the watch is installed) was held
 (launch.hold_signals) and counts as received: the job stops after its first step.
@@ -14,9 +19,10 @@ A signal that arrives while the rank starts up (before the watch is installed) w
 Sequence: the handler only counts (a rank inside a collective finishes it: the step in flight is
 completed, not lost); at the next boundary every rank learns the verdict, so all ranks stop after
 the same step S, write one checkpoint (atomic: checkpoint.py), rank 0 prints
-``preempted at step S; resume with: <command>`` and the job exits with EXIT_PREEMPTED. A second
-signal while the checkpoint is written is counted and ignored: the write finishes, and the previous
-checkpoint stays intact whatever happens meanwhile (temporary file, then rename).
+``preempted at step S; resume with: <command>`` and the job exits with EXIT_PREEMPTED (after
+Ctrl-C: EXIT_INTERRUPTED). A second preemption signal while the checkpoint is written is counted
+and ignored: the write finishes, and the previous checkpoint stays intact whatever happens
+meanwhile (temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -32,12 +38,15 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.launch import take_held
+from gradsync.launch import REPEATED_SIGNAL_SECONDS, take_held
 from gradsync.train.config import TrainConfig
 
 EXIT_PREEMPTED = 75
 """Exit status of a job stopped by its preemption signal after writing its checkpoint (EX_TEMPFAIL
 in sysexits.h: "temporary failure; the user is invited to retry"): rerun the printed command."""
+EXIT_INTERRUPTED = 130
+"""Exit status of a job stopped by Ctrl-C (SIGINT), with its checkpoint or, after a second Ctrl-C,
+at once: 128 + SIGINT, as a shell reports a command interrupted."""
 
 
 def signal_number(name: str) -> int | None:
@@ -45,41 +54,81 @@ def signal_number(name: str) -> int | None:
     return None if name == "none" else int(getattr(signal, name))
 
 
-class PreemptWatch:
-    """Counts the preemption signals this process receives (a context manager: installs the handler
-    on entry, restores the previous one on exit; only the main thread can install one)."""
+STOP_REASONS = (None, "preempted", "interrupted")
+"""What a rank's stop code means (StepBoundary's all-reduce(max) keeps the strongest): 0 go on,
+1 the preemption signal, 2 Ctrl-C (SIGINT; the job then exits EXIT_INTERRUPTED)."""
 
-    def __init__(self, signal_name: str) -> None:
+
+def stop_signals(cfg: TrainConfig) -> tuple[int, ...]:
+    """What a training job watches: its preemption signal (unless 'none') and SIGINT (Ctrl-C)."""
+    signum = signal_number(cfg.preempt_signal)
+    return (signal.SIGINT,) if signum is None else (signum, signal.SIGINT)
+
+
+def spawned_rank() -> bool:
+    """Whether this process is a rank gs.spawn started (its launcher is another process)."""
+    return "GRADSYNC_JOB_ID" in os.environ
+
+
+class PreemptWatch:
+    """Counts the preemption signals and the Ctrl-Cs (SIGINT) this process receives (a context
+    manager: installs the handlers on entry, restores the previous ones on exit; only the main
+    thread can install them). ``interrupt_twice_raises``: in a process that is also the launcher
+    (--strategy local, torchrun), a second SIGINT raises KeyboardInterrupt: stop at once; a
+    spawned rank only counts it (its launcher stops it, launch.py)."""
+
+    def __init__(self, signal_name: str, interrupt_twice_raises: bool = False) -> None:
         self.signum = signal_number(signal_name)
-        self.received = 0
-        self.first_at: float | None = None   # time.time() of the first signal
-        self._previous = None
+        self.interrupt_twice_raises = interrupt_twice_raises
+        self.received = 0      # preemption signals
+        self.interrupts = 0    # SIGINTs
+        self.first_at: float | None = None   # time.time() of the first of either
+        self._first_interrupt = 0.0           # time.monotonic() of the first SIGINT
+        self._previous: dict = {}
 
     @property
     def active(self) -> bool:
-        return self._previous is not None
+        return bool(self._previous)
 
     @property
     def requested(self) -> bool:
-        return self.received > 0
+        return self.received > 0 or self.interrupts > 0
+
+    @property
+    def stop_code(self) -> int:
+        """This rank's index into STOP_REASONS."""
+        return 2 if self.interrupts else 1 if self.received else 0
 
     def _on_signal(self, signum, frame) -> None:
-        self.received += 1
+        if signum == signal.SIGINT:
+            if self.interrupts and time.monotonic() - self._first_interrupt < REPEATED_SIGNAL_SECONDS:
+                return   # the same Ctrl-C, received twice (launch.REPEATED_SIGNAL_SECONDS)
+            self.interrupts += 1
+            self._first_interrupt = self._first_interrupt or time.monotonic()
+            if self.interrupts >= 2 and self.interrupt_twice_raises:
+                raise KeyboardInterrupt
+        else:
+            self.received += 1
         if self.first_at is None:
             self.first_at = time.time()
 
     def __enter__(self) -> "PreemptWatch":
-        if self.signum is not None and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(self.signum, self._on_signal)
-            held, first = take_held(self.signum)   # arrived during start-up (launch.hold_signals)
-            self.received += held
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGINT,) if self.signum is None else (self.signum, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+            held, first = take_held(signum)   # arrived during start-up (launch.hold_signals)
+            if signum == signal.SIGINT and held:   # held Ctrl-Cs count as one: their times are not kept
+                self.interrupts, self._first_interrupt = 1, time.monotonic()
+            elif signum != signal.SIGINT:
+                self.received += held
             self.first_at = self.first_at or first
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class StepBoundary:
@@ -93,6 +142,8 @@ class StepBoundary:
         self.steps, self.seconds = cfg.checkpoint_interval()
         self.watch = watch
         self.last = time.monotonic()
+        self.reason: str | None = None
+        """Why the job stops (STOP_REASONS), once a verdict said so."""
 
     def __call__(self, step: int) -> tuple[bool, bool]:
         if self.steps is not None:
@@ -103,13 +154,13 @@ class StepBoundary:
             return due, False
         w = gs.world()
         verdict = torch.tensor([int(due and w.rank == 0) if self.seconds is not None else int(due),
-                                int(self.watch.requested)], dtype=torch.int64)
+                                self.watch.stop_code], dtype=torch.int64)
         if w.world_size > 1:
             gs.all_reduce(verdict, op="max")
-        due, stop = bool(verdict[0]), bool(verdict[1])
+        due, self.reason = bool(verdict[0]), STOP_REASONS[int(verdict[1])]
         if due and self.seconds is not None:
             self.last = time.monotonic()
-        return due, stop
+        return due, self.reason is not None
 
 
 def _launcher_command() -> list[str] | None:
@@ -135,7 +186,7 @@ def resume_command(cfg: TrainConfig) -> str:
     for field in dataclasses.fields(TrainConfig):
         value = getattr(cfg, field.name)
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("resume", "workers", "out") or value == field.default:
+        if field.name in ("resume", "overwrite", "workers", "out") or value == field.default:
             continue
         argv += [flag] if value is True else [flag, str(value)]
     return shlex.join(argv + ["--workers", str(cfg.workers), "--out", cfg.out, "--resume"])

@@ -2,7 +2,8 @@
 
 The summary's per-rank columns come from every rank (all-gathered): compute seconds (step time
 minus time spent waiting for buckets), communication seconds (time the communication thread spent
-reducing, overlapped or not), exposed wait (time backward's end waited for reductions), bytes sent.
+reducing, overlapped or not), exposed wait (time from backward's end until its reductions were done:
+queued buckets and the slowest rank included, so it may exceed the communication seconds), bytes sent.
 A rank whose compute time is more than 20% above the median is named as a straggler.
 """
 
@@ -130,8 +131,10 @@ class Reporter:
 
     def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
                workers: int | None = None, staleness: dict | None = None,
-               checkpoints: tuple[int, float, float] | None = None) -> dict | None:
-        """``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
+               checkpoints: tuple[int, float, float] | None = None, trained: int | None = None) -> dict | None:
+        """``steps``: the step the run has reached; ``trained``: how many of them this command trained
+        (default all; fewer after --resume), which ``wall``, the throughput and the per-rank figures
+        are of. ``per_rank`` rows: compute s, comm s, exposed wait s, bytes sent, overlap (-1: none).
         ``workers``: ranks that train (default: all; parameter servers do not). ``staleness``: for
         parameter-server runs, {"mean": versions, "max": versions, "updates": count}, shown instead of overlap.
         ``checkpoints``: (how many, seconds on the training thread, seconds writing in the background)."""
@@ -140,16 +143,21 @@ class Reporter:
         if not self.enabled:
             return None
         c = self.cfg
-        samples = steps * c.batch_size * c.grad_accum * (workers or per_rank.shape[0])
+        trained = steps if trained is None else trained
+        samples = trained * c.batch_size * c.grad_accum * (workers or per_rank.shape[0])
         compute = per_rank[:, 0].tolist()
         median_compute = statistics.median([t for t in compute if t > 0] or [0.0])
         stragglers = [r for r, t in enumerate(compute) if median_compute > 0 and t > STRAGGLER_FACTOR * median_compute]
-        overlaps = [o for o in per_rank[:, 4].tolist() if o >= 0]
-        summary = {"wall_s": wall, "steps": steps, "samples_per_s": samples / wall if wall > 0 else 0.0,
+        # overlap: each rank's share weighed by its communication time (doctor.py computes the same from a trace)
+        weighed = [(o * c, c) for o, c in zip(per_rank[:, 4].tolist(), per_rank[:, 1].tolist()) if o >= 0]
+        overlap = (sum(h for h, _ in weighed) / sum(c for _, c in weighed)
+                   if weighed and sum(c for _, c in weighed) > 0 else None)
+        summary = {"wall_s": wall, "steps": steps, "steps_trained": trained,
+                   "samples_per_s": samples / wall if wall > 0 else 0.0,
                    "accuracy": evaluation.get("accuracy"), "test_loss": evaluation.get("test_loss"),
                    "bytes_sent_per_rank": per_rank[:, 3].tolist(), "compute_s": compute,
                    "comm_s": per_rank[:, 1].tolist(), "wait_s": per_rank[:, 2].tolist(),
-                   "overlap": statistics.fmean(overlaps) if overlaps else None, "stragglers": stragglers,
+                   "overlap": overlap, "stragglers": stragglers,
                    "staleness": staleness, "checkpoints": checkpoints[0] if checkpoints else None,
                    "checkpoint_s": checkpoints[1] if checkpoints else None,
                    "checkpoint_write_s": checkpoints[2] if checkpoints else None}
@@ -157,18 +165,25 @@ class Reporter:
         table = Table(title="gradsync train: summary")
         table.add_column("")
         table.add_column("value", justify="right")
-        table.add_row("time", f"{wall:.1f} s for {steps} steps")
+        table.add_row("time", f"{wall:.1f} s for {trained} steps" + (
+            f" (steps {steps - trained + 1}-{steps}, resumed at step {steps - trained})" if trained < steps else ""))
         table.add_row("throughput", f"{summary['samples_per_s']:,.0f} samples/s")
         table.add_row("test accuracy" if c.model != "charlm" else "next-byte accuracy", f"{summary['accuracy']:.2%}")
         table.add_row("test loss", f"{summary['test_loss']:.4f}")
         table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
         if staleness is not None:
             table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "
-                                       f"{staleness['updates']:.0f} shard updates (server version - version pushed on)")
+                                       f"{staleness['updates']:.0f} shard updates (server version - version pushed on; "
+                                       f"a version is one update the server applied)"
+                          + (f"; --staleness {c.staleness} bounds steps, each worker's clock, not versions"
+                             if c.strategy == "ssp" else ""))
         else:
-            table.add_row("overlap share", "-" if summary["overlap"] is None else f"{summary['overlap']:.0%} of communication ran during backward")
+            table.add_row("overlap share", "-" if summary["overlap"] is None else
+                          f"{summary['overlap']:.0%} of bucket all-reduce time ran before backward ended (all ranks)")
         table.add_row("compute / comm / exposed wait",
-                      f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks)")
+                      f"{sum(compute):.1f} s / {sum(summary['comm_s']):.1f} s / {sum(summary['wait_s']):.1f} s (all ranks; "
+                      f"the wait, from backward's end until its reductions were done, includes waiting for the "
+                      f"slowest rank and may exceed comm)")
         if checkpoints is not None:
             table.add_row("checkpoints", f"{checkpoints[0]} written: {checkpoints[1]:.2f} s on the training thread "
                                          f"(snapshots, waits), {checkpoints[2]:.2f} s writing in the background (rank 0)")

@@ -105,7 +105,7 @@ def saved_plan(cfg: TrainConfig, state: dict) -> BatchPlan:
     return old
 
 
-def _family(value):
+def family(value):
     """ddp, zero1 and local checkpoint the same things (whole weights, whole optimizer state), so one
     resumes the others: a job of 2 ddp workers may continue as one local process."""
     return "ddp|zero1|local" if value in ("ddp", "zero1", "local") else value
@@ -151,6 +151,9 @@ def agreed(cfg: TrainConfig) -> bool:
     if not bool(flags[:, 0].any()):
         return False
     missing = [rank for rank in range(w.world_size) if not flags[rank, 1]]
+    if len(missing) == w.world_size:
+        raise checkpoint.CheckpointError(f"--resume: {cfg.out} holds no checkpoint ({CHECKPOINT_NAME}) on any rank; "
+                                         f"train without --resume to start a run there")
     if missing:
         asking = int(flags[:, 0].nonzero()[0])
         raise checkpoint.CheckpointError(
@@ -162,8 +165,8 @@ def agreed(cfg: TrainConfig) -> bool:
 def read(cfg: TrainConfig) -> dict:
     """The checkpoint in ``cfg.out``, refused if it belongs to another run (IDENTITY)."""
     state = checkpoint.load(Path(cfg.out) / CHECKPOINT_NAME)
-    mine = {k: _family(getattr(cfg, k)) for k in IDENTITY}
-    theirs = {k: _family(state["identity"].get(k)) for k in IDENTITY}
+    mine = {k: family(getattr(cfg, k)) for k in IDENTITY}
+    theirs = {k: family(state["identity"].get(k)) for k in IDENTITY}
     if mine != theirs:
         differing = {k: (theirs[k], mine[k]) for k in IDENTITY if mine[k] != theirs[k]}
         raise checkpoint.CheckpointError(f"the checkpoint belongs to a different run: (checkpoint, now) = {differing}")
