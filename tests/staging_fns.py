@@ -147,3 +147,15 @@ def nccl_communicators_made() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def train_digest(config: dict, out: str) -> tuple[int, float, int]:
+    """The main job's own rank function (train/loop.py train_rank) on this world: (parameter digest,
+    test accuracy, bytes copied to the host for collectives) of this rank."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import train_rank
+
+    result = train_rank(TrainConfig(workers=gs.world().world_size, out=f"{out}/r{gs.world().rank}", quiet=True,
+                                    **config))
+    return (result["digest"], result["summary"]["accuracy"] if result.get("summary") else None,
+            gs.traffic()["device_to_host_bytes"])

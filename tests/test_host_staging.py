@@ -119,3 +119,21 @@ def test_torch_ddp_on_the_gradsync_backend_with_a_cuda_module_equals_gloo(world_
     for mine, theirs in zip(ours, gloo):
         for got, want in zip(mine, theirs):
             assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(600)
+def test_the_main_job_through_the_staging_copies_ends_on_the_same_bits(world_of, tmp_path):
+    # every strategy's collectives (buckets, PowerSGD's factors, ZeRO-1's shards, DiLoCo's outer
+    # average, the evaluation) through host staging's copies on CPU tensors: with 2 ranks every sum
+    # is the same two numbers in either order, so the parameters must equal the unstaged run's bit
+    # for bit
+    configs = [{"strategy": "ddp", "compress": "powersgd"}, {"strategy": "zero1"},
+               {"strategy": "diloco", "sync_every": 3}, {"strategy": "ddp", "compress": "bf16"}]
+    staged, plain = world_of(2, **STAGE_CPU), world_of(2)
+    for index, config in enumerate(configs):
+        config = {**config, "steps": 7, "seed": 3}
+        ours = staged.run(staging_fns.train_digest, config, str(tmp_path / f"staged{index}"), case_timeout=300)
+        theirs = plain.run(staging_fns.train_digest, config, str(tmp_path / f"plain{index}"), case_timeout=300)
+        assert [r[:2] for r in ours] == [r[:2] for r in theirs], (config, ours, theirs)
+        assert ours[0][0] == ours[1][0], (config, "replicas differ")
+        assert all(r[2] > 0 for r in ours) and all(r[2] == 0 for r in theirs), (config, "staged bytes", ours, theirs)

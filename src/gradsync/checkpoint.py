@@ -57,8 +57,8 @@ def save(path: str | Path, state: dict) -> Path:
 def snapshot(state):
     """A copy of ``state`` (nested dicts, lists, tuples) whose tensors no longer share memory with the
     live ones, so training may change those while the copy is written."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+    if isinstance(state, torch.Tensor):   # on the CPU: a checkpoint loads on any device (load's map_location)
+        return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
         return {key: snapshot(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
@@ -116,4 +116,4 @@ def load(path: str | Path) -> dict:
         raise CheckpointError(f"{path} is truncated: {len(payload)} of {length} payload bytes present")
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(f"{path} is corrupt: its SHA-256 checksum does not match the contents")
-    return torch.load(io.BytesIO(payload), weights_only=True)
+    return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")   # CUDA or not, it loads here

@@ -53,6 +53,14 @@ def stage_cpu_tensors() -> bool:
     return value == "cpu"
 
 
+def bind_gpu() -> None:
+    """Under GRADSYNC_BIND_GPU=1 (set by `gradsync train --device cuda|auto` where there is a GPU), make
+    GPU LOCAL_RANK mod GPU count this process's current device; init() calls it before it reads the
+    device (other programs call torch.cuda.set_device(local_rank) themselves, as torchrun's do)."""
+    if os.environ.get("GRADSYNC_BIND_GPU") == "1" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
+
+
 def gpu_identity() -> str:
     """This rank's GPU as the other ranks can compare it: host and the current device's UUID (its index
     where the UUID is not known)."""

@@ -217,6 +217,7 @@ def _meet(wanted: World, store, prefix: str, generation: int, live: bool = False
     the CUDA path and the backend are settled first, from every rank's GPU (device_path.py)."""
     global _WORLD
     store = dist.PrefixStore(prefix, store)
+    device_path.bind_gpu()
     cuda_path, backend = device_path.settle(store, wanted.rank, wanted.world_size, wanted.timeout,
                                             None if wanted.backend == "auto" else wanted.backend, live)
     wanted = dataclasses.replace(wanted, backend=backend, cuda_path=cuda_path)

@@ -29,8 +29,8 @@ class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
 
 
 def add_parser(commands) -> None:
-    from gradsync.train.config import (COMPRESSION, FAULT_TOLERANCE, LIVE_BATCH, LR_SCALING, PREEMPT_SIGNALS,
-                                        STRATEGIES, TrainConfig)
+    from gradsync.train.config import (COMPRESSION, DEVICES, FAULT_TOLERANCE, LIVE_BATCH, LR_SCALING,
+                                        PREEMPT_SIGNALS, STRATEGIES, TrainConfig)
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.datasets import DATASETS
     from gradsync.train.models import MODELS
@@ -84,6 +84,10 @@ def add_parser(commands) -> None:
     flag("--clip-grad", type=float, metavar="X",
          help="clip the averaged gradient to total 2-norm X before each optimizer step, as torch's clip_grad_norm_ "
               "on one process (ps-sync: on the servers; ps-async, ssp: each push); default: no clipping")
+    flag("--device", choices=DEVICES,
+         help="where each worker trains: cuda (GPU local rank mod GPU count; ranks sharing a GPU reduce through "
+              "host memory, each on its own GPU through NCCL), cpu, or auto (cuda when torch sees a GPU; "
+              "parameter servers stay on the CPU)")
     flag("--seed", type=int, help="seed of the model's initialisation, the data split and the shuffling")
     flag("--out", help="directory for metrics.jsonl, checkpoint.pt and trace.json; a run already in a directory you "
                        "name is refused unless --resume or --overwrite, while the default one is replaced, saying so "
@@ -119,6 +123,7 @@ def _before_spawning(cfg) -> str | None:
     from gradsync.train import runs
 
     runs.check_batch(cfg)
+    runs.check_device(cfg)
     if cfg.resume:
         return runs.check_resume(cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:   # a torchrun restart continues its run

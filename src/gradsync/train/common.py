@@ -3,6 +3,7 @@ exact distributed evaluation and a digest of the parameters."""
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
@@ -56,6 +57,38 @@ def lr_at(step: int, peak: float, warmup_steps: int) -> float:
     return peak if step >= warmup_steps else peak * (step + 1) / warmup_steps
 
 
+def train_device(cfg: TrainConfig) -> torch.device:
+    """Where this rank trains (--device): cuda is the GPU local rank mod GPU count (ranks that share one
+    go through host memory: comm/host_staging.py); auto is cuda when torch sees a GPU, except for
+    word2vec, whose sparse tables train on the CPU."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and (cfg.model == "word2vec" or not torch.cuda.is_available())):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
+                           "False); use --device cpu or auto")
+    try:
+        local_rank = gs.world().local_rank
+    except RuntimeError:   # a live replacement before it joins: its launcher's local rank
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def device_record(device: torch.device) -> dict:
+    """What metrics.jsonl says of where the job trained: the device, how many local ranks share this GPU,
+    and how CUDA tensors travel (host staging or NCCL: device_path.py)."""
+    if device.type != "cuda":
+        return {"device": "cpu"}
+    w, gpus = gs.world(), torch.cuda.device_count()
+    sharing = sum(1 for local in range(w.local_world_size) if local % gpus == w.local_rank % gpus)
+    return {"device": str(device), "gpu": torch.cuda.get_device_name(device), "ranks_per_gpu": sharing,
+            "cuda_path": w.cuda_path}
+
+
+def on(device: torch.device, batch: tuple) -> tuple:
+    """A batch's tensors on ``device`` (asynchronous where the source is pinned)."""
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, model: nn.Module, test_set, ranks: list[int] | None = None) -> dict:
     """The ``ranks`` (default: all) score disjoint slices of the test set; the counts are summed exactly
@@ -65,8 +98,9 @@ def evaluate(cfg: TrainConfig, model: nn.Module, test_set, ranks: list[int] | No
     model.eval()
     indices = list(range(ranks.index(w.rank), len(test_set), len(ranks))) if w.rank in ranks else []
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    device = next(model.parameters()).device
     for start in range(0, len(indices), 256):
-        x, y = test_set[indices[start:start + 256]]
+        x, y = on(device, test_set[indices[start:start + 256]])
         logits = model(x)
         totals[0] += float(loss_of(cfg.model, logits, y)) * y.numel()
         totals[1] += float((logits.argmax(-1) == y).sum())

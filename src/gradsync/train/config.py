@@ -15,6 +15,7 @@ from gradsync.train.models import MODELS
 STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local", "diloco")
 COMPRESSION = ("none", "fp16", "bf16", "powersgd")
 LR_SCALING = ("none", "linear")
+DEVICES = ("auto", "cpu", "cuda")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "none")
 FAULT_TOLERANCE = ("restart", "live")
 LIVE_BATCH = ("keep-global", "keep-per-rank")
@@ -80,6 +81,10 @@ class TrainConfig:
     clip_grad: float | None = None
     """Largest total 2-norm of the averaged gradient a step applies (torch.nn.utils.clip_grad_norm_ on one
     process with the global batch; where each strategy takes the norm: clip_site()); None: no clipping."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each worker trains: cuda (the GPU local rank mod GPU count; ranks that share one go through
+    host memory: comm/host_staging.py), cpu, or auto (cuda when torch sees a GPU). Parameter servers
+    stay on the CPU."""
     seed: int = 0
     """Seed for model initialisation, data split and shuffling."""
     out: str = "runs/latest"
@@ -235,6 +240,11 @@ class TrainConfig:
         if self.strategy == "diloco" and self.compress != "none":
             raise RuntimeError(f"--strategy diloco averages parameters every --sync-every steps, not gradients: "
                                f"--compress {self.compress} does not apply (use --compress none)")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device {self.device!r}: choose one of {', '.join(DEVICES)}")
+        if self.device == "cuda" and self.model == "word2vec":
+            raise RuntimeError("--device cuda: word2vec's sparse tables train on the CPU (their rows travel as "
+                               "sparse gradients); use --device cpu")
         if self.strategy == "local" and self.workers != 1:
             raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()

@@ -41,7 +41,8 @@ from gradsync import checkpoint, trace
 from gradsync.launch import hold_signals
 from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
-from gradsync.train.common import build_optimizer, clip_gradients, evaluate, loss_of, lr_at, param_digest
+from gradsync.train.common import (build_optimizer, clip_gradients, device_record, evaluate, loss_of, lr_at, on,
+                                   param_digest, train_device)
 from gradsync.train.config import PS_STRATEGIES, TrainConfig
 from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.train.datasets import build_dataset
@@ -127,8 +128,9 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                          f"workers or a smaller batch")
     cursor = EpochCursor(len(train_set), global_batch, seed=cfg.seed)
     steps_per_epoch = cursor.steps_from(0)
-    # build_model, wrap_model, build_optimizer
-    model = build_model(cfg.model, cfg.dataset)
+    # build_model (on this rank's device), wrap_model, build_optimizer
+    device = train_device(cfg)
+    model = build_model(cfg.model, cfg.dataset).to(device)
     if cfg.strategy == "zero1":
         optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
         wrapped = _Unwrapped(model, optimizer)
@@ -157,7 +159,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         report.note(line)
     shown_base_lr = peak_lr / (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
     report.start(global_batch, shown_base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
-    report.setup(**_layout(model, wrapped))
+    report.setup(**_layout(model, wrapped), **device_record(device))
     gs.traffic_reset()
     # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)
     stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "hidden_s": 0.0, "bucket_s": 0.0, "checkpoint_s": 0.0,
@@ -201,7 +203,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
                 ids = share[micro * cfg.batch_size:(micro + 1) * cfg.batch_size]
-                x, y = train_set[ids]
+                x, y = on(device, train_set[ids])
                 with wrapped.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
                     loss = _micro_loss(cfg, wrapped(x), y, ids, step_size, step_size == global_batch, w.world_size)
                     loss.backward()

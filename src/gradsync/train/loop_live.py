@@ -68,7 +68,7 @@ from gradsync.data import EpochCursor
 from gradsync.live import LiveDDP, resized
 from gradsync.train import resume
 from gradsync.train.resume import CHECKPOINT_NAME
-from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
+from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
@@ -190,7 +190,8 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     plan = resume.BatchPlan.for_resume(cfg, cfg.workers, saved) if saved else resume.BatchPlan.fresh(cfg, cfg.workers)
     cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}   # a replacement receives rank 0's
-    model = build_model(cfg.model, cfg.dataset)
+    device = train_device(cfg)
+    model = build_model(cfg.model, cfg.dataset).to(device)
     optimizer = build_optimizer(cfg, model.parameters(), plan.peak_lr)
     step, epoch, position = resume.apply(saved, model, optimizer) if saved else (0, 0, 0)
 
@@ -237,7 +238,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
         for micro, ids in enumerate(_chunks(share, cfg.grad_accum)):
             with ddp.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
-                x, y = train_set[ids]
+                x, y = on(device, train_set[ids])
                 logits = ddp(x)
                 if kill == (live.step, "forward"):
                     _die()

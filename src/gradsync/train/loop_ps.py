@@ -43,7 +43,7 @@ import torch
 import gradsync as gs
 from gradsync import checkpoint
 from gradsync.data import DistributedSampler
-from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, param_digest
+from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
@@ -114,6 +114,9 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                             num_servers=servers, mode=mode, staleness=cfg.staleness, max_grad_norm=cfg.clip_grad)
     if saved:
         ps.load_state_dict(saved["ps"])
+    # servers keep their shards on the CPU; a worker computes on its device (pull and push copy between them)
+    device = torch.device("cpu") if ps.is_server else train_device(cfg)
+    model.to(device)
     step = saved["ps"]["clocks"][worker_index] if saved and not ps.is_server else 0
     first_step = step
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
@@ -141,7 +144,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             for micro in range(cfg.grad_accum):
                 first = (batch * cfg.grad_accum + micro) * cfg.batch_size
                 micro_batches.append(order[first:first + cfg.batch_size])
-            data = [train_set[ids] for ids in micro_batches]
+            data = [on(device, train_set[ids]) for ids in micro_batches]
             if hasattr(model, "rows_needed"):
                 ps.pull(rows=model.rows_needed(torch.cat([x for x, _ in data])))
             else:

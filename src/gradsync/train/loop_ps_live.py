@@ -51,7 +51,7 @@ import gradsync as gs
 from gradsync.data import EpochCursor
 from gradsync.live.ps import LivePS
 from gradsync.train import resume
-from gradsync.train.common import evaluate, loss_of, param_digest
+from gradsync.train.common import evaluate, loss_of, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
 from gradsync.train.loop_live import _chunks, _die, _planted_kill
@@ -84,6 +84,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                   num_servers=cfg.servers, mode=mode, staleness=cfg.staleness)
     if saved:   # after construction, before serving or pulling (ParameterServer.load_state_dict)
         live.ps.load_state_dict(saved["ps"])
+    model.to(torch.device("cpu") if live.is_server else train_device(cfg))   # servers stay on the CPU
     first_step = saved["ps"]["clocks"][w.rank - cfg.servers] if saved and not live.is_server else 0
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == cfg.servers)
@@ -193,7 +194,7 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
             sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
         computed = time.perf_counter()
         for ids in _chunks(share, cfg.grad_accum):
-            x, y = train_set[ids]
+            x, y = on(next(model.parameters()).device, train_set[ids])
             logits = model(x)
             if kill == (live.step, "forward"):
                 _die()

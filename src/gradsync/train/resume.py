@@ -186,7 +186,8 @@ def state_of(cfg: TrainConfig, plan: BatchPlan, model, optimizer, step: int, epo
     """What a checkpoint holds (optimizer.state_dict() is collective for zero1: call on every rank)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
             "position": position, "batch_in_epoch": -(-position // plan.global_batch), "world_size": world_size,
-            **run_record(cfg, plan), "rng_torch": torch.get_rng_state()}
+            **run_record(cfg, plan), "rng_torch": torch.get_rng_state(),
+            **({"rng_cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
 
 
 def run_record(cfg: TrainConfig, plan: BatchPlan) -> dict:
@@ -202,4 +203,6 @@ def apply(state: dict, model, optimizer) -> tuple[int, int, int]:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng_torch"])
+    if "rng_cuda" in state and torch.cuda.is_available() and len(state["rng_cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])   # a CPU run, or another GPU count, keeps its own
     return state["step"], state["epoch"], position_of(state)

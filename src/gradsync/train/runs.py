@@ -42,6 +42,22 @@ def train_samples(dataset: str) -> int | None:
     return None
 
 
+def check_device(cfg: TrainConfig) -> None:
+    """--device cuda needs a GPU torch can see; with it, each spawned rank takes GPU local rank mod GPU
+    count before it meets the others (GRADSYNC_BIND_GPU: device_path.bind_gpu), so that ranks with a
+    GPU each settle on NCCL."""
+    if cfg.device == "auto" and cfg.model == "word2vec":
+        return
+    if cfg.device == "cuda" or cfg.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            os.environ["GRADSYNC_BIND_GPU"] = "1"
+        elif cfg.device == "cuda":
+            raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
+                             "False); use --device cpu or auto")
+
+
 def check_batch(cfg: TrainConfig) -> None:
     """A step must fit in an epoch: per-worker batch x accumulation x data workers <= training samples
     (ddp, zero1, local, diloco: the global batch; the parameter server: each worker's shard)."""
