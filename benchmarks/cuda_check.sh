@@ -57,14 +57,20 @@ if [ $status -eq 0 ]; then verdict "cuda tests (shared GPU: collectives, DDP, Ze
 else verdict "cuda tests (shared GPU: collectives, DDP, ZeRO-1, backend)" FAIL "$summary ($OUT/pytest.log)"; fi
 
 # 3. the main job on the GPU, every strategy
-for strategy in ddp zero1 ps-sync diloco; do
-    if timeout 120 "$PY" -m gradsync.cli train --device cuda --workers 2 --strategy "$strategy" --epochs 1 \
-            --out "$OUT/train-$strategy" > "$OUT/train-$strategy.log" 2>&1; then
-        verdict "train --device cuda --strategy $strategy" PASS "$(grep -m1 -o 'test accuracy [0-9.]*%' "$OUT/train-$strategy.log")"
+for job in "ddp" "zero1" "ps-sync --workers 3" "diloco" "ddp --compress powersgd" "ddp --fault-tolerance live"; do
+    name=${job// /_}
+    if timeout 120 "$PY" -m gradsync.cli train --device cuda --workers 2 --strategy $job --quiet \
+            --out "$OUT/train-$name" --overwrite > "$OUT/train-$name.log" 2>&1 \
+            && grep -q '"device": "cuda' "$OUT/train-$name/metrics.jsonl"; then
+        verdict "train --device cuda --strategy $job" PASS "$(grep -m1 -o 'test accuracy *│ *[0-9.]*%' "$OUT/train-$name.log" | tr -s ' │' ' ')"
     else
-        verdict "train --device cuda --strategy $strategy" FAIL "($OUT/train-$strategy.log)"
+        verdict "train --device cuda --strategy $job" FAIL "($OUT/train-$name.log)"
     fi
 done
+# a CUDA run's checkpoint resumes on the CPU and trains on (portable checkpoints)
+if timeout 120 "$PY" -m gradsync.cli train --device cpu --workers 2 --quiet --out "$OUT/train-ddp" --resume \
+        --epochs 9 > "$OUT/resume-on-cpu.log" 2>&1; then verdict "a CUDA checkpoint resumed on the CPU" PASS
+else verdict "a CUDA checkpoint resumed on the CPU" FAIL "($OUT/resume-on-cpu.log)"; fi
 
 # 4. the step against gloo's, ranks sharing the GPU
 for workers in 2 4; do
