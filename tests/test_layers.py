@@ -163,3 +163,15 @@ def test_no_import_circles():
 ])
 def test_the_circle_finder_itself(edges, expected):
     assert find_circles(edges) == expected
+
+
+TRANSPORT_INTERNALS = ("gradsync.comm.transport.shm", "gradsync.comm.transport.tcp")
+"""The transports' implementations: only comm/ reaches them; everything else asks comm's public
+surface (comm/world_transport.py, comm/collectives.py)."""
+
+
+def test_nothing_outside_comm_imports_a_transports_internals():
+    reaching = [f"{name} imports {target}" for name, targets in sorted(graph().items())
+                if not name.startswith("gradsync.comm") for target in sorted(targets)
+                if target.startswith(TRANSPORT_INTERNALS)]
+    assert not reaching, "imports of the transports' internals from outside comm/:\n" + "\n".join(reaching)
