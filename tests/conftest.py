@@ -5,19 +5,27 @@ import torch
 
 from world_pool import WorldPool
 
-_POOLS: dict[tuple, WorldPool] = {}
+_POOLS: dict[tuple, WorldPool] = {}   # in the order they were last asked for
+MAX_LIVE_POOLS = 6
+"""Worlds kept running at once: each rank holds a few hundred MB (torch), and a session that kept all
+its forty-odd worlds up ran this 24 GiB machine out of memory. Past this, the world asked for least
+recently is closed; it starts again if a later test asks for it."""
 
 
 @pytest.fixture(scope="session")
 def world_of():
     """world_of(n, **env) -> a WorldPool of n ranks with these environment variables (e.g.
-    GRADSYNC_TRANSPORT="tcp"), started once and shared by the whole session."""
+    GRADSYNC_TRANSPORT="tcp"), started on its first case and shared by the whole session (at most
+    MAX_LIVE_POOLS running at once)."""
 
     def get(n: int, **env: str) -> WorldPool:
         key = (n, tuple(sorted(env.items())))
-        if key not in _POOLS:
-            _POOLS[key] = WorldPool(n, env=env)
-        return _POOLS[key]
+        pool = _POOLS.pop(key, None) or WorldPool(n, env=env)
+        _POOLS[key] = pool   # now the most recently asked for
+        running = [other for other in _POOLS.values() if other is not pool and other._procs]
+        for other in running[:max(0, len(running) - (MAX_LIVE_POOLS - 1))]:
+            other.close()
+        return pool
 
     yield get
     for pool in _POOLS.values():   # every world shuts down at once, and all get the same 3 s

@@ -64,22 +64,26 @@ class HostStaging:
 
     def __init__(self, allocate) -> None:
         self._allocate = allocate          # shared regions (collectives.shared_allocator), or None
-        self._buffers: dict[tuple, list] = {}   # (dtype, numel, cuda) -> [host tensor, event of its last copy out]
+        # (dtype, numel, cuda) -> [host tensor, event of its last copy out], shared regions and private
+        # buffers apart: every local rank looks up the shared ones in the same order (their sizes agree),
+        # so each keeps and drops them alike, as a region's allocation is collective; private ones' sizes
+        # differ by rank (an all-gather's shards), and so may their keeping
+        self._buffers: dict[bool, dict[tuple, list]] = {True: {}, False: {}}
         self._streams: dict[torch.device, object] = {}
 
     # -- buffers and streams ------------------------------------------------------------------
     def _buffer(self, numel: int, dtype: torch.dtype, cuda: bool, shared: bool) -> list:
-        key = (dtype, numel, cuda, shared)
-        entry = self._buffers.get(key)
+        key, buffers = (dtype, numel, cuda), self._buffers[shared]
+        entry = buffers.get(key)
         if entry is None:
             host = self._allocate(numel, dtype) if shared and self._allocate is not None and numel else None
             if host is None:
                 host = torch.empty(numel, dtype=dtype, pin_memory=cuda)
             elif cuda:
                 _register(host)
-            if len(self._buffers) >= KEEP_BUFFERS:
-                self._buffers.clear()
-            entry = self._buffers[key] = [host, None]
+            if len(buffers) >= KEEP_BUFFERS:
+                buffers.clear()
+            entry = buffers[key] = [host, None]
         if entry[1] is not None:   # its last copy out must be over before it is written again
             entry[1].synchronize()
             entry[1] = None

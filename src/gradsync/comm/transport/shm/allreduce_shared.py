@@ -64,7 +64,7 @@ import torch
 from gradsync import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.transport.shm.allreduce_shared_direct import allreduce_shared_direct
+from gradsync.comm.transport.shm.allreduce_shared_direct import KeptPlan, allreduce_shared_direct
 from gradsync.comm.transport.shm.allreduce_shared_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
@@ -134,7 +134,7 @@ class _Piece(NamedTuple):
     results: list[torch.Tensor]   # region j of each other rank j's half: j's reduced slice
 
 
-class SplitAllReduce:
+class SplitAllReduce(KeptPlan):
     """The split all-reduce of one shape (element count, dtype, reduction), made ready once: every
     piece's chunk sizes (one ``flat.split`` per call cuts every slice of every piece) and, for each
     staging half, the region views of a whole piece and of a short last one, the meter's exchanges
@@ -180,10 +180,8 @@ class SplitAllReduce:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place; ``fingerprint``:
         agree on it with the first piece, every difference metered and raised (agree.compare_published)."""
         if self.native is not None and fingerprint is not None:
-            if transport.native(self.native.run, flat.data_ptr(), fingerprint.sequence) >= 0:
-                compare_published(transport, fingerprint)   # raises the mismatch the core found
-            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
-            transport.meter.record_exchanges(self.exchanges, op=OP)
+            self._native_call(flat, transport, fingerprint)
+            self._count(transport)
             return
         self._pieces(flat, transport, None if fingerprint is None else fingerprint.values(), fingerprint)
         transport.meter.record_exchanges(self.exchanges, op=OP)
@@ -194,10 +192,7 @@ class SplitAllReduce:
         compared after its first barrier, the call counted for the meter (with the native core, the
         pieces are one C call, which holds the thread itself)."""
         if self.native is not None:
-            sequence = next_sequence_of(transport)
-            stall.entered(self.fingerprint, sequence)
-            if transport.native(self.native.run, flat.data_ptr(), sequence) >= 0:
-                compare_published(transport, self.fingerprint._replace(sequence=sequence))
+            self._native_call(flat, transport, None)
             self._count(transport)
             return
         holding = self._hold is not None and self._hold.enter()
@@ -209,14 +204,6 @@ class SplitAllReduce:
         finally:
             if holding:
                 self._hold.leave()
-
-    def _count(self, transport) -> None:
-        """One call for the meter (TrafficMeter.tally)."""
-        if self._calls is not None:
-            self._calls[0] += 1
-        else:   # the meter keeps no more counters
-            transport.meter.record_exchanges(self.exchanges, op=OP)
-            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
 
     def _pieces(self, flat: torch.Tensor, transport, published, fingerprint) -> None:
         """The pieces, the first with ``published`` (a fingerprint's values, or None: no agreement);

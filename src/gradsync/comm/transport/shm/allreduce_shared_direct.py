@@ -46,7 +46,38 @@ OP = "all_reduce/shared_memory"
 AGREE = "all_reduce/agree"
 
 
-class DirectAllReduce:
+class KeptPlan:
+    """What a kept all-reduce plan (DirectAllReduce, allreduce_shared.SplitAllReduce) does the same way
+    whatever its algorithm: a call through the native core, and a call counted for the meter. Needs
+    ``native``, ``fingerprint``, ``nbytes``, ``exchanges``, ``_agreements`` and ``_calls``."""
+
+    def _native_call(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None) -> None:
+        """The whole call as one C call (native/): ``fingerprint`` (None: the plan's, with the next
+        sequence number, the stall inspector told) published and compared, the mismatch the core
+        finds raised by name, a failed wait breaking the transport."""
+        if fingerprint is None:
+            fingerprint = self.fingerprint._replace(sequence=next_sequence_of(transport))
+            stall.entered(self.fingerprint, fingerprint.sequence)
+        if transport._broken is not None:
+            raise transport._broken
+        try:
+            differs = self.native.run(flat.data_ptr(), fingerprint.sequence)
+        except PeerError as exc:
+            raise transport._broken_by(exc) from None
+        if differs >= 0:
+            compare_published(transport, fingerprint)   # raises the mismatch the core found
+
+    def _count(self, transport) -> None:
+        """One call for the meter: its payload and fingerprint bytes (TrafficMeter.tally)."""
+        if self._calls is not None:
+            self._calls[0] += 1
+        else:   # the meter keeps no more counters
+            if self.nbytes:
+                transport.meter.record_exchanges(self.exchanges, op=OP)
+            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
+
+
+class DirectAllReduce(KeptPlan):
     """The direct all-reduce of one shape (element count, dtype, reduction), made ready once: both
     staging halves' views, the meter's exchanges and the fingerprint's fixed values. collectives.py
     keeps one per small all-reduce a program repeats (``transport.plans``) and runs a repeated call
@@ -74,11 +105,8 @@ class DirectAllReduce:
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
         if self.native is not None and fingerprint is not None:
-            if transport.native(self.native.run, flat.data_ptr(), fingerprint.sequence) >= 0:
-                compare_published(transport, fingerprint)   # raises the mismatch the core found
-            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
-            if self.nbytes:
-                transport.meter.record_exchanges(self.exchanges, op=OP)
+            self._native_call(flat, transport, fingerprint)
+            self._count(transport)
             return
         stages = self.stages[transport.next_half()]
         stages[transport.rank].copy_(flat)
@@ -101,16 +129,7 @@ class DirectAllReduce:
         that repeats it (docs/studies/small-call-cost.md). With the native core, all of that but the
         sequence number, the stall inspector and the meter is one C call."""
         if self.native is not None:
-            sequence = next_sequence_of(transport)
-            stall.entered(self.fingerprint, sequence)
-            if transport._broken is not None:
-                raise transport._broken
-            try:
-                differs = self.native.run(flat.data_ptr(), sequence)
-            except PeerError as exc:
-                raise transport._broken_by(exc) from None
-            if differs >= 0:
-                compare_published(transport, self.fingerprint._replace(sequence=sequence))
+            self._native_call(flat, transport, None)
             self._count(transport)
             return
         holding = self._hold is not None and self._hold.enter()
@@ -130,15 +149,6 @@ class DirectAllReduce:
         finally:
             if holding:
                 self._hold.leave()
-
-    def _count(self, transport) -> None:
-        """One call for the meter: its payload and fingerprint bytes (TrafficMeter.tally)."""
-        if self._calls is not None:
-            self._calls[0] += 1
-        else:   # the meter keeps no more counters
-            if self.nbytes:
-                transport.meter.record_exchanges(self.exchanges, op=OP)
-            transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
 
     def _fold(self, flat: torch.Tensor, stages: list[torch.Tensor], rank: int) -> None:
         reduction = self.reduction
