@@ -467,3 +467,23 @@ def _unmap(tensor: torch.Tensor) -> None:
     import ctypes
 
     ctypes.CDLL(None).munmap(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(tensor.numel()))
+
+
+def wait_that_times_out(kind: str, seconds: float):
+    """Rank 0 waits for what rank 1 never does (kind "receive": a shared-memory message; "barrier": the
+    transport's barrier) and returns the error; rank 1 sleeps past the wait, then returns None."""
+    import torch
+
+    transport = default_transport()
+    if gs.world().rank == 1:
+        time.sleep(seconds + 1.0)
+        return None
+    started = time.monotonic()
+    try:
+        if kind == "receive":
+            transport.irecv(torch.empty(16), 1, "test/receive").wait(timeout=seconds)
+        else:
+            transport.barrier("test/barrier")
+    except PeerError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", time.monotonic() - started

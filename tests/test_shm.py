@@ -344,3 +344,25 @@ def test_dead_peers_are_the_local_peers_gone_from_proc():
     stand = waiting.Waiting.__new__(waiting.Waiting)
     stand.pids = {1: os.getpid(), 2: int(gone.stdout), 3: os.getppid()}
     assert stand.dead_peers() == [2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,native", [("receive", "1"), ("barrier", "1"), ("barrier", "0")])
+def test_a_wait_nobody_answers_times_out_naming_the_rank_and_the_operation(kind, native):
+    # the shared-memory waits' timeout (waiting.py; the barrier's through the native core's slices
+    # when it runs, or the Python path's): within the group's timeout, naming this rank, the
+    # operation, the peer and the limit
+    from world_pool import WorldPool
+
+    pool = WorldPool(2, timeout=2.0, env={"GRADSYNC_NATIVE": native})
+    try:
+        (message, waited), _ = pool.run(shm_fns.wait_that_times_out, kind, 2.0, case_timeout=30)
+    finally:
+        pool.close()
+    if kind == "receive":
+        assert message.startswith("rank 0: test/receive: receive from rank 1 (64 bytes, shared memory) timed out "
+                                  "after 2.0 s (timeout 2 s); rank 1 may have died or stalled"), message
+    else:
+        assert message.startswith("rank 0: test/barrier: barrier ") and \
+            "on shared memory timed out after 2." in message and message.endswith("not arrived: rank 1"), message
+    assert 2.0 <= waited < 3.0, waited
