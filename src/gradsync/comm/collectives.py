@@ -216,6 +216,15 @@ on the main thread, 30 us on a communication thread); 30 us against none took N=
 us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/studies/barrier-polling.md)."""
 
 
+def _entered(transport: Transport, kind: str, flat: torch.Tensor, op: str, algorithm: str, *,
+             region: int = -1) -> Fingerprint:
+    """The fingerprint of the collective this rank enters now (the transport's next sequence number),
+    told to the stall inspector; the shared-memory algorithms publish it with their data."""
+    fingerprint = Fingerprint(kind, next_sequence_of(transport), flat.numel(), flat.dtype, op, algorithm, region=region)
+    stall.entered(fingerprint)
+    return fingerprint
+
+
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
     stall.entered(fingerprint)
     if uses_staged_check(transport):
@@ -328,14 +337,11 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
                 and flat.numel() * flat.element_size() >= IN_PLACE_FROM_BYTES else None)
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
         region, views = in_place
-        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op,
-                                  "shared_memory_in_place", region=region)
-        stall.entered(fingerprint)
+        fingerprint = _entered(transport, "all_reduce", flat, op, "shared_memory_in_place", region=region)
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=_spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
-        fingerprint = Fingerprint("all_reduce", next_sequence_of(transport), flat.numel(), flat.dtype, op, algorithm)
-        stall.entered(fingerprint)
+        fingerprint = _entered(transport, "all_reduce", flat, op, algorithm)
         spin = _spins(transport, fingerprint)
         allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
         if flat is target:
@@ -403,20 +409,15 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
                     else None)
         if in_place is not None:  # the input lives in a shared region (ShardedOptimizer's gradients)
             region, views = in_place
-            fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
-                                      "shared_memory_in_place", region=region)
-            stall.entered(fingerprint)
+            fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory_in_place", region=region)
             return reduce_scatter_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                            spin=_spins(transport, fingerprint))
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
-            fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
-                                      "shared_memory_single_copy")  # each rank reads its chunk where it lies
-            stall.entered(fingerprint)
+            # each rank reads its chunk where it lies
+            fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory_single_copy")
             return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                               spin=_spins(transport, fingerprint))
-        fingerprint = Fingerprint("reduce_scatter", next_sequence_of(transport), flat.numel(), flat.dtype, op,
-                                  "shared_memory")  # one barrier per staging half
-        stall.entered(fingerprint)
+        fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory")  # one barrier per staging half
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=_spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
@@ -452,9 +453,7 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     if w.world_size == 1:
         return flat_shard.clone()
     if _shared(transport, shard):
-        mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none",
-                           "shared_memory")
-        stall.entered(mine)
+        mine = _entered(transport, "all_gather", flat_shard, "none", "shared_memory")
         gather = all_gather_single_copy if transport.single_copy else all_gather_shared
         return gather(flat_shard, transport, mine, spin=_spins(transport, mine))
     mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
@@ -494,9 +493,7 @@ def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
         raise ValueError("all_gather_in_place needs a 1-D tensor in a shared region (collectives.shared_allocator), "
                          "with every rank on this host over shared memory; use all_gather otherwise")
     region, views = located
-    fingerprint = Fingerprint("all_gather", next_sequence_of(transport), full.numel(), full.dtype, "none",
-                              "shared_memory_in_place", region=region)
-    stall.entered(fingerprint)
+    fingerprint = _entered(transport, "all_gather", full, "none", "shared_memory_in_place", region=region)
     all_gather_region(full, transport, views, fingerprint=fingerprint, spin=_spins(transport, fingerprint))
     return full
 
