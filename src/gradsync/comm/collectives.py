@@ -203,17 +203,12 @@ def next_sequence(place: Place) -> int:
 
 
 SPIN_BELOW_BYTES = 4 << 20
-"""With more local ranks than cores, collectives of fewer bytes than this poll in their barriers,
-yielding the core, for up to 1 ms before they sleep (transport/shm/waiting.py's ``spin``): their phases are balanced
-and short, so a sleep and wake-up would dominate them (4 ranks on 2 cores, 1 MiB: 1.3-1.4 ms a call
-against 1.6-2.1 ms sleeping at once). Larger ones poll too on the main thread, but sleep at once on
-any other: polling made them faster alone (4 MiB 3.90 -> 3.54 ms; with the split all-reduce,
-2026-12-03, blocks of 40 calls alternating, us: N=4 4 MiB 2,876-2,968 -> 2,555-2,698, 16 MiB
-11,224-11,954 -> 10,357-11,373, 64 MiB 42,053-44,450 -> 39,488-40,140; N=3 4 MiB 2,676-2,731 ->
-2,396-2,435, 16 MiB 8,594-8,765 -> 8,004-8,282) but not torch's DDP, whose communication thread
-shares a core with backward. With a core per rank every collective polls (transport/shm/waiting.py poll_seconds: 200 us
-on the main thread, 30 us on a communication thread); 30 us against none took N=2, 4 MiB 690 -> 617
-us, 16 MiB 2.33 -> 2.03 ms (2026-12-01, alternating runs, docs/studies/barrier-polling.md)."""
+"""With more local ranks than cores, collectives of fewer bytes than this poll in their barriers on
+any thread, yielding the core, before they sleep (transport/shm/waiting.py's ``spin``): their phases
+are short and balanced, so a sleep and a wake-up would dominate them. Larger ones poll on the main
+thread only: a communication thread shares its core with backward. With a core per rank every
+collective polls. The measurements behind both: docs/studies/barrier-polling.md, "Where ranks
+outnumber the cores"."""
 
 
 def _entered(transport: Transport, kind: str, flat: torch.Tensor, op: str, algorithm: str, *,
