@@ -304,7 +304,7 @@ class LiveDDP:
         gc.collect()
 
     def _rejoin(self, previous: runtime.World, generation) -> None:
-        hosts = {m: self.membership._location(m)[0] for m in generation.members}
+        hosts = {m: self.membership.location(m)[0] for m in generation.members}
         local = [m for m in generation.members if hosts[m] == hosts[self.member]]
         runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
                        local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/world",

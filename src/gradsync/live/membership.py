@@ -70,10 +70,6 @@ class Membership:
     # -- who is alive -------------------------------------------------------------------------------
     def location(self, member: int) -> tuple[str, int] | None:
         """(host id, pid) of ``member``, once it has published them."""
-        return self._location(member)
-
-    def _location(self, member: int) -> tuple[str, int] | None:
-        """(host id, pid) of ``member``, once it has published them."""
         if member not in self._where:
             key = f"{PREFIX}/member/{member}"
             if not self.store.check([key]):
@@ -85,7 +81,7 @@ class Membership:
     def known_dead(self, member: int) -> bool:
         """True when ``member`` shares this host and /proc says its process is gone, or lives on
         another host and its heartbeat has gone silent."""
-        where = self._location(member)
+        where = self.location(member)
         if where is None:
             return False
         return not process_alive(where[1]) if where[0] == self.me else self._listener.silent(member)
