@@ -30,13 +30,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or from an incompatible run."""
 
 
+def temporary(path: Path, pid: int | None = None) -> Path:
+    """The file save() writes for ``path`` (in process ``pid``, default this one) before renaming it."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def temporaries(path: Path) -> list[Path]:
+    """Every process's temporary file for ``path`` (a writer stopped mid-write leaves one)."""
+    return sorted(path.parent.glob(f".{path.name}.tmp-*"))
+
+
 def save(path: str | Path, state: dict) -> Path:
     """Write ``state`` to ``path`` atomically (see module docstring)."""
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little") + payload)

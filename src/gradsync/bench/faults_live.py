@@ -93,7 +93,7 @@ def _checkpoint_problem(out: Path, steps: int | None) -> str:
     """What is wrong with the checkpoints a 'checkpoint' trial left in ``out`` ('' when nothing)."""
     from gradsync import checkpoint
 
-    left = sorted(p.name for p in out.glob(".checkpoint.pt.tmp-*"))
+    left = [p.name for p in checkpoint.temporaries(out / "checkpoint.pt")]
     if left:
         return f"temporary checkpoint files left: {left}"
     try:

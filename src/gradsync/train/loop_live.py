@@ -105,16 +105,11 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _temporary(path: Path, pid: int) -> Path:
-    """The file checkpoint.save writes before renaming it to ``path``."""
-    return path.with_name(f".{path.name}.tmp-{pid}")
-
-
 def _die_writing(path: Path, state: dict) -> None:
     """The checkpoint kill: half of the checkpoint's temporary file written, then SIGKILL."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    with open(_temporary(path, os.getpid()), "wb") as f:
+    with open(checkpoint.temporary(path, os.getpid()), "wb") as f:
         f.write(buffer.getvalue()[:buffer.tell() // 2])
         f.flush()
         os.fsync(f.fileno())
@@ -165,7 +160,7 @@ class LiveCheckpoints:
         for member in lost:
             where = live.membership.location(member)
             if where is not None and where[0] == live.membership.me:
-                _temporary(self.path, where[1]).unlink(missing_ok=True)
+                checkpoint.temporary(self.path, where[1]).unlink(missing_ok=True)
 
 
 def train_live_rank(cfg: TrainConfig) -> dict:
