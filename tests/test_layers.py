@@ -175,3 +175,31 @@ def test_nothing_outside_comm_imports_a_transports_internals():
                 if not name.startswith("gradsync.comm") for target in sorted(targets)
                 if target.startswith(TRANSPORT_INTERNALS)]
     assert not reaching, "imports of the transports' internals from outside comm/:\n" + "\n".join(reaching)
+
+
+def private_imports() -> list[str]:
+    """Every ``from gradsync.x import _name`` in the package where _name is not a module of it: a private
+    name of one module used by another (what is shared deserves a public name in the right room)."""
+    known = modules()
+    found = []
+    for name, path in sorted(known.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("gradsync"):
+                continue
+            for alias in node.names:
+                if (alias.name.startswith("_") and not alias.name.startswith("__") and base != name
+                        and f"{base}.{alias.name}" not in known):
+                    found.append(f"{name} imports {alias.name} from {base}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = private_imports()
+    assert not found, "private names imported from another module:\n" + "\n".join(found)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gradsync import checkpoint
-from gradsync.bench.faults import _rank_pids
+from gradsync.bench.faults import rank_pids
 from gradsync.train.datasets import digits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def _preempt(args: list[str], out: Path, steps_in: int, target: str = "launcher"
     if target == "group":
         os.killpg(job.pid, signum)
     else:
-        os.kill(job.pid if target == "launcher" else _rank_pids(job.pid)[int(target.removeprefix("rank"))], signum)
+        os.kill(job.pid if target == "launcher" else rank_pids(job.pid)[int(target.removeprefix("rank"))], signum)
     stdout, stderr = job.communicate(timeout=120)
     expected = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
     assert job.returncode == expected, (job.returncode, stderr[-3000:])
@@ -291,7 +291,7 @@ def test_a_sigterm_during_start_up_stops_after_the_first_step(tmp_path):
     a checkpoint (exit 75) instead of losing its ranks to the signal during set-up."""
     job = _cli(["--workers", "2", *JOB], tmp_path)
     deadline = time.monotonic() + 60
-    while not _rank_pids(job.pid):
+    while not rank_pids(job.pid):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.001)
     assert not (tmp_path / "metrics.jsonl").exists()   # no rank has started training yet

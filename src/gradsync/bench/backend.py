@@ -102,7 +102,7 @@ def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int, co
     import torch.distributed as dist
     from torch import nn
 
-    from gradsync.bench.ddp import _model_and_batch, timed_step
+    from gradsync.bench.ddp import model_and_batch, timed_step
 
     torch.set_num_threads(1)
     dist.init_process_group(backend)
@@ -110,7 +110,7 @@ def _worker(backend: str, model_name: str, batch: int, steps: int, reps: int, co
     for label in (TORCH_DDP, FLOOR, NO_OP_HOOK, BUCKET_VIEW) + ((TORCH_DDP + COMPILED, FLOOR + COMPILED) if compiled
                                                                 else ()):
         torch.manual_seed(0)
-        model, x, y = _model_and_batch(model_name, batch)
+        model, x, y = model_and_batch(model_name, batch)
         wrapped = (model if label.startswith(FLOOR) else
                    nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=label == BUCKET_VIEW))
         if label == NO_OP_HOOK:

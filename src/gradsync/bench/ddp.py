@@ -61,7 +61,7 @@ NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY, "torch DDP compiled")
 TORCH_HOOK = " + torch allreduce_hook"
 
 
-def _model_and_batch(name: str, batch: int):
+def model_and_batch(name: str, batch: int):
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(in_features=1024, hidden=2048, layers=3), torch.randn(batch, 1024, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -73,7 +73,7 @@ def _model_and_batch(name: str, batch: int):
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
 
 
-def _loss(logits, y):
+def step_loss(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -82,7 +82,7 @@ def timed_step(model, optimizer, x, y, set_to_none: bool = True) -> float:
     dist.barrier()
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=set_to_none)
-    _loss(model(x), y).backward()
+    step_loss(model(x), y).backward()
     optimizer.step()
     if x.is_cuda:   # the step is over when the GPU has run it
         torch.cuda.synchronize(x.device)
@@ -156,7 +156,7 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
     runners = {}
     for label, cap in _labels(bucket_mbs, torch_hook, compiled, where.type == "cuda"):
         torch.manual_seed(0)
-        model, x, y = _model_and_batch(model_name, batch)
+        model, x, y = model_and_batch(model_name, batch)
         model, x, y = model.to(where), x.to(where), y.to(where)
         runners[label] = (_wrap(label, model, cap), torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
 

@@ -37,7 +37,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _rank_pids(job_pid: int) -> dict[int, int]:
+def rank_pids(job_pid: int) -> dict[int, int]:
     """rank -> pid of the job's rank processes (the launcher names them gradsync-r{rank}; they are its
     children, or its forkserver's: launch.py)."""
     ranks = {}
@@ -51,7 +51,7 @@ def _rank_pids(job_pid: int) -> dict[int, int]:
     return ranks
 
 
-def _leftovers(pids: list[int]) -> set[str]:
+def leftovers(pids: list[int]) -> set[str]:
     """Temporary directories of the launcher ``pids[0]`` and /dev/shm entries naming any of ``pids``
     (other jobs on the machine may create their own meanwhile; only this job's count)."""
     tmp = {f"tmp:{p.name}" for p in Path(tempfile.gettempdir()).glob(f"gradsync-spawn-{pids[0]}-*")}
@@ -63,7 +63,7 @@ def _leftovers(pids: list[int]) -> set[str]:
     return tmp | shm
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
     except OSError:
@@ -94,7 +94,7 @@ def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> 
             break
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.0))
-    ranks = _rank_pids(job.pid)
+    ranks = rank_pids(job.pid)
     if job.poll() is not None or not ranks:
         job.kill()
         out_text, err_text = job.communicate()
@@ -111,8 +111,8 @@ def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> 
         return {"strategy": strategy, "seed": seed, "victim": victim, "clean": False,
                 "why": f"the job was still running {timeout + 30:.0f} s after the kill", "stderr": err_text[-2000:]}
     detection_s = time.monotonic() - killed_at
-    orphans = [pid for pid in ranks.values() if _alive(pid)]
-    leaked = sorted(_leftovers([job.pid, *ranks.values()]))
+    orphans = [pid for pid in ranks.values() if alive(pid)]
+    leaked = sorted(leftovers([job.pid, *ranks.values()]))
     named = f"rank {victim} was killed by signal SIGKILL" in err_text
     clean = job.returncode != 0 and named and not orphans and not leaked
     why = [] if clean else [w for w, bad in (("exit code 0", job.returncode == 0), ("error does not name the rank", not named),
@@ -175,7 +175,7 @@ def _preempt_trial(strategy: str, seed: int, workers: int, timeout: float, out: 
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.5))
     targets = {"launcher": job.pid} if strategy == "local" else {"launcher": job.pid, **{
-        f"rank {r}": pid for r, pid in _rank_pids(job.pid).items()}}
+        f"rank {r}": pid for r, pid in rank_pids(job.pid).items()}}
     target = rng.choice(sorted(targets))
     if job.poll() is not None:
         return {**row, "why": "the job ended before the signal", "stderr": job.communicate()[1][-2000:]}

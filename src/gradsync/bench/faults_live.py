@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradsync.bench.faults import _alive, _leftovers, _rank_pids
+from gradsync.bench.faults import alive, leftovers, rank_pids
 
 SCENARIOS = ("random", "forward", "optimizer", "checkpoint", "two", "replace", "ps-forward")
 KILLED_FROM_INSIDE = ("forward", "optimizer", "checkpoint", "ps-forward")
@@ -155,14 +155,14 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
     try:
         started = _wait_until(lambda: any(r["event"] == "step" for r in _records(metrics)) or job.poll() is not None,
                               300)
-        ranks = _rank_pids(job.pid)
+        ranks = rank_pids(job.pid)
         if not started or job.poll() is not None or len(ranks) != workers:
             return {**row, "why": "the job ended or stalled before its first step"}
         killed_at = None
         for kill in range(2 if scenario == "two" else 1):
             fds_before = {m: _fds(pid) for m, pid in ranks.items()}
             if scenario in KILLED_FROM_INSIDE:
-                dead = _wait_until(lambda: not _alive(ranks[victims[0]]), 300)
+                dead = _wait_until(lambda: not alive(ranks[victims[0]]), 300)
             else:
                 # a random step ahead, so that the kill lands in training and not after the run's end
                 target = _logged_step(metrics) + rng.randrange(1, 8)
@@ -214,7 +214,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
 def _join_time(launcher: int, workers: int, metrics: Path, limit: float) -> tuple[float, int] | None:
     """(seconds from the replacement (member ``workers``) appearing in /proc to the grown world's first
     committed step, its pid), or None if that does not happen within ``limit`` seconds."""
-    pid = _wait_until(lambda: _rank_pids(launcher).get(workers), limit)
+    pid = _wait_until(lambda: rank_pids(launcher).get(workers), limit)
     if pid is None:
         return None
     appeared = time.monotonic()
@@ -256,8 +256,8 @@ def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline,
     summary = next((r for r in records if r["event"] == "summary"), {})
     fd_growth = [m for rows in row.get("fds", []) for m, (a, b) in rows.items() if a is not None and b is not None
                  and b > a]
-    orphans = [pid for pid in ranks.values() if _alive(pid)]
-    leaked = sorted(_leftovers([launcher, *ranks.values()]))
+    orphans = [pid for pid in ranks.values() if alive(pid)]
+    leaked = sorted(leftovers([launcher, *ranks.values()]))
     row.update(exit_code=exit_code, victims=victims, recoveries=len(recoveries), steps_lost=lost,
                recovery_s=[r["seconds"] for r in recoveries],
                samples_missing=len(expected - set(counts)), samples_repeated=sum(c - 1 for c in counts.values() if c > 1),

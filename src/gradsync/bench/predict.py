@@ -30,13 +30,13 @@ from gradsync.sim.cost import Link, allreduce_time, ddp_step_time
 def _compute_seconds(batch: int, reps: int = 5) -> float:
     """Forward + backward + SGD step of the benchmark MLP, one thread, no communication."""
     torch.set_num_threads(1)
-    model, x, y = ddp._model_and_batch("mlp", batch)
+    model, x, y = ddp.model_and_batch("mlp", batch)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     for _ in range(reps + 1):
         started = time.perf_counter()
         opt.zero_grad()
-        ddp._loss(model(x), y).backward()
+        ddp.step_loss(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
@@ -68,7 +68,7 @@ def run(link: Link, workers: list[int], sizes: list[int], reps: int = 5, batch: 
                              "predicted_s": predicted, "error": predicted / r["time_s"] - 1,
                              "transport": r["transport"]})
         compute_1 = _compute_seconds(batch)
-        model, _, _ = ddp._model_and_batch("mlp", batch)
+        model, _, _ = ddp.model_and_batch("mlp", batch)
         nbytes = sum(p.numel() * 4 for p in model.parameters())
         for n in workers:
             ours = next(r for r in ddp.run(n, "mlp", batch, [25.0], steps=5) if r["impl"].startswith("gradsync"))

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import gradsync as gs
-from gradsync.bench.ddp import _model_and_batch, timed_step
+from gradsync.bench.ddp import model_and_batch, timed_step
 
 
 def _state_bytes(optimizer) -> int:
@@ -30,11 +30,11 @@ def _bench_rank(batch: int, steps: int, warmup: int, model: str = "charlm") -> l
     torch.set_num_threads(1)
     w = gs.world()
     torch.manual_seed(0)
-    ddp_model, x, y = _model_and_batch(model, batch)
+    ddp_model, x, y = model_and_batch(model, batch)
     ddp = gs.DistributedDataParallel(ddp_model)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     torch.manual_seed(0)
-    zero_model, _, _ = _model_and_batch(model, batch)
+    zero_model, _, _ = model_and_batch(model, batch)
     zero_opt = gs.ShardedOptimizer(zero_model.parameters(), torch.optim.AdamW, lr=1e-3)
     runners = {"ddp + AdamW": (ddp, ddp_opt), "zero1 AdamW": (zero_model, zero_opt)}
 

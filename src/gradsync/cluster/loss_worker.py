@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
-from gradsync.cluster.worker import _barrier, _link_counters
+from gradsync.cluster.worker import barrier, link_counters
 from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.train.datasets import stdlib_text
 from gradsync.train.models import CharLM
@@ -189,17 +189,17 @@ def main(argv: list[str] | None = None) -> None:
         built = _build(args, model)
     # the ring's connections are made on first use: once here, so no strategy's clock holds them
     gs.all_reduce(torch.zeros(1), algorithm="ring")
-    _barrier()
+    barrier()
     gs.traffic_reset()
-    before = _link_counters()
+    before = link_counters()
     evaluate.since = started = time.perf_counter()
     if args.strategy == "ps-sync":
         steps, role = _train_ps(args, model, built, batches, evaluate)
     else:
         steps, role = _train_ddp_like(args, model, built, batches, evaluate), "rank"
     wall = time.perf_counter() - started
-    _barrier()
-    after = _link_counters()
+    barrier()
+    after = link_counters()
     meter = gs.traffic()
     result = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank, "role": role,
               "strategy": args.strategy, "params": sum(p.numel() for p in model.parameters()), "steps": steps,

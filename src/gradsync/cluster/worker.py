@@ -89,7 +89,7 @@ def _loss(model, x, y) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def _barrier() -> None:
+def barrier() -> None:
     dist.barrier()
 
 
@@ -99,7 +99,7 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _link_counters() -> dict[str, int] | None:
+def link_counters() -> dict[str, int] | None:
     """The host link's kernel counters, read by local rank 0 only (one reading per host)."""
     if gs.world().local_rank != 0:
         return None
@@ -113,7 +113,7 @@ def _measure_compute(model, x, y, ddp: bool, reps: int = 5) -> float:
     communication (module docstring)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     bucket = torch.empty(sum(p.numel() for p in model.parameters())) if ddp else None
-    _barrier()
+    barrier()
     times = []
     for _ in range(reps + 1):
         started = time.perf_counter()
@@ -128,16 +128,16 @@ def _measure_compute(model, x, y, ddp: bool, reps: int = 5) -> float:
 
 def _window(run_steps, steps: int) -> dict:
     """Barrier, counters, ``run_steps(steps)``, barrier, counters: one rep (see module docstring)."""
-    _barrier()
+    barrier()
     gs.traffic_reset()
-    before = _link_counters()
+    before = link_counters()
     started = time.perf_counter()
     elapsed = run_steps(steps)
     if elapsed is None:
         elapsed = time.perf_counter() - started
     wall = _slowest(elapsed)
-    _barrier()
-    after = _link_counters()
+    barrier()
+    after = link_counters()
     meter = gs.traffic()
     link = {k: after[k] - before[k] for k in after} if after else None
     return {"wall_s": wall, "steps": steps, "bytes_sent": meter["bytes_sent"],
@@ -208,7 +208,7 @@ def _timed_transfers(post) -> float:
     """The slowest rank's seconds from a barrier until the transfers ``post()`` starts (a list of
     handles; none on a rank that takes no part) are done. A send is done once its bytes are in the
     kernel's buffers: a transfer ends when its receiver has them, hence the slowest rank's time."""
-    _barrier()
+    barrier()
     started = time.perf_counter()
     handles = post()
     for handle in handles:
@@ -305,7 +305,7 @@ def _fit_alpha(calls: int = 20) -> float:
     times = []
     one = torch.zeros(1)
     for _ in range(calls):
-        _barrier()
+        barrier()
         started = time.perf_counter()
         gs.all_reduce(one, algorithm="ring")
         times.append(_slowest(time.perf_counter() - started))

@@ -76,7 +76,7 @@ from gradsync.train.preempt import PreemptWatch, resume_command, spawned_rank, S
 from gradsync.train.report import Reporter
 
 
-def _chunks(ids: list[int], parts: int) -> list[list[int]]:
+def chunks(ids: list[int], parts: int) -> list[list[int]]:
     """``ids`` in ``parts`` contiguous pieces whose sizes differ by at most one (10 in 3: 4, 3, 3)."""
     size, extra = divmod(len(ids), parts)
     bounds = [m * size + min(m, extra) for m in range(parts + 1)]
@@ -86,7 +86,7 @@ def _chunks(ids: list[int], parts: int) -> list[list[int]]:
 KILL_PHASES = ("forward", "optimizer", "checkpoint", "evaluate")
 
 
-def _planted_kill(member: int) -> tuple[int, str] | None:
+def planted_kill(member: int) -> tuple[int, str] | None:
     """(step, phase) at which this member kills itself (GRADSYNC_LIVE_KILL), or None."""
     text = os.environ.get("GRADSYNC_LIVE_KILL", "")
     if not text:
@@ -101,7 +101,7 @@ def _planted_kill(member: int) -> tuple[int, str] | None:
     return (step, phase) if who == member else None
 
 
-def _die() -> None:
+def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -113,7 +113,7 @@ def _die_writing(path: Path, state: dict) -> None:
         f.write(buffer.getvalue()[:buffer.tell() // 2])
         f.flush()
         os.fsync(f.fileno())
-    _die()
+    die()
 
 
 class LiveCheckpoints:
@@ -203,10 +203,10 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         live.step = step
     w = live.world
     cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
-    kill = _planted_kill(live.member)
+    kill = planted_kill(live.member)
     checkpoints = LiveCheckpoints(cfg, plan, kill)
     if kill is not None and kill[1] == "optimizer":
-        optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
+        optimizer.register_step_pre_hook(lambda *_: die() if live.step == kill[0] else None)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
     for line in plan.changes:
@@ -231,12 +231,12 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         current.update(share=share, epoch=epoch, step_size=step_size, loss=0.0)
         if sample_log is not None:   # before the step: a member that dies after its all-reduce trained these
             sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
-        for micro, ids in enumerate(_chunks(share, cfg.grad_accum)):
+        for micro, ids in enumerate(chunks(share, cfg.grad_accum)):
             with ddp.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
                 x, y = on(device, train_set[ids])
                 logits = ddp(x)
                 if kill == (live.step, "forward"):
-                    _die()
+                    die()
                 loss = (loss_of(cfg.model, logits, y) * (len(ids) * world.world_size / step_size) if ids
                         else logits.sum() * 0.0)
                 loss.backward()
@@ -287,7 +287,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         checkpoints.after_step(live, batch, epoch_ended=epoch_ended)
         if epoch_ended:   # the epoch's last step
             if kill == (live.step, "evaluate"):
-                _die()
+                die()
             evaluation = collective(lambda: evaluate(cfg, model, test_set))
             report.epoch(current["epoch"], live.step, evaluation)
         reason = STOP_REASONS[collective(lambda: _stop_code(watch))] if watch.active else None

@@ -54,7 +54,7 @@ from gradsync.train import resume
 MODE_OF = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 
 
-def _optimizer_fn(cfg: TrainConfig, peak_lr: float, pushes_per_version: int):
+def optimizer_fn(cfg: TrainConfig, peak_lr: float, pushes_per_version: int):
     """The servers' optimizer, with the warm-up applied per version inside step(). The count of steps
     applied lives in the first param group, so it travels with the optimizer's state_dict."""
 
@@ -110,7 +110,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         model.make_sparse()
     if saved:
         model.load_state_dict(saved["model"])
-    ps = gs.ParameterServer(model, _optimizer_fn(cfg, peak_lr, 1 if mode == "sync" else workers),
+    ps = gs.ParameterServer(model, optimizer_fn(cfg, peak_lr, 1 if mode == "sync" else workers),
                             num_servers=servers, mode=mode, staleness=cfg.staleness, max_grad_norm=cfg.clip_grad)
     if saved:
         ps.load_state_dict(saved["ps"])
@@ -173,7 +173,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     stopped = torch.tensor([int(not ps.is_server and ps.stopping and step < total_steps), watch.stop_code])
     gs.all_reduce(stopped, op="max")
     state = ps.state_dict()
-    _save(cfg, plan, model, ps, state, steps_per_epoch)
+    save_checkpoint(cfg, plan, model, ps, state, steps_per_epoch)
     if bool(stopped[0]):
         first_worker = state["clocks"][0]
         report.preempted(first_worker, resume_command(cfg), signal_at=watch.first_at)
@@ -200,7 +200,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             "events": []}
 
 
-def _save(cfg: TrainConfig, plan, model, ps, state: dict, steps_per_epoch: int) -> None:
+def save_checkpoint(cfg: TrainConfig, plan, model, ps, state: dict, steps_per_epoch: int) -> None:
     """Rank 0 writes the checkpoint: the model as the servers hold it, and their whole state; the
     other ranks wait until it is on disk (one all-reduce), so no rank reports before it exists."""
     w = gs.world()

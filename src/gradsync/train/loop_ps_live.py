@@ -54,8 +54,8 @@ from gradsync.train import resume
 from gradsync.train.common import evaluate, loss_of, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
-from gradsync.train.loop_live import _chunks, _die, _planted_kill
-from gradsync.train.loop_ps import MODE_OF, _optimizer_fn, _save
+from gradsync.train.loop_live import chunks, die, planted_kill
+from gradsync.train.loop_ps import MODE_OF, optimizer_fn, save_checkpoint
 from gradsync.train.models import build_model
 from gradsync.train.preempt import STOP_REASONS, PreemptWatch, resume_command, spawned_rank
 from gradsync.train.report import Reporter
@@ -80,7 +80,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if saved:
         model.load_state_dict(saved["model"])
     mode = MODE_OF[cfg.strategy]
-    live = LivePS(model, _optimizer_fn(cfg, plan.peak_lr, 1 if mode == "sync" else plan.workers),
+    live = LivePS(model, optimizer_fn(cfg, plan.peak_lr, 1 if mode == "sync" else plan.workers),
                   num_servers=cfg.servers, mode=mode, staleness=cfg.staleness)
     if saved:   # after construction, before serving or pulling (ParameterServer.load_state_dict)
         live.ps.load_state_dict(saved["ps"])
@@ -103,7 +103,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     stopped = torch.tensor([int(not live.is_server and live.stopping and live.step < total_steps), watch.stop_code])
     live.collective(lambda: gs.all_reduce(stopped, op="max"))
     state = live.collective(live.ps.state_dict)
-    live.collective(lambda: _save(cfg, plan, model, live.ps, state, cursor.steps_from(0)))
+    live.collective(lambda: save_checkpoint(cfg, plan, model, live.ps, state, cursor.steps_from(0)))
     if bool(stopped[0]):
         report.enabled = live.world.rank == cfg.servers
         first_worker = state["clocks"][0]
@@ -157,7 +157,7 @@ def tasks_of(first_workers: list[int], steps: int, recoveries) -> dict[int, list
 def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total_steps: int, report,
            plan: resume.BatchPlan, watch: PreemptWatch, first_step: int) -> float:
     """The worker's loop: steps until ``total_steps``, then the final pull and close; its compute seconds."""
-    kill = _planted_kill(live.member)
+    kill = planted_kill(live.member)
     if kill is not None and kill[1] != "forward":
         raise ValueError(f"GRADSYNC_LIVE_KILL phase {kill[1]!r}: a parameter-server worker dies at 'forward' only")
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
@@ -193,11 +193,11 @@ def _train(cfg: TrainConfig, live: LivePS, train_set, cursor: EpochCursor, total
         if sample_log is not None:   # before the step: a member that dies after its push trained these
             sample_log.write(f"{live.step + 1} {epoch} {' '.join(map(str, share))}\n")
         computed = time.perf_counter()
-        for ids in _chunks(share, cfg.grad_accum):
+        for ids in chunks(share, cfg.grad_accum):
             x, y = on(next(model.parameters()).device, train_set[ids])
             logits = model(x)
             if kill == (live.step, "forward"):
-                _die()
+                die()
             loss = loss_of(cfg.model, logits, y) * (len(ids) * scale) if ids else logits.sum() * 0.0
             loss.backward()
             current["loss"] += float(loss.detach())
