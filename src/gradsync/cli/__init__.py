@@ -2,6 +2,7 @@
 
     gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--peers gloo,mpi] [--json out.json] [--fit]
+    gradsync bench ddp --workers 2 [--backend gloo,gradsync] [--device cuda]
     gradsync bench ps --workers 2,3,4 [--steps 20]
     gradsync bench zero1 --workers 2,4
     gradsync bench slowlinks --workers 2 [--tasks digits,charlm] [--json out.json --figure out.png]

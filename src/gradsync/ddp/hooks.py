@@ -26,6 +26,8 @@ complete when they return, because the collective ran on the communication threa
     fp16_compress       comm_hook="fp16": each rank divides by the divisor, casts to float16,
                         the sum is taken in float16, cast back
     bf16_compress       comm_hook="bf16": the same in bfloat16
+    powersgd_hook       comm_hook="powersgd": rank-2 factors with error feedback (ddp/powersgd.py; other
+                        ranks: register_comm_hook(PowerSGDState(rank=R), powersgd_hook))
     reduce_in_dtype     mixed precision's reduction (ddp/mixed_precision.py): cast to reduce_dtype,
                         sum, divide; the Future holds the reduce_dtype result
 

@@ -24,8 +24,9 @@ Construction, as a recipe
                           (ddp/reducer.py)
 
 Each forward: with ``broadcast_buffers`` the first replica's buffers (BatchNorm running statistics)
-are broadcast first, as torch DDP does. ``comm_hook``: None (average), "fp16" or "bf16": gradsync's
-built-in hooks (ddp/hooks.py), which go through the same mechanism as register_comm_hook. A
+are broadcast first, as torch DDP does. ``comm_hook``: None (average), "fp16", "bf16" or "powersgd":
+gradsync's built-in hooks (ddp/hooks.py, ddp/powersgd.py at rank 2), which go through the same
+mechanism as register_comm_hook. A
 callable there is refused: hooks of one's own are registered with register_comm_hook.
 
 torch.compile: both ``torch.compile(DistributedDataParallel(m))`` and
@@ -213,8 +214,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook: mixed_precision already reduces through its own hook; torch's "
                                "DDP refuses a second hook too (drop mixed_precision, or cast inside your hook)")
         if self._hook_registered:
-            raise RuntimeError("register_comm_hook can be called once, and not after comm_hook='fp16'/'bf16' chose "
-                               "a built-in hook (as torch's DDP allows one hook)")
+            raise RuntimeError("register_comm_hook can be called once, and not after comm_hook='fp16'/'bf16'/"
+                               "'powersgd' chose a built-in hook (as torch's DDP allows one hook)")
         if self.reducer.synced_backwards:
             raise RuntimeError("register_comm_hook must be called before the first backward (as in torch's DDP)")
         self.reducer.set_hook(state, hook, ordinary_memory=hook not in _OWN_HOOKS)

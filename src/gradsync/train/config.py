@@ -112,7 +112,8 @@ class TrainConfig:
 
     fault_tolerance: Literal["restart", "live"] = "restart"
     """When a rank dies: restart (stop every rank; with --max-restarts start again from the last
-    checkpoint) or live (the survivors rebuild their world and train on: train/loop_live.py; ddp only)."""
+    checkpoint) or live (the survivors rebuild their world and train on: train/loop_live.py for ddp,
+    train/loop_ps_live.py for ps-sync, ps-async and ssp; LIVE_REFUSED says why not the others)."""
     live_batch: Literal["keep-global", "keep-per-rank"] = "keep-global"
     """--fault-tolerance live, after ranks die: keep the global batch (the survivors' shares grow) or keep
     each rank's batch and scale the learning rate by the new world size over the old (live/policy.py)."""
