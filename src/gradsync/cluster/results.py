@@ -19,90 +19,13 @@ kernel counters are held against):
 The meter column is the payload the host's ranks sent to ranks on other hosts (gs.traffic(),
 per peer); the kernel columns add the TCP/IP headers, ACKs, the barriers and the PS headers.
 
-Prediction (sim/cost.py, this link's beta, the alpha fitted by the job, the job's measured compute c:
-forward + backward, and for ring and hierarchical the optimizer's update and the copy of the
-gradients into DDP's buckets, which the one-host hierarchical row showed missing: the update 2-3 ms
-of a 22 ms step, the copy of 16 MB 2-4 ms in one process):
-    ps-sync              strategy "ps" with S servers, push-then-pull server (ps_server="serial")
-    ps-async, ssp        strategy "ps-async" (no straggler: a bound of 2 never binds)
-    ps-*                 with u, the busiest server's update seconds per step, measured in the job
-                         (median over reps; sync: one optimizer step, async and ssp: W of them),
-                         in series with the server's link (cost.py, "server update"); rows saved
-                         before it was measured have none (u = 0)
-    ps-async, ssp        with D, the first server's link both ways at once against one way, measured
-                         in the job before the reps (worker.py: M bytes in from a worker and M out
-                         to another through gloo, at once and alone, medians of 5; D = both /
-                         max(in, out), within [1, 2]): the async server's wire time is W*M*beta*D.
-                         Measured here: D = 1.00-1.02 at 1 Gbit/s, 1.33-1.75 at 10 Gbit/s, where the
-                         CPU, not the shaper, sets the pace of a transfer (docs/studies/cluster-cost-model.md)
-    ps-*                 with the fan, a server's link timed in the job (worker.py: every worker
-                         sends a shard of M/S bytes to every server at once, p_in seconds per byte
-                         of the W*M/S through a server's link; every server to every worker,
-                         p_out; both at once, p_both): sync moves a server's W*M/S bytes in at
-                         max(beta, p_in) and out at max(beta, p_out) per byte, async at
-                         max(beta, p_both), in place of beta + the host term (and D). The fan
-                         holds the link, the kernel and the shared cores as a step's transfers meet
-                         them, not the server's own work per byte: at 10 Gbit/s it ran at the link's
-                         rate (0.85-0.95 ns/B, one server) while sync steps took twice the fan's
-                         time until the checksums were made cheap (docs/studies/cluster-cost-model.md). Rows
-                         saved before the fan was measured keep the host term and D
-    ps-async, ssp        with the pair, the duplex timing's both-at-once (worker.py: M bytes in from
-                         one worker while M go out to another), p_pair = both / M seconds per byte:
-                         the server moves its W*M/S bytes in and out at max(beta, p_pair) per byte,
-                         in place of the fan's p_both. Why: an async server reads one push at a
-                         time while it answers another worker (ps/server.py), one stream in and one
-                         out, as the pair has it, never W at once as the fan; at 10 Gbit/s W streams
-                         at once moved their bytes about 1.5x faster per byte than one pair on the
-                         2 cores (fan both 72 ms for 4 x 16 MB each way, pair 27 ms for 16 MB); over
-                         three sweeps 14 of 30 async and SSP rows came within 25% with the fan,
-                         26 with the pair (docs/studies/cluster-cost-model.md). Rows saved without it keep the fan
-    powersgd, diloco     cost.py's rows of those names (rho, H from the job), priced as the ring
-    ring                 strategy "ring"; with x, one ring step's seconds per byte measured in the
-                         job (worker.py: every rank at once sends a chunk of M/N bytes to its right
-                         neighbour and receives one from its left, median of 9), a rank sends at
-                         max(beta, x) per byte in place of max(beta, 2h * max(1, N/C)): x holds the
-                         link, both directions' CPU at once and the shared cores, as the ring meets
-                         them. Why: a ring all-reduce took 2(N-1) such steps and its sum, within
-                         9% (2 to 6 hosts at 10 Gbit/s), while 2h from the PS rows priced the
-                         ring 25-27% short at N = 2 and, with h fitted under load, 22-35% long at
-                         N = 4-6 by the medians (docs/studies/cluster-cost-model.md). Rows saved before x was
-                         measured keep 2h
-    hierarchical         strategy "hierarchical", L ranks per host, the intra-host link Link(); the
-                         model gives every rail its own link, here the L rails of a host share its
-                         one link, so the inter-host beta is L*beta; with x, a rail step measured
-                         in the job (worker.py: every rank at once sends a chunk of M/N bytes to the
-                         rank L after it, the L rails of a host through its one link at once), a
-                         rank sends at max(L*beta, x) per byte between hosts, in place of the host
-                         term, as the ring does. Why: HOST_S_PER_BYTE, fitted under load, priced
-                         the idle 2x2 and 3x2 rows 30% and 77% long (docs/studies/cluster-cost-model.md). Rows
-                         saved before x was measured keep the host term
-"wire only" leaves the host term, u, D, the fan, the pair and x out (host_s_per_byte = 0, the textbook model);
-"predicted" adds them, the host term with HOST_S_PER_BYTE, fitted on this machine from the
-10 Gbit/s sync-PS rows, where the links ran at about 1 Gbit/s:
-h = (step - c - u - 2*W*M/S*beta) / (2*W*M/S), divided by the row's shared-cores factor below,
-the median over the rows (fit_host_s_per_byte; the one-server rows alone fall from about 0.9 to
-0.5 ns/B from W = 2 to 6 within one run, so their median depends on which W a run has; the
-median over all of them, S = 1 and 2, gave 0.84-0.88 ns/B in the three latest idle 10 Gbit/s
-runs, against 0.66-0.75 from their one-server rows). HOST_S_PER_BYTE was fitted under heavy load;
-``gradsync cluster --fit-host JSON`` fits h from the sync-PS rows of another run and predicts
-with it.
-comm share = (step - c) / step, measured; the model is held to 25% where it is >= 1/2.
-
-Shared cores (a property of the emulation, not of a cluster): every emulated host runs on the same
-C cores of this machine (C recorded in the row). Host work that runs at once shares them:
-    ring, hierarchical   every rank moves bytes while every other rank does too, so when the N ranks
-                         outnumber the cores each gets C/N of one: its host term is h * max(1, N/C)
-                         (a ring row with x measured has it in x, timed with every rank at once),
-                         and so are the intra-host link's beta and gamma (its copies and sums run
-                         on the same cores; Link()'s defaults were measured with a core per rank)
-    ps-*                 the S servers together do 2*W*M*h of host work a step (W*M in, W*M out),
-                         and the workers, the other end of every byte, as much again: 4*W*M*h on
-                         C cores takes 4*W*M*h/C, against a server's own 2*W*M/S*h. So the host
-                         term is h * max(1, 2S/C): one server on 2 cores keeps h, two servers
-                         on 2 cores pay 2h, no less than one server's time
-It matters only where the host term is not hidden by the link: at 10 Gbit/s, not at 1 Gbit/s for
-the ring (2h * N/C = 5.6 ns/B < beta = 8.4 ns/B); for two servers at 1 Gbit/s it adds 2*W*M/S*h,
-about 10% of such a step.
+Prediction: sim/cost.py's row for the strategy at this link's beta, with the job's measured compute
+c and fitted alpha; "wire only" is that textbook model, "predicted" adds what the emulation's shared
+host costs, each term measured in the job where it could be: the host term h (HOST_S_PER_BYTE), the
+PS servers' update u, the duplex factor D, the fan and the pair timings of a server's link, the ring
+step x, and the shared-cores factor. comm share = (step - c) / step; the model is held to 25% where it
+is >= 1/2. What each term is, how it is measured and the evidence for it: docs/studies/cluster-cost-
+model.md, "What results.py prices, term by term".
 """
 
 from __future__ import annotations
