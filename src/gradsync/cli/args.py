@@ -50,18 +50,13 @@ def int_list(text: str) -> list[int]:
 
 
 def bandwidth(text: str) -> float:
-    """Bytes per second from 200Gbit, 100Mbit, 25GB/s, 400MB/s (bits: 'bit'; bytes: 'B/s')."""
-    raw = text.strip()
-    units = {"tbit": 1e12 / 8, "gbit": 1e9 / 8, "mbit": 1e6 / 8, "tb/s": 1e12, "gb/s": 1e9, "mb/s": 1e6}
-    for unit, scale in units.items():
-        if raw.lower().endswith(unit):
-            try:
-                value = float(raw[:-len(unit)]) * scale
-            except ValueError:
-                break
-            if value > 0:
-                return value
-    raise argparse.ArgumentTypeError(f"{text!r} is not a bandwidth; use e.g. 200Gbit, 100Mbit or 25GB/s")
+    """Bytes per second from 200Gbit, 100Mbit, 25GB/s, 400MB/s (sim/rates.py)."""
+    from gradsync.sim.rates import bits_per_second
+
+    try:
+        return bits_per_second(text) / 8
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def duration(text: str) -> float:

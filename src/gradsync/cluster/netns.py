@@ -33,6 +33,8 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
+from gradsync.sim.rates import bits_per_second
+
 SUBNET = ipaddress.ip_network("10.231.1.0/24")
 """The hosts' addresses: host i is .(i+1). Must stay inside ALLOWED."""
 ALLOWED = ipaddress.ip_network("10.231.0.0/16")
@@ -55,17 +57,8 @@ def unavailable() -> str | None:
 
 
 def parse_rate(text: str) -> float:
-    """Bits per second from tc-style rates: 1gbit, 10gbit, 200mbit, 500kbit."""
-    raw = text.strip().lower()
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if raw.endswith(unit):
-            try:
-                value = float(raw[:-len(unit)]) * scale
-            except ValueError:
-                break
-            if value > 0:
-                return value
-    raise ValueError(f"{text!r} is not a link rate; use e.g. 1gbit, 10gbit or 200mbit")
+    """Bits per second from tc-style rates: 1gbit, 10gbit, 200mbit, 500kbit (sim/rates.py)."""
+    return bits_per_second(text)
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
