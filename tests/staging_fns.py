@@ -7,8 +7,12 @@ from cases import contribution, expected_sum
 
 
 def device() -> torch.device:
-    """cuda:0 where there is a GPU (every rank shares it), else the CPU (GRADSYNC_HOST_STAGING=cpu)."""
-    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+    """Where this rank's tensors go: its current GPU where there is one (cuda:0, shared by every rank,
+    unless the world was started with GRADSYNC_BIND_GPU=1: a GPU each), else the CPU
+    (GRADSYNC_HOST_STAGING=cpu)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def world_path():

@@ -137,3 +137,22 @@ def test_the_main_job_through_the_staging_copies_ends_on_the_same_bits(world_of,
         assert [r[:2] for r in ours] == [r[:2] for r in theirs], (config, ours, theirs)
         assert ours[0][0] == ours[1][0], (config, "replicas differ")
         assert all(r[2] > 0 for r in ours) and all(r[2] == 0 for r in theirs), (config, "staged bytes", ours, theirs)
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+def test_ranks_with_a_gpu_each_run_on_nccl_with_the_cpu_results(world_of):
+    # two ranks, each bound to a GPU of its own before init (GRADSYNC_BIND_GPU, as gradsync train
+    # --device cuda sets it): the world settles on NCCL, algorithm="auto" runs NCCL's own
+    # all-reduce, and every collective and DDP equal the CPU's results and one process
+    pool = world_of(2, GRADSYNC_BIND_GPU="1")
+    assert pool.run(staging_fns.world_path) == [("nccl", "cpu:gloo,cuda:nccl", False)] * 2
+    dtypes = [torch.float32, torch.float64, torch.int64]
+    for rank, (wrong, to_host, to_device) in enumerate(
+            pool.run(staging_fns.every_collective, [0, 1, 3, 1000, 300_001], dtypes)):
+        assert wrong == [], (rank, wrong)
+        assert to_host == to_device == 0   # nothing staged through the host
+    reference = staging_fns.one_process_steps(2, 10, 4)
+    for params in pool.run(staging_fns.ddp_steps, 10, 4):
+        for got, want in zip(params, reference):
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
