@@ -414,3 +414,28 @@ def hierarchical_over_pretend_hosts(hosts: tuple, cases: list) -> list:
         answers.append((None if good else "differs from the single-process fold",
                         hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()))
     return answers
+
+
+def stall_records_after_each_entry(hosts: tuple) -> list:
+    """Each collective entry point the backend and the strategies call (collectives.*_in), run once,
+    then what the stall inspector holds for this rank: (entry, record) where None means back in user
+    code. A record left behind makes an idle rank report a stall in an operation it has finished."""
+    import dataclasses
+
+    from gradsync import stall
+    from gradsync.comm.collectives import Place, all_gather_in, all_reduce_in, broadcast_in, here, reduce_scatter_in
+    from gradsync.comm.world_transport import default_transport
+
+    w = gs.world()
+    pretend = Place(dataclasses.replace(w, hosts=hosts), PretendHosts(default_transport(), hosts))
+    calls = [("all_reduce_in (first call)", lambda: all_reduce_in(here(), torch.ones(97), "sum", "auto")),
+             ("all_reduce_in (its kept plan)", lambda: all_reduce_in(here(), torch.ones(97), "sum", "auto")),
+             ("all_reduce_in (hierarchical)", lambda: all_reduce_in(pretend, torch.ones(97), "sum", "hierarchical")),
+             ("reduce_scatter_in", lambda: reduce_scatter_in(here(), torch.ones(8 * w.world_size))),
+             ("all_gather_in", lambda: all_gather_in(here(), torch.ones(8))),
+             ("broadcast_in", lambda: broadcast_in(here(), torch.ones(8), 0))]
+    records = []
+    for name, call in calls:
+        call()
+        records.append((name, stall._NOW[0]))
+    return records

@@ -9,6 +9,8 @@ int32 downcast anywhere on the path fails. The pipelined multi-segment path is e
 with 64-byte segments, since public calls below 1 MiB never cross a segment.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -342,3 +344,27 @@ def test_avg_finish_equals_dividing_by_n_bit_for_bit(dtype):
         divided = values / n
         same = (finished.view(bits) == divided.view(bits)) | (finished.isnan() & divided.isnan())
         assert bool(same.all()), f"{dtype}, N={n}: {int((~same).sum())} values differ from x / N"
+
+
+def test_the_stall_record_is_cleared_after_every_entry_point(world_of):
+    """An entry point that leaves its record behind makes an idle rank report, every few seconds, a
+    stall in an operation it finished long ago (seen: "waiting 254 s in all_reduce (hierarchical)")."""
+    for rank, records in enumerate(world_of(4).run(cases.stall_records_after_each_entry, ((0, 1), (2, 3)))):
+        left = [(name, record) for name, record in records if record is not None]
+        assert not left, f"rank {rank}: still recorded after {left[0][0]}: {left[0][1]}"
+
+
+def test_a_collective_inside_another_gives_the_stall_record_back_to_the_outer_one():
+    from gradsync import stall
+
+    @stall.tracked
+    def inner():
+        stall.entered(SimpleNamespace(sequence=8))
+
+    @stall.tracked
+    def outer():
+        stall.entered(SimpleNamespace(sequence=7))
+        inner()
+        return stall._NOW[0]
+
+    assert outer()[1] == 7 and stall._NOW[0] is None

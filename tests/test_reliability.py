@@ -98,7 +98,7 @@ def test_max_restarts_resumes_bit_identically_after_a_kill(tmp_path):
     while not (out / "checkpoint.pt").exists():   # first checkpoint written (after epoch 0)
         assert job.poll() is None and time.monotonic() - started < 120, "the job never reached its first epoch"
         time.sleep(0.01)
-    ranks = faults._rank_pids(job.pid)
+    ranks = faults.rank_pids(job.pid)
     assert ranks, "no rank processes found"
     os.kill(ranks[1], signal.SIGKILL)
     _, err = job.communicate(timeout=300)

@@ -50,13 +50,16 @@ def left() -> None:
 
 
 def tracked(fn):
-    """Decorator for a public collective: this rank is back in user code when it returns or raises."""
+    """Decorator for a collective's entry point (gs.all_reduce, the backend's all_reduce_in, ...): when
+    it returns or raises, this rank is back where it was before the call, in user code or, for a
+    collective called inside another (hierarchical's rails), in the outer one."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        before = _NOW[0]
         try:
             return fn(*args, **kwargs)
         finally:
-            left()
+            _NOW[0] = before
     return wrapper
 
 

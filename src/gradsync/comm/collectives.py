@@ -293,12 +293,12 @@ def _resolve(w: runtime.World, transport: Transport, flat: torch.Tensor, algorit
     return algorithm
 
 
-@stall.tracked
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` across all ranks in place (op: see the module docstring) and return it."""
     return all_reduce_in(here(), tensor, op, algorithm)
 
 
+@stall.tracked
 def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """all_reduce on ``place``."""
     transport = place.transport
@@ -373,7 +373,6 @@ def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested:
     plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = plan
 
 
-@stall.tracked
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Ring reduce-scatter: returns this rank's 1-D chunk of the reduced, flattened ``tensor``.
 
@@ -383,6 +382,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return reduce_scatter_in(here(), tensor, op)
 
 
+@stall.tracked
 def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """reduce_scatter on ``place``."""
     staging = _staging(place, tensor)
@@ -423,7 +423,6 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
     return shard.clone()
 
 
-@stall.tracked
 def all_gather(shard: torch.Tensor) -> torch.Tensor:
     """Ring all-gather: the 1-D concatenation of every rank's ``shard`` in rank order.
 
@@ -432,6 +431,7 @@ def all_gather(shard: torch.Tensor) -> torch.Tensor:
     return all_gather_in(here(), shard)
 
 
+@stall.tracked
 def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     """all_gather on ``place``."""
     staging = _staging(place, shard)
@@ -468,7 +468,6 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-@stall.tracked
 def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
     """All-gather within ``full``, a 1-D tensor in a shared region (``shared_allocator``) whose chunk
     ``ring_chunks(n, N)`` r this rank has written: afterwards every chunk holds its owner's values,
@@ -476,6 +475,7 @@ def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
     return all_gather_in_place_in(here(), full)
 
 
+@stall.tracked
 @_on_own_core
 def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
     """all_gather_in_place on ``place``."""
@@ -493,12 +493,12 @@ def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
     return full
 
 
-@stall.tracked
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with its value on rank ``src``, in place; returns it."""
     return broadcast_in(here(), tensor, src)
 
 
+@stall.tracked
 def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """broadcast on ``place``."""
     staging = _staging(place, tensor)
