@@ -134,7 +134,8 @@ class LiveCheckpoints:
     def _state(self, live: LiveDDP, batch: dict) -> dict:
         cfg = self.cfg
         workers = batch["global"] // (cfg.batch_size * cfg.grad_accum)   # the world whose global batch it is
-        plan = resume.BatchPlan(cfg.batch_size, cfg.grad_accum, workers, self.base_lr, batch["peak_lr"])
+        plan = resume.BatchPlan(cfg.batch_size, cfg.grad_accum, workers, self.base_lr, batch["peak_lr"],
+                                epochs=cfg.epochs, warmup_steps=cfg.warmup_steps)
         return resume.state_of(cfg, plan, live.module, live.optimizer, live.step, live.progress["epoch"],
                                live.progress["position"], live.world.world_size)
 
@@ -197,7 +198,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
 
     def on_resize(live: LiveDDP, old_world: int) -> None:
         batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
-                                                    live.world.world_size)
+                                                    live.world.world_size, scaling=cfg.lr_scaling)
 
     # a replacement joins the running world here, receiving the state, the progress and the batch
     live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": epoch, "position": position}, shared=batch,
@@ -209,9 +210,10 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     w = live.world
     cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
     kill = _planted_kill(live.member)
-    checkpoints = LiveCheckpoints(cfg, plan, kill)
     if kill is not None and kill[1] == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: _die() if live.step == kill[0] else None)
+    cfg = plan.scheduled(cfg, cursor.steps_from(0))   # the run's length and warm-up (train/batch_math.py)
+    checkpoints = LiveCheckpoints(cfg, plan, kill)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
     for line in plan.changes:

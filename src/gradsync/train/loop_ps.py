@@ -103,6 +103,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if steps_per_epoch < 1:
         raise ValueError(f"each worker sees {len(sampler)} training samples per epoch, fewer than one step of "
                          f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}")
+    cfg = plan.scheduled(cfg, steps_per_epoch)   # the run's length and warm-up (train/batch_math.py)
     total_steps = cfg.steps or cfg.epochs * steps_per_epoch
     global_batch, peak_lr = plan.global_batch, plan.peak_lr
     model = build_model(cfg.model, cfg.dataset)

@@ -76,6 +76,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     plan = resume.BatchPlan.for_resume(cfg, workers, saved) if saved else resume.BatchPlan.fresh(cfg, workers)
     cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
+    cfg = plan.scheduled(cfg, cursor.steps_from(0))   # the run's length and warm-up (train/batch_math.py)
     model = build_model(cfg.model, cfg.dataset)
     if saved:
         model.load_state_dict(saved["model"])
