@@ -147,22 +147,18 @@ def trap_findings(shape: RunShape) -> list[str]:
 
 
 def advice(shape: RunShape) -> str:
-    """What to change so that ``shape`` leaves the trap: linear scaling gives way to sqrt (whose
-    default run is longer), a given length to the default one, a given warm-up to a fifth of the run."""
+    """What to change so that ``shape`` leaves the trap: linear scaling gives way to sqrt, the length
+    to the rule's default one (what no --epochs gives), a given warm-up to a fifth of the run at most."""
     past_linear = shape.global_batch * LINEAR_STEPS_PER_EPOCH > shape.samples
     short = shape.total_steps < SETTLE_WARMUPS * shape.warmup
     rule = "sqrt" if shape.rule == "linear" and (past_linear or short) else shape.rule
     epochs = default_epochs(rule, shape.global_batch, shape.batch_size)
     steps = epochs * shape.steps_per_epoch
-    length_given = shape.epochs is not None or shape.steps is not None
-    changes = []
-    if rule != shape.rule:
-        changes.append(f"--lr-scaling {rule}" + ("" if length_given else
-                                                  f" (its default length here: {epochs} epochs, {steps:,} steps)"))
-    if length_given and shape.total_steps < steps:
-        changes.append(f"--epochs {epochs} ({steps:,} steps; the default length for this global batch when neither "
-                       f"--epochs nor --steps is given)")
-    if shape.warmup_steps is not None and SETTLE_WARMUPS * shape.warmup_steps > max(steps, shape.total_steps):
+    changes = [f"--lr-scaling {rule}"] if rule != shape.rule else []
+    if shape.total_steps < steps:
+        changes.append(f"--epochs {epochs} ({steps:,} steps: {rule} scaling's default length for this global batch, "
+                       f"what no --epochs gives)")
+    if shape.warmup_steps is not None and SETTLE_WARMUPS * shape.warmup > max(steps, shape.total_steps):
         changes.append(f"--warmup-steps {max(steps, shape.total_steps) // SETTLE_WARMUPS} or fewer")
     if not changes:
         return "use a smaller global batch (fewer --workers, a smaller --grad-accum or --batch-size)"

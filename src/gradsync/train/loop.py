@@ -159,7 +159,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
     for line in plan.changes:
         report.note(line)
-    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
+    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None,
+                 train_samples=len(train_set))
     report.setup(**_layout(model, wrapped), **device_record(device))
     gs.traffic_reset()
     # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)

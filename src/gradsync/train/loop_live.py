@@ -219,7 +219,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     for line in plan.changes:
         report.note(line)
     report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0),
-                 resumed_at=live.step if saved else None)
+                 resumed_at=live.step if saved else None, train_samples=len(train_set))
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)

@@ -123,7 +123,8 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
     for line in plan.changes:
         report.note(line)
-    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=saved["step"] if saved else None)
+    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=saved["step"] if saved else None,
+                 train_samples=len(train_set))
     gs.traffic_reset()
     # Test knob: GRADSYNC_SAMPLE_LOG=DIR makes every worker append "epoch id id ..." per step it trains
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")

@@ -92,7 +92,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     for line in plan.changes:
         report.note(line)
     report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0),
-                 resumed_at=saved["step"] if saved else None)
+                 resumed_at=saved["step"] if saved else None, train_samples=len(train_set))
     started = time.perf_counter()
     compute_s = 0.0
     if live.is_server:

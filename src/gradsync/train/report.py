@@ -59,7 +59,9 @@ class Reporter:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def start(self, global_batch: int, base_lr: float, peak_lr: float, steps_per_epoch: int, resumed_at) -> None:
+    def start(self, global_batch: int, base_lr: float, peak_lr: float, steps_per_epoch: int, resumed_at,
+              train_samples: int | None = None) -> None:
+        """The batch math line (train/batch_math.py) and the start record, which `gradsync doctor` reads."""
         self.started = time.perf_counter()
         if not self.enabled:
             return
@@ -75,7 +77,8 @@ class Reporter:
         if resumed_at is not None:
             self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
         self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr,
-                      "base_lr": base_lr, "steps_per_epoch": steps_per_epoch, "total_steps": self.total_steps})
+                      "base_lr": base_lr, "steps_per_epoch": steps_per_epoch, "total_steps": self.total_steps,
+                      "train_samples": train_samples})
         if not c.quiet:
             self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=False)
