@@ -5,7 +5,6 @@ and the main job itself at the trap's worst (global batch 256 on digits' 1,437 s
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -149,7 +148,8 @@ def test_the_main_job_at_a_global_batch_of_256_reaches_96_percent(tmp_path):
 
     results = run(TrainConfig(grad_accum=4, out=str(tmp_path), quiet=True))
     summary = results[0]["summary"]
-    assert summary["steps"] == 23 * 6 and summary["accuracy"] >= 0.96, summary["accuracy"]
+    assert summary["accuracy"] >= 0.96, summary["accuracy"]
+    assert summary["steps"] == 23 * 6   # sqrt(8) x 8 epochs, rounded up, of 6 steps
 
 
 @pytest.mark.slow
@@ -159,4 +159,4 @@ def test_eight_workers_with_the_default_flags_reach_96_percent(tmp_path):
 
     results = run(TrainConfig(workers=8, out=str(tmp_path), quiet=True))
     assert results[0]["summary"]["accuracy"] >= 0.96, results[0]["summary"]["accuracy"]
-    assert math.isclose(results[0]["summary"]["steps"], 138)
+    assert results[0]["summary"]["steps"] == 138
