@@ -133,6 +133,8 @@ def test_batch_policies_in_closed_form():
     assert resized("keep-global", 96, 0.06, 3, 2) == (96, 0.06)
     assert resized("keep-per-rank", 12, 0.3, 3, 2) == (8, pytest.approx(0.2))   # lr x W'/W (linear scaling)
     assert resized("keep-per-rank", 8, 0.2, 2, 3) == (12, pytest.approx(0.3))   # a replacement joined: back up
+    assert resized("keep-per-rank", 12, 0.3, 3, 2, scaling="sqrt") == (8, pytest.approx(0.3 * (2 / 3) ** 0.5))
+    assert resized("keep-per-rank", 12, 0.3, 3, 2, scaling="none") == (8, 0.3)
     with pytest.raises(ValueError, match="choose one of keep-global, keep-per-rank"):
         resized("keep-nothing", 12, 0.3, 3, 2)
 
@@ -142,8 +144,8 @@ def test_batch_policies_in_closed_form():
 def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_replacement(tmp_path):
     """`gradsync train --fault-tolerance live --live-batch keep-per-rank --max-restarts 1`: member 1 dies in
     step 5 after the all-reduce, before its optimizer step, and a replacement (member 3) joins; the job
-    exits 0, the global batch and learning rate follow b x W' and lr x W'/W down to 2 ranks and back up
-    to 3, and every sample of the epoch is trained exactly once (the replacement's steps included)."""
+    exits 0, the global batch and learning rate follow b x W' and lr x sqrt(W'/W) (--lr-scaling sqrt, the
+    default) down to 2 ranks and back up to 3, and every sample of the epoch is trained exactly once (the replacement's steps included)."""
     import json
     import subprocess
     import sys
@@ -163,7 +165,7 @@ def test_train_cli_live_keep_per_rank_after_a_kill_past_the_all_reduce_and_a_rep
     live, grown = [r for r in records if r["event"] == "live"]
     assert live["lost"] == [1] and live["world_size"] == 2
     assert live["global_batch"] == start["global_batch"] // 3 * 2
-    assert live["peak_lr"] == pytest.approx(start["peak_lr"] * 2 / 3)
+    assert live["peak_lr"] == pytest.approx(start["peak_lr"] * (2 / 3) ** 0.5)
     assert grown["joined"] == [3] and grown["members"] == [0, 2, 3] and grown["world_size"] == 3
     assert grown["global_batch"] == start["global_batch"] and grown["peak_lr"] == pytest.approx(start["peak_lr"])
     assert "3 of 4 members finished" in job.stderr and "1 replacement(s) joined" in job.stderr

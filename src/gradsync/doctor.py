@@ -2,7 +2,11 @@
 practitioners use when data-parallel training underperforms.
 
     batch math     per-worker batch x workers x accumulation = global batch; the learning rate after
-                   scaling (a larger global batch without a larger lr, or without warm-up, trains worse)
+                   scaling; WARN when the run is in the batch-size trap, with what to change (the line
+                   `gradsync train` printed before training: train/batch_math.py), or when a scaled lr
+                   has no warm-up
+    loss spike     after the warm-up, the training loss (mean of a few steps) climbed back more than
+                   half-way from its lowest to the untrained model's: WARN, with the batch math's advice
     overlap        how much bucket all-reduce time runs while backward is still computing?
                    (trace.json: each bucket span's part before its step's "backward end", weighed
                    by time over every rank and step, as the summary's overlap share is; without a
@@ -26,6 +30,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from gradsync.train.batch_math import RunShape, advice, default_epochs, default_warmup, trap_findings
 
 STRAGGLER_FACTOR = 1.2
 SMALL_BUCKET_BYTES = 256 << 10
@@ -88,6 +94,45 @@ def _overlap_from_trace(trace_path: Path) -> tuple[float, int] | None:
     return (hidden / total if total > 0 else 0.0), steps
 
 
+def _shape(start: dict) -> RunShape | None:
+    """The run's batch math from its start record (None: a run recorded before its length was). The
+    recorded epochs and warm-up are the run's own; those equal to the defaults count as not given."""
+    cfg = start["config"]
+    if "steps_per_epoch" not in start or cfg["strategy"] == "diloco":
+        return None
+    rule, b, g = cfg["lr_scaling"], cfg["batch_size"], start["global_batch"]
+    samples = start.get("train_samples") or g * start["steps_per_epoch"]
+    epochs = None if cfg["epochs"] == default_epochs(rule, g, b) else cfg["epochs"]
+    warmup = None if cfg["warmup_steps"] == default_warmup(start["total_steps"]) else cfg["warmup_steps"]
+    return RunShape(rule, b, g, samples, epochs, cfg.get("steps"), warmup)
+
+
+SPIKE_WINDOW = 3
+"""Steps averaged before the loss is compared (one noisy batch is not a spike)."""
+
+
+def loss_spike(steps: list[dict], warmup_steps: int) -> str | None:
+    """A loss spike after the warm-up, in words; None when there is none. The loss averaged over
+    SPIKE_WINDOW steps is a spike after the warm-up when it climbs back more than half-way from its
+    lowest so far to the first window's (the untrained model's): the old W=8 digits run went 1.37 ->
+    2.90 (its first window 2.31); a healthy run's worst late step lifts its window from 0.02 to 0.15."""
+    losses = [(r["step"], r["loss"]) for r in steps if r.get("loss") is not None]
+    if len(losses) < 2 * SPIKE_WINDOW:
+        return None
+    means = [(losses[i + SPIKE_WINDOW - 1][0], sum(x for _, x in losses[i:i + SPIKE_WINDOW]) / SPIKE_WINDOW)
+             for i in range(len(losses) - SPIKE_WINDOW + 1)]
+    first = means[0][1]
+    lowest, lowest_at = first, means[0][0]
+    for step, mean in means[1:]:
+        if step - SPIKE_WINDOW + 1 > warmup_steps and mean > lowest + (first - lowest) / 2 and mean > 1.5 * lowest:
+            return (f"after the warm-up ({warmup_steps} steps) the loss (mean of {SPIKE_WINDOW} steps) climbed from "
+                    f"{lowest:.2f} (step {lowest_at}) to {mean:.2f} (step {step}), more than half-way back to the "
+                    f"untrained model's {first:.2f}")
+        if mean < lowest:
+            lowest, lowest_at = mean, step
+    return None
+
+
 def examine(run_dir: str | Path) -> list[Finding]:
     run_dir = Path(run_dir)
     events = _read_run(run_dir)
@@ -98,13 +143,24 @@ def examine(run_dir: str | Path) -> list[Finding]:
     findings = []
 
     workers = start["global_batch"] // (cfg["batch_size"] * cfg["grad_accum"])
-    scaled = cfg["lr_scaling"] == "linear"
     math = (f"{cfg['batch_size']} per worker x {workers} workers x {cfg['grad_accum']} accumulation = "
             f"{start['global_batch']} global; peak lr {start['peak_lr']:g} ({cfg['lr_scaling']} scaling, "
             f"warm-up {cfg['warmup_steps']} steps)")
-    risky = workers > 1 and (not scaled or cfg["warmup_steps"] == 0)
-    findings.append(Finding("batch math", "WARN" if risky else "OK", math + (
-        ": a larger global batch wants a scaled lr and a warm-up (Goyal et al. 2017)" if risky else "")))
+    shape = _shape(start)
+    trapped = trap_findings(shape) if shape is not None else []
+    unwarmed = start["peak_lr"] > start.get("base_lr", start["peak_lr"]) and cfg["warmup_steps"] == 0
+    if trapped:
+        findings.append(Finding("batch math", "WARN", f"{math}: the batch-size trap: {'; '.join(trapped)}; "
+                                                      f"{advice(shape)}"))
+    elif unwarmed:
+        findings.append(Finding("batch math", "WARN", f"{math}: a scaled lr wants a warm-up (Goyal et al. 2017)"))
+    else:
+        findings.append(Finding("batch math", "OK", math))
+    spike = loss_spike(events.get("step", []), cfg["warmup_steps"] or 0)
+    if spike is not None:
+        findings.append(Finding("loss spike", "WARN", spike + (f"; {advice(shape)}" if shape is not None else "")))
+    elif events.get("step"):
+        findings.append(Finding("loss spike", "OK", f"none after the warm-up ({cfg['warmup_steps']} steps)"))
 
     trace_counts = _overlap_from_trace(run_dir / "trace.json")
     if cfg["strategy"] in ("ddp", "local"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gradsync.cli import bench_collectives, bench_ddp, bench_faults, bench_ps, bench_slowlinks, bench_zero1
+from gradsync.cli import (bench_collectives, bench_ddp, bench_faults, bench_ps, bench_scaling, bench_slowlinks,
+                          bench_zero1)
 
 BENCHES = {"collectives": bench_collectives, "ddp": bench_ddp, "ps": bench_ps, "zero1": bench_zero1,
-           "slowlinks": bench_slowlinks, "faults": bench_faults}
+           "slowlinks": bench_slowlinks, "faults": bench_faults, "scaling": bench_scaling}
 """Each benchmark's module, in the order `gradsync bench --help` lists them."""
 
 

@@ -29,8 +29,9 @@ class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
 
 
 def add_parser(commands) -> None:
-    from gradsync.train.config import (COMPRESSION, DEVICES, FAULT_TOLERANCE, LIVE_BATCH, LR_SCALING,
-                                        PREEMPT_SIGNALS, STRATEGIES, TrainConfig)
+    from gradsync.train.batch_math import DEFAULT_EPOCHS, LR_SCALING, WARMUP_MIN_STEPS, WARMUP_SHARE
+    from gradsync.train.config import (COMPRESSION, DEVICES, FAULT_TOLERANCE, LIVE_BATCH, PREEMPT_SIGNALS,
+                                        STRATEGIES, TrainConfig)
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.datasets import DATASETS
     from gradsync.train.models import MODELS
@@ -62,7 +63,9 @@ def add_parser(commands) -> None:
     flag("--dataset", choices=DATASETS, help="default: the model's natural dataset (digits for cnn and mlp, "
                                              "stdlib-text for charlm, stdlib-tokens for word2vec)")
     flag("--epochs", type=positive_int, default=None,
-         help=f"passes over the training set, ignored with --steps (default: {defaults['epochs']}; word2vec: "
+         help=f"passes over the training set, ignored with --steps (default: as many as keep lr x steps equal to "
+              f"{DEFAULT_EPOCHS} epochs of one worker's batch: {DEFAULT_EPOCHS} with --lr-scaling linear, "
+              f"{DEFAULT_EPOCHS} x sqrt(global / per-worker batch) with sqrt, e.g. 12 for 2 workers; word2vec: "
               f"--steps {WORD2VEC_DEFAULT_STEPS:,}, about a minute, unless --epochs or --steps is given)")
     flag("--steps", type=positive_int, help="optimizer steps in all, counted from the run's start even when "
                                             "resuming (default: as many as --epochs take)")
@@ -71,8 +74,10 @@ def add_parser(commands) -> None:
     flag("--lr", type=float, help="base learning rate for one worker's batch (default: the model's: 0.02 cnn and "
                                   "mlp, 0.001 charlm, 0.2 word2vec)")
     flag("--lr-scaling", choices=LR_SCALING,
-         help="linear: lr x global batch / per-worker batch (Goyal et al. 2017); none: lr as given")
-    flag("--warmup-steps", type=int, help="steps of linear learning-rate warm-up from 0; 0: none")
+         help="how the lr follows the global batch G of b per worker: sqrt: lr x sqrt(G / b) (Krizhevsky 2014, Hoffer "
+              "et al. 2017); linear: lr x G / b (Goyal et al. 2017); none: lr as given; the default --epochs follows it")
+    flag("--warmup-steps", type=int, help="steps of linear learning-rate warm-up from 0; 0: none (default: "
+                                          f"max({WARMUP_MIN_STEPS}, {WARMUP_SHARE:.0%} of the run's steps))")
     flag("--bucket-mb", type=float, help="DDP bucket cap in MiB")
     flag("--compress", choices=COMPRESSION,
          help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
@@ -107,7 +112,7 @@ def add_parser(commands) -> None:
               "parameter-server job)")
     flag("--live-batch", choices=LIVE_BATCH,
          help="--fault-tolerance live, after ranks die: keep the global batch, or keep each rank's batch and scale the "
-              "learning rate by new/old world size")
+              "learning rate with the new global batch as --lr-scaling says")
     flag("--checkpoint-every", metavar="N|TIME",
          help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h); default: at each epoch's "
               "end only")
@@ -119,7 +124,8 @@ def add_parser(commands) -> None:
 
 def _before_spawning(cfg) -> str | None:
     """The checks that need no rank (train/runs.py): the batch fits the data, --out holds what this
-    command expects. Returns the line saying a resumed run is finished, if it is."""
+    command expects, and a warning when a new run is in the batch-size trap (train/batch_math.py).
+    Returns the line saying a resumed run is finished, if it is."""
     from gradsync.train import runs
 
     runs.check_batch(cfg)
@@ -128,7 +134,11 @@ def _before_spawning(cfg) -> str | None:
         return runs.check_resume(cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:   # a torchrun restart continues its run
         first = os.environ.get("RANK", "0") == "0"   # under torchrun every rank checks (before any writes), one says
-        runs.claim_out(cfg, cfg.overwrite, say=print if first else lambda *_, **__: None)
+        say = print if first else lambda *_, **__: None
+        runs.claim_out(cfg, cfg.overwrite, say=say)
+        warning = runs.batch_trap_warning(cfg)
+        if warning:
+            say(f"gradsync train: {warning}", flush=True)
     return None
 
 

@@ -15,9 +15,10 @@ Preemption: SIGTERM (--preempt-signal) to the launcher, any rank or the whole jo
 after the same step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exits 75;
 Ctrl-C does the same and exits 130 (a second Ctrl-C: at once). train/preempt.py.
 
-Batch math (printed at start):
+Batch math (printed at start; train/batch_math.py):
     global batch = per-worker batch x workers x accumulation steps
-    lr = base lr x (global batch / per-worker batch)      with --lr-scaling linear
+    lr = base lr x k, k = sqrt(global batch / per-worker batch) (--lr-scaling sqrt, the default), the
+         ratio itself (linear) or 1 (none); without --epochs, the run keeps lr x steps of 8 epochs of one worker
     clip: g <- g x min(1, X / (||g||_2 + 1e-6))           with --clip-grad X, g the step's averaged gradient
 """
 
@@ -128,6 +129,7 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
                          f"workers or a smaller batch")
     cursor = EpochCursor(len(train_set), global_batch, seed=cfg.seed)
     steps_per_epoch = cursor.steps_from(0)
+    cfg = plan.scheduled(cfg, steps_per_epoch)   # the run's length and warm-up (train/batch_math.py)
     # build_model (on this rank's device), wrap_model, build_optimizer
     device = train_device(cfg)
     model = build_model(cfg.model, cfg.dataset).to(device)
@@ -157,8 +159,8 @@ def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
     for line in plan.changes:
         report.note(line)
-    shown_base_lr = peak_lr / (global_batch / cfg.batch_size if cfg.lr_scaling == "linear" else 1.0)
-    report.start(global_batch, shown_base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None)
+    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None,
+                 train_samples=len(train_set))
     report.setup(**_layout(model, wrapped), **device_record(device))
     gs.traffic_reset()
     # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)

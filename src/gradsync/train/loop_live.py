@@ -129,7 +129,8 @@ class LiveCheckpoints:
     def _state(self, live: LiveDDP, batch: dict) -> dict:
         cfg = self.cfg
         workers = batch["global"] // (cfg.batch_size * cfg.grad_accum)   # the world whose global batch it is
-        plan = resume.BatchPlan(cfg.batch_size, cfg.grad_accum, workers, self.base_lr, batch["peak_lr"])
+        plan = resume.BatchPlan(cfg.batch_size, cfg.grad_accum, workers, self.base_lr, batch["peak_lr"],
+                                epochs=cfg.epochs, warmup_steps=cfg.warmup_steps)
         return resume.state_of(cfg, plan, live.module, live.optimizer, live.step, live.progress["epoch"],
                                live.progress["position"], live.world.world_size)
 
@@ -192,7 +193,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
 
     def on_resize(live: LiveDDP, old_world: int) -> None:
         batch["global"], batch["peak_lr"] = resized(cfg.live_batch, batch["global"], batch["peak_lr"], old_world,
-                                                    live.world.world_size)
+                                                    live.world.world_size, scaling=cfg.lr_scaling)
 
     # a replacement joins the running world here, receiving the state, the progress and the batch
     live = LiveDDP(model, optimizer, on_resize=on_resize, progress={"epoch": epoch, "position": position}, shared=batch,
@@ -204,15 +205,16 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     w = live.world
     cursor = EpochCursor(len(train_set), batch["global"], seed=cfg.seed)
     kill = planted_kill(live.member)
-    checkpoints = LiveCheckpoints(cfg, plan, kill)
     if kill is not None and kill[1] == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: die() if live.step == kill[0] else None)
+    cfg = plan.scheduled(cfg, cursor.steps_from(0))   # the run's length and warm-up (train/batch_math.py)
+    checkpoints = LiveCheckpoints(cfg, plan, kill)
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * cursor.steps_from(0)
     report = Reporter(cfg, total_steps, enabled=w.rank == 0)
     for line in plan.changes:
         report.note(line)
     report.start(batch["global"], plan.base_lr, batch["peak_lr"], cursor.steps_from(0),
-                 resumed_at=live.step if saved else None)
+                 resumed_at=live.step if saved else None, train_samples=len(train_set))
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
     sample_log = (open(Path(log_dir) / f"live.{os.getpid()}.m{live.member}", "a", buffering=1)  # noqa: SIM115
                   if log_dir else None)

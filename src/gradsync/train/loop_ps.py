@@ -103,6 +103,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if steps_per_epoch < 1:
         raise ValueError(f"each worker sees {len(sampler)} training samples per epoch, fewer than one step of "
                          f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}")
+    cfg = plan.scheduled(cfg, steps_per_epoch)   # the run's length and warm-up (train/batch_math.py)
     total_steps = cfg.steps or cfg.epochs * steps_per_epoch
     global_batch, peak_lr = plan.global_batch, plan.peak_lr
     model = build_model(cfg.model, cfg.dataset)
@@ -122,7 +123,8 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     report = Reporter(cfg, total_steps, enabled=(w.rank == servers))
     for line in plan.changes:
         report.note(line)
-    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=saved["step"] if saved else None)
+    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=saved["step"] if saved else None,
+                 train_samples=len(train_set))
     gs.traffic_reset()
     # Test knob: GRADSYNC_SAMPLE_LOG=DIR makes every worker append "epoch id id ..." per step it trains
     log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")

@@ -76,6 +76,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     plan = resume.BatchPlan.for_resume(cfg, workers, saved) if saved else resume.BatchPlan.fresh(cfg, workers)
     cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     cursor = EpochCursor(len(train_set), plan.global_batch, seed=cfg.seed)
+    cfg = plan.scheduled(cfg, cursor.steps_from(0))   # the run's length and warm-up (train/batch_math.py)
     model = build_model(cfg.model, cfg.dataset)
     if saved:
         model.load_state_dict(saved["model"])
@@ -91,7 +92,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     for line in plan.changes:
         report.note(line)
     report.start(plan.global_batch, plan.base_lr, plan.peak_lr, cursor.steps_from(0),
-                 resumed_at=saved["step"] if saved else None)
+                 resumed_at=saved["step"] if saved else None, train_samples=len(train_set))
     started = time.perf_counter()
     compute_s = 0.0
     if live.is_server:

@@ -53,25 +53,32 @@ class Reporter:
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.progress = None
         self.task = None
+        self.started = time.perf_counter()
 
     def _record(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def start(self, global_batch: int, base_lr: float, peak_lr: float, steps_per_epoch: int, resumed_at) -> None:
+    def start(self, global_batch: int, base_lr: float, peak_lr: float, steps_per_epoch: int, resumed_at,
+              train_samples: int | None = None) -> None:
+        """The batch math line (train/batch_math.py) and the start record, which `gradsync doctor` reads."""
+        self.started = time.perf_counter()
         if not self.enabled:
             return
         c, workers = self.cfg, global_batch // (self.cfg.batch_size * self.cfg.grad_accum)
         self.console.print(f"[bold]gradsync train[/]: {c.model} on {c.dataset}, strategy {c.strategy}, "
                            f"algorithm {c.algorithm}, {workers} worker(s){_placement()}")
+        length = f"{c.epochs} epochs x {steps_per_epoch} steps" if c.steps is None else f"{steps_per_epoch} steps/epoch"
         self.console.print(f"batch: {c.batch_size} per worker x {workers} workers x {c.grad_accum} accumulation "
-                           f"= {global_batch} global; lr {base_lr:g} x {global_batch // c.batch_size if c.lr_scaling == 'linear' else 1} "
-                           f"({c.lr_scaling} scaling) = {peak_lr:g}, warm-up {c.warmup_steps} steps; "
-                           f"{steps_per_epoch} steps/epoch, {self.total_steps} steps in all"
+                           f"= {global_batch} global; lr {base_lr:g} x {peak_lr / base_lr:.3g} ({c.lr_scaling} scaling"
+                           f"{', unscaled: each worker steps alone' if c.strategy == 'diloco' else ''}) = {peak_lr:g}, "
+                           f"warm-up {c.warmup_steps} steps; {length}, {self.total_steps} steps in all"
                            + (f"; clip grad 2-norm to {c.clip_grad:g} ({c.clip_site()})" if c.clip_grad else ""))
         if resumed_at is not None:
             self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
-        self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr})
+        self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr,
+                      "base_lr": base_lr, "steps_per_epoch": steps_per_epoch, "total_steps": self.total_steps,
+                      "train_samples": train_samples})
         if not c.quiet:
             self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=False)
@@ -125,7 +132,8 @@ class Reporter:
     def epoch(self, epoch: int, step: int, evaluation: dict) -> None:
         if not self.enabled:
             return
-        self._record({"event": "epoch", "epoch": epoch, "step": step, **evaluation})
+        self._record({"event": "epoch", "epoch": epoch, "step": step, **evaluation,
+                      "wall_s": time.perf_counter() - self.started})   # since training started, evaluations included
         line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}, accuracy {evaluation['accuracy']:.2%}"
         (self.progress.console if self.progress else self.console).print(line)
 

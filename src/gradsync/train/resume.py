@@ -13,13 +13,16 @@ the epoch and P, so the epoch continues with exactly the samples not yet seen, w
 The batch (BatchPlan.for_resume): G stays as it was when M divides it: b x a = G / M per worker,
 keeping a when it still divides (else a = 1); the learning rate stays as it was. When M does not
 divide G, b and a stay, G becomes b x a x M, and the learning rate follows G as --lr-scaling says
-(linear: x G'/G). Either way, what changed is printed before the first step.
+(linear: x G'/G, sqrt: x sqrt(G'/G)). Either way, what changed is printed before the first step.
+The run's length and warm-up when --epochs and --warmup-steps are not given (train/batch_math.py)
+were decided when it started and are kept.
 Example: a checkpoint of N=2 x b=32 x a=1 (G=64): M=1 -> b=64, G=64; M=4 -> b=16, G=64;
-M=3 -> 64 does not divide by 3, so b=32 and G=96, lr x 1.5.
+M=3 -> 64 does not divide by 3, so b=32 and G=96, lr x sqrt(1.5) (sqrt scaling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ import torch
 
 import gradsync as gs
 from gradsync import checkpoint
+from gradsync.train.batch_math import DEFAULT_EPOCHS, WARMUP_MIN_STEPS, default_epochs, default_warmup, lr_multiplier
 from gradsync.train.config import TrainConfig
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -44,19 +48,33 @@ class BatchPlan:
     peak_lr: float
     changes: list[str] = field(default_factory=list)
     """What resuming on this world changed, in words (empty: nothing)."""
+    epochs: int | None = None
+    """The run's length in epochs (--epochs, or the default for its global batch); None: not recorded."""
+    warmup_steps: int | None = None
+    """The run's warm-up in steps (--warmup-steps, or the default); None: sized once the steps are known."""
 
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.workers
 
+    def scheduled(self, cfg: TrainConfig, steps_per_epoch: int) -> TrainConfig:
+        """``cfg`` with this plan's batch, length and warm-up filled in; a fresh run's default warm-up
+        is sized here, from the steps it plans (--steps, or its epochs x ``steps_per_epoch``)."""
+        if self.warmup_steps is None:
+            self.warmup_steps = default_warmup(cfg.steps if cfg.steps is not None else self.epochs * steps_per_epoch)
+        return dataclasses.replace(cfg, batch_size=self.batch_size, grad_accum=self.grad_accum, epochs=self.epochs,
+                                   warmup_steps=self.warmup_steps)
+
     @classmethod
     def fresh(cls, cfg: TrainConfig, workers: int) -> "BatchPlan":
         base_lr = cfg.lr or cfg.default_lr()
         global_batch = cfg.batch_size * cfg.grad_accum * workers
-        # DiLoCo's workers each step alone, on their own batch: their learning rate is not scaled
-        scaled = cfg.lr_scaling == "linear" and cfg.strategy != "diloco"
-        peak_lr = base_lr * (global_batch / cfg.batch_size if scaled else 1.0)
-        return cls(cfg.batch_size, cfg.grad_accum, workers, base_lr, peak_lr)
+        # DiLoCo's workers each step alone, on their own batch: their learning rate is not scaled (its run
+        # is as long as the rule says, the same samples as ddp's)
+        scale = 1.0 if cfg.strategy == "diloco" else lr_multiplier(cfg.lr_scaling, global_batch, cfg.batch_size)
+        epochs = cfg.epochs if cfg.epochs is not None else default_epochs(cfg.lr_scaling, global_batch, cfg.batch_size)
+        return cls(cfg.batch_size, cfg.grad_accum, workers, base_lr, base_lr * scale, epochs=epochs,
+                   warmup_steps=cfg.warmup_steps)
 
     @classmethod
     def for_resume(cls, cfg: TrainConfig, workers: int, state: dict) -> "BatchPlan":
@@ -69,9 +87,14 @@ class BatchPlan:
             accum = saved.grad_accum if per_worker % saved.grad_accum == 0 else 1
             plan = cls(per_worker // accum, accum, workers, saved.base_lr, saved.peak_lr)
         else:
-            scale = (saved.batch_size * saved.grad_accum * workers) / saved.global_batch
-            plan = cls(saved.batch_size, saved.grad_accum, workers, saved.base_lr,
-                       saved.peak_lr * (scale if cfg.lr_scaling == "linear" else 1.0))
+            new_global = saved.batch_size * saved.grad_accum * workers
+            scale = (lr_multiplier(cfg.lr_scaling, new_global, saved.batch_size)
+                     / lr_multiplier(cfg.lr_scaling, saved.global_batch, saved.batch_size))
+            plan = cls(saved.batch_size, saved.grad_accum, workers, saved.base_lr, saved.peak_lr * scale)
+        # the length and warm-up the run started with (older checkpoints: the defaults of their time)
+        plan.epochs = cfg.epochs if cfg.epochs is not None else saved.epochs or DEFAULT_EPOCHS
+        plan.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else \
+            saved.warmup_steps if saved.warmup_steps is not None else WARMUP_MIN_STEPS
         if (plan.batch_size, plan.grad_accum) != (cfg.batch_size, cfg.grad_accum) or workers != saved.workers:
             plan.changes = _describe(saved, plan, cfg)
         return plan
@@ -98,10 +121,12 @@ def saved_plan(cfg: TrainConfig, state: dict) -> BatchPlan:
     """The batch the checkpoint's run trained with (older checkpoints: from their identity)."""
     if "batch" in state:
         b = state["batch"]
-        return BatchPlan(b["batch_size"], b["grad_accum"], b["workers"], b["base_lr"], b["peak_lr"])
+        return BatchPlan(b["batch_size"], b["grad_accum"], b["workers"], b["base_lr"], b["peak_lr"],
+                         epochs=b.get("epochs"), warmup_steps=b.get("warmup_steps"))
     identity = state["identity"]
     old = BatchPlan.fresh(TrainConfig(**{**cfg.to_dict(), "batch_size": identity["batch_size"],
                                          "grad_accum": identity["grad_accum"]}), state["world_size"])
+    old.epochs = old.warmup_steps = None   # not recorded: the defaults of their time
     return old
 
 
@@ -193,7 +218,8 @@ def state_of(cfg: TrainConfig, plan: BatchPlan, model, optimizer, step: int, epo
 def run_record(cfg: TrainConfig, plan: BatchPlan) -> dict:
     """What every checkpoint says about its run: the batch it trained with, and its identity."""
     return {"batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
-                      "base_lr": plan.base_lr, "peak_lr": plan.peak_lr},
+                      "base_lr": plan.base_lr, "peak_lr": plan.peak_lr, "epochs": plan.epochs,
+                      "warmup_steps": plan.warmup_steps},
             "identity": {**{k: getattr(cfg, k) for k in IDENTITY}, "batch_size": plan.batch_size,
                          "grad_accum": plan.grad_accum}}
 

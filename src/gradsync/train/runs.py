@@ -1,5 +1,6 @@
 """What `gradsync train` checks in the launcher, before any rank starts: the batch fits the data,
-and --out is never overwritten or appended to without being asked.
+and --out is never overwritten or appended to without being asked; a new run in the batch-size trap
+is warned about (one line, batch_math.py), and trains.
 
 Vocabulary
     run        what one `gradsync train` command, with its resumes, leaves in --out: RUN_FILES
@@ -19,6 +20,7 @@ import os
 from pathlib import Path
 
 from gradsync import checkpoint
+from gradsync.train.batch_math import DEFAULT_EPOCHS, RunShape, trap_warning
 from gradsync.train.config import PS_STRATEGIES, TrainConfig
 from gradsync.train.resume import CHECKPOINT_NAME, IDENTITY, family
 
@@ -76,6 +78,23 @@ def check_batch(cfg: TrainConfig) -> None:
             + (" or fewer --workers" if largest < 1 or workers > 1 else ""))
 
 
+def data_workers(cfg: TrainConfig) -> int:
+    """The processes that train (a parameter-server job's servers do not); under torchrun, its world."""
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else cfg.workers
+    return world - cfg.servers if cfg.strategy in PS_STRATEGIES else world
+
+
+def batch_trap_warning(cfg: TrainConfig) -> str | None:
+    """A new run in the batch-size trap: one line saying why and what to change (batch_math.py); None
+    when it is not, or cannot be told here (stdlib-tokens' size; DiLoCo, whose workers step alone)."""
+    samples = train_samples(cfg.dataset)
+    if samples is None or cfg.resume or cfg.strategy == "diloco":
+        return None
+    shape = RunShape(cfg.lr_scaling, cfg.batch_size, cfg.batch_size * cfg.grad_accum * data_workers(cfg), samples,
+                     cfg.epochs, cfg.steps, cfg.warmup_steps)
+    return trap_warning(shape)
+
+
 def _describe(out: Path) -> str:
     """What the run in ``out`` is, in a few words."""
     path = out / CHECKPOINT_NAME
@@ -123,10 +142,17 @@ def steps_left(cfg: TrainConfig, state: dict) -> bool | None:
         if cfg.steps is not None:
             return done < cfg.steps
         per_epoch = state.get("steps_per_epoch")
-        return None if per_epoch is None else done < cfg.epochs * per_epoch
+        return None if per_epoch is None else done < epochs_of(cfg, state) * per_epoch
     if cfg.steps is not None:
         return state["step"] < cfg.steps
-    return state["epoch"] < cfg.epochs
+    return state["epoch"] < epochs_of(cfg, state)
+
+
+def epochs_of(cfg: TrainConfig, state: dict) -> int:
+    """The epochs a resume of ``state`` trains to: --epochs, else the run's own (older checkpoints: 8)."""
+    if cfg.epochs is not None:
+        return cfg.epochs
+    return state.get("batch", {}).get("epochs") or DEFAULT_EPOCHS
 
 
 def check_resume(cfg: TrainConfig) -> str | None:
@@ -145,7 +171,7 @@ def check_resume(cfg: TrainConfig) -> str | None:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is of another run: {', '.join(differing)}; give "
                          f"those flags to continue it, or choose another --out for a new run")
     if steps_left(cfg, state) is False:
-        length = f"--steps {cfg.steps}" if cfg.steps is not None else f"--epochs {cfg.epochs}"
+        length = f"--steps {cfg.steps}" if cfg.steps is not None else f"--epochs {epochs_of(cfg, state)}"
         return (f"gradsync train: the run in {cfg.out} is finished (step {state['step']}, {length}): nothing left to "
                 f"train; give a larger --epochs or --steps with --resume to train on")
     return None
