@@ -77,7 +77,7 @@ def add_parser(commands) -> None:
          help="how the lr follows the global batch G of b per worker: sqrt: lr x sqrt(G / b) (Krizhevsky 2014, Hoffer "
               "et al. 2017); linear: lr x G / b (Goyal et al. 2017); none: lr as given; the default --epochs follows it")
     flag("--warmup-steps", type=int, help="steps of linear learning-rate warm-up from 0; 0: none (default: "
-                                          f"max({WARMUP_MIN_STEPS}, {WARMUP_SHARE:.0%} of the run's steps))")
+                                          f"max({WARMUP_MIN_STEPS}, {WARMUP_SHARE * 100:.0f}%% of the run's steps))")
     flag("--bucket-mb", type=float, help="DDP bucket cap in MiB")
     flag("--compress", choices=COMPRESSION,
          help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
