@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 import gradsync as gs
-from gradsync.launch import _die_with_parent
+from gradsync.group.launch import _die_with_parent
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps every thread's stack if it must kill
 _die_with_parent()

@@ -350,7 +350,7 @@ def repeated_small_traffic(numel: int, calls: int, counters_full: bool = False):
     the meter read after each call, then read once more with no call in between; then one call
     not read before a reset, and a read after one more call. Returns (the reads after each call, the read with no call, the read
     after the reset and one call, whether every result was the closed form)."""
-    from gradsync import meter
+    from gradsync.observe import meter
 
     w = gs.world()
     expected = expected_sum(w.world_size, numel, torch.float32)
@@ -422,7 +422,7 @@ def stall_records_after_each_entry(hosts: tuple) -> list:
     code. A record left behind makes an idle rank report a stall in an operation it has finished."""
     import dataclasses
 
-    from gradsync import stall
+    from gradsync.observe import stall
     from gradsync.comm.collectives import Place, all_gather_in, all_reduce_in, broadcast_in, here, reduce_scatter_in
     from gradsync.comm.world_transport import default_transport
 

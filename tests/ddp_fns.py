@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync import trace
+from gradsync.observe import trace
 
 
 class MLP(nn.Module):

@@ -86,7 +86,7 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, st
 def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
     """train_with_a_kill (member 0 dies in step 4; the members wait for a joiner after 2 steps), where
     member 3, the first replacement, SIGKILLs itself as the state transfer to it begins."""
-    from gradsync import runtime
+    from gradsync.group import runtime
     from gradsync.live import transfer
 
     replacement = runtime.replacement()

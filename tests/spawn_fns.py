@@ -71,7 +71,7 @@ def what_init_did():
     import sys
 
     loaded = all(module in sys.modules for module in ("gradsync.ddp.wrapper", "gradsync.ps", "gradsync.zero"))
-    from gradsync import runtime
+    from gradsync.group import runtime
     from gradsync.comm import world_transport
 
     made = world_transport._TRANSPORTS.get(id(runtime.world()))

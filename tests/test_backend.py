@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gradsync.runtime import free_port
+from gradsync.group.runtime import free_port
 
 HERE = Path(__file__).parent
 DOUBLE = 1e-12

@@ -394,4 +394,4 @@ def test_bench_slowlinks_rows_and_bytes_per_step(tmp_path, capsys):
     assert rows["diloco"]["target"].startswith("not met: accuracy") and rows["ring"]["target"] is None
     assert png.stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "PowerSGD r=2" in printed and "DiLoCo H=4, outer lr 0.5" in printed and "1 (baseline)" in printed
+    assert "PowerSGD r=2" in printed and "DiLoCo H=4, outer lr 0.4" in printed and "1 (baseline)" in printed

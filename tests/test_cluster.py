@@ -506,8 +506,8 @@ def test_diloco_settings_of_a_time_to_loss_job_reach_the_workers_optimizers(monk
     lr, settings = built(Job("diloco", 4, 0.0, max_steps=16, target=2.5, outer_lr=1.0, outer_momentum=0.0, inner_lr=2e-3))
     assert lr == 2e-3 and settings["outer_lr"] == 1.0
     assert settings["outer_momentum"] == 0.0 and settings["nesterov"] is False
-    lr, settings = built(Job("diloco", 4, 0.0, max_steps=16))   # the paper's outer step, every strategy's lr
-    assert lr == 1e-3 and (settings["outer_lr"], settings["outer_momentum"], settings["nesterov"]) == (0.7, 0.9, True)
+    lr, settings = built(Job("diloco", 4, 0.0, max_steps=16))   # gradsync train's outer step, every strategy's lr
+    assert lr == 1e-3 and (settings["outer_lr"], settings["outer_momentum"], settings["nesterov"]) == (0.4, 0.9, True)
     for bad in ({"outer_momentum": 1.0}, {"outer_momentum": -0.1}, {"inner_lr": 0.0}):
         with pytest.raises(ValueError, match=r"outer_momentum must be in \[0, 1\) and inner_lr > 0"):
             Job("diloco", 4, 0.0, max_steps=16, **bad)

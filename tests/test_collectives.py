@@ -298,24 +298,24 @@ def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
 
 
 def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
-    """collectives._spins: with a core per local rank (shm.py's spin_allowed) every collective polls
+    """place.spins: with a core per local rank (shm.py's spin_allowed) every collective polls
     briefly before it sleeps; with more ranks than cores those on the main thread do, and on another
     thread (a communication thread beside backward) only those below SPIN_BELOW_BYTES."""
     import threading
     from types import SimpleNamespace
 
     from gradsync.comm.agree import Fingerprint
-    from gradsync.comm.collectives import SPIN_BELOW_BYTES, _spins
+    from gradsync.comm.place import SPIN_BELOW_BYTES, spins
 
     small = Fingerprint("all_reduce", 1, 16, torch.float32, "sum", "shared_memory")
     large = Fingerprint("all_reduce", 1, SPIN_BELOW_BYTES // 4, torch.float32, "sum", "shared_memory")
     own_cores, shared_cores = SimpleNamespace(spin_allowed=True), SimpleNamespace(spin_allowed=False)
-    assert _spins(own_cores, small) and _spins(own_cores, large)
-    assert _spins(shared_cores, small) and _spins(shared_cores, large)   # on the main thread
+    assert spins(own_cores, small) and spins(own_cores, large)
+    assert spins(shared_cores, small) and spins(shared_cores, large)   # on the main thread
     answers = []
     thread = threading.Thread(target=lambda: answers.extend(
-        [_spins(own_cores, large), _spins(shared_cores, small), _spins(shared_cores, large),
-         _spins(SimpleNamespace(), large)]))
+        [spins(own_cores, large), spins(shared_cores, small), spins(shared_cores, large),
+         spins(SimpleNamespace(), large)]))
     thread.start()
     thread.join(30)
     # off the main thread: a transport without the notion (TCP) goes by size alone
@@ -355,7 +355,7 @@ def test_the_stall_record_is_cleared_after_every_entry_point(world_of):
 
 
 def test_a_collective_inside_another_gives_the_stall_record_back_to_the_outer_one():
-    from gradsync import stall
+    from gradsync.observe import stall
 
     @stall.tracked
     def inner():

@@ -139,7 +139,7 @@ def test_compression_hooks_within_stated_error(world_of, hook, unit_roundoff):
 
 @pytest.mark.timeout(300)
 def test_timeline_shows_communication_during_backward(world_of, tmp_path):
-    from gradsync import trace
+    from gradsync.observe import trace
     results = world_of(2).run(ddp_fns.traced_overlap, 3)
     events = [e for r in results for e in r[0]]
     path = trace.write(tmp_path / "trace.json", events)

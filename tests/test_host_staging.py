@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import staging_fns
-from gradsync import device_path
+from gradsync.group import device_path
 
 STAGE_CPU = {"GRADSYNC_HOST_STAGING": "cpu"}
 

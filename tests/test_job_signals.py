@@ -63,7 +63,7 @@ def test_one_ctrl_c_received_twice_counts_once_and_a_later_one_is_a_second(tmp_p
     """In this process, as the launcher (launch._relaying) and as a one-process job (PreemptWatch with
     interrupt_twice_raises): two SIGINTs 10 ms apart are one Ctrl-C (timeout -s INT sends two); one
     0.3 s later is a second Ctrl-C, which raises KeyboardInterrupt (stop at once)."""
-    from gradsync import launch
+    from gradsync.group import launch
     from gradsync.train.preempt import PreemptWatch
 
     def ctrl_c(after: float) -> None:
@@ -110,7 +110,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     while not (tmp_path / "writing").exists():   # the first Ctrl-C's checkpoint is being written, slowly
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.005)
-    # a person's second Ctrl-C: later than launch.REPEATED_SIGNAL_SECONDS, which is one Ctrl-C received twice
+    # a person's second Ctrl-C: later than job_signals.REPEATED_SIGNAL_SECONDS, which is one Ctrl-C received twice
     time.sleep(max(0.0, first + 0.3 - time.monotonic()))
     os.killpg(job.pid, signal.SIGINT)
     second = time.monotonic()

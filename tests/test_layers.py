@@ -2,7 +2,7 @@
 
 Read, not run: every ``import`` and ``from ... import`` in every module of src/gradsync, those inside
 functions too (a lazy import is still a dependency), is resolved to the module it names
-(``from gradsync import runtime`` names gradsync.runtime, not the package). Each module has a level
+(``from gradsync.group import runtime`` names gradsync.group.runtime, not the package). Each module has a level
 (LEVELS: the longest matching prefix); a module may import its own level or lower ones. A circle
 is an error even within one level.
 """
@@ -16,12 +16,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gradsync"
 
 LEVELS = {
     # beside everything, importing nothing above: counters, timelines, checkpoints, the cost model
-    "gradsync.meter": 0, "gradsync.trace": 0, "gradsync.stall": 0,
-    "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.display": 0, "gradsync.grad_watch": 0,
-    "gradsync.clip": 0, "gradsync.compile_guard": 0,
+    "gradsync.observe": 0, "gradsync.observe.meter": 0, "gradsync.observe.trace": 0, "gradsync.observe.stall": 0,
+    "gradsync.observe.display": 0, "gradsync.observe.grad_watch": 0,
+    "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.clip": 0, "gradsync.compile_guard": 0,
     # process group set-up: the World record and host exchange that init() and join share, then
-    # joining a program's world, then init() itself (which may join), then spawn (which inits)
-    "gradsync.world_info": 1.0, "gradsync.device_path": 1.05, "gradsync.join": 1.1, "gradsync.runtime": 1.2, "gradsync.launch": 1.3,
+    # joining a program's world, then init() itself (which may join), then spawn (which inits): its
+    # signals, its start-up through the forkserver and its failure report first
+    "gradsync.group": 1.0, "gradsync.group.world_info": 1.0, "gradsync.group.device_path": 1.05,
+    "gradsync.group.join": 1.1, "gradsync.group.runtime": 1.2, "gradsync.group.job_signals": 1.0,
+    "gradsync.group.spawn_report": 1.0, "gradsync.group.forkserver": 1.25, "gradsync.group.launch": 1.3,
     # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
     "gradsync.data": 1.5,
     # collectives: the Transport interface and what needs only it, then the implementations and the
@@ -32,7 +35,8 @@ LEVELS = {
     "gradsync.comm.allreduce_tree": 2.2, "gradsync.comm.allreduce_naive": 2.2,
     "gradsync.comm.allreduce_hierarchical": 2.3, "gradsync.comm.broadcast": 2.2, "gradsync.comm.rooted": 2.2,
     "gradsync.comm.transport.tcp": 2.2, "gradsync.comm.transport.shm": 2.4,
-    "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.collectives": 2.6,
+    "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.place": 2.55,
+    "gradsync.comm.collectives": 2.6,
     # strategies and the torch backend
     "gradsync.replicas": 3, "gradsync.ddp": 3, "gradsync.ps": 3, "gradsync.zero": 3, "gradsync.c10d": 3,
     "gradsync.diloco": 3,
@@ -42,7 +46,7 @@ LEVELS = {
     # the main job is written with them (``import gradsync as gs``), so it sits between the two
     "gradsync": 4.5,
     # the main job
-    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5, "gradsync.doctor": 5,
+    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5, "gradsync.observe.doctor": 5,
     # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train)
     "gradsync.cli": 6, "gradsync.train.__main__": 6,
 }
@@ -203,3 +207,19 @@ def private_imports() -> list[str]:
 def test_no_module_imports_another_modules_private_name():
     found = private_imports()
     assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+LOOSE_MODULES = 8
+"""At most this many modules sit loose in src/gradsync/ (the package's __init__ among them); the rest
+live in a folder named for their purpose (group/, observe/, comm/, ...)."""
+SOURCE_LINES = 500
+"""No source file (Python or the native core's C) is longer than this."""
+
+
+def test_the_top_level_is_grouped_and_no_source_file_is_long():
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(loose) <= LOOSE_MODULES, f"{len(loose)} modules loose in src/gradsync/: {loose}"
+    long = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*"))
+            if path.suffix in (".py", ".c", ".h") for lines in [len(path.read_text().splitlines())]
+            if lines > SOURCE_LINES}
+    assert not long, f"source files over {SOURCE_LINES} lines: {long}"

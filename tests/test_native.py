@@ -200,7 +200,7 @@ def test_a_rank_killed_while_the_others_wait_in_the_core_is_named_within_a_secon
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_core_holds_its_thread_on_the_ranks_own_core_and_gives_it_back(world_of, n):
     # as test_shm's Python-path test: pinned to its own core once it sleeps in the core's barrier
-    # (a late peer), at every size (with the core, 4 MiB is held too: collectives._holds), its
+    # (a late peer), at every size (with the core, 4 MiB is held too: place.holds), its
     # affinity as before after every call
     cores = sorted(os.sched_getaffinity(0))
     for rank, (own_core, before, seen) in enumerate(world_of(n).run(native_fns.affinity_while_in_the_core)):

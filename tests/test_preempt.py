@@ -307,7 +307,7 @@ def test_a_sigterm_during_start_up_stops_after_the_first_step(tmp_path):
 def test_sigterm_to_the_torchrun_agent_checkpoints_and_prints_the_torchrun_command(tmp_path):
     """Under torchrun the agent relays SIGTERM to its workers: they stop after the same step with a
     checkpoint and print the agent's own command line with --resume."""
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
 
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                             str(free_port()), "-m", "gradsync.train", *JOB, "--out", str(tmp_path)],
@@ -371,7 +371,7 @@ def test_a_torchrun_restart_continues_from_the_last_checkpoint_then_sigterm_to_t
 
 def _elastic_torchrun(out: Path) -> subprocess.Popen:
     """2 digits workers under elastic torchrun on one host, a checkpoint every 5 steps, no --resume."""
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
 
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                              "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -93,7 +93,6 @@ def test_max_restarts_resumes_bit_identically_after_a_kill(tmp_path):
     out = tmp_path / "restarted"
     job = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "train", *common, "--max-restarts", "1",
                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
     started = time.monotonic()
     while not (out / "checkpoint.pt").exists():   # first checkpoint written (after epoch 0)
         assert job.poll() is None and time.monotonic() - started < 120, "the job never reached its first epoch"

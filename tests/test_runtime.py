@@ -23,7 +23,7 @@ def test_world_of_one_by_default():
 
 
 def test_reads_torchrun_environment(monkeypatch):
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -84,7 +84,7 @@ def test_a_program_that_remakes_its_world_gets_gradsync_rejoined(monkeypatch):
     gradsync joins each (a joined World never outlives the group it joined)."""
     import torch.distributed as dist
 
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
 
     for attempt in range(2):
         store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
@@ -102,7 +102,7 @@ def test_joining_takes_the_programs_rank_size_and_timeout_and_leaves_its_group()
 
     import torch.distributed as dist
 
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=77))

@@ -309,7 +309,7 @@ def test_example_script_runs_under_gradsync():
 
 @pytest.mark.timeout(120)
 def test_runs_unchanged_under_torchrun(tmp_path):
-    from gradsync.runtime import free_port
+    from gradsync.group.runtime import free_port
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "gradsync.train", "--steps", "5", "--quiet",
                           "--timeout", "30", "--out", str(tmp_path)], capture_output=True, text=True, timeout=110)

@@ -197,3 +197,26 @@ def test_the_staleness_unit_is_steps_in_the_help_the_readme_and_the_summary(tmp_
                   staleness={"mean": 1.5, "max": 5.0, "updates": 40.0})
     shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "max 5 versions" in shown and "--staleness 2 bounds steps, each worker's clock, not versions" in shown, shown
+
+
+def test_diloco_and_powersgd_settings_have_one_declaration_that_every_command_defaults_to():
+    # TrainConfig holds H, r and DiLoCo's outer step; bench slowlinks, cluster --time-to-loss,
+    # simulate and their plans (slowlinks.Plan, cluster.jobs.Job) start from its values
+    from gradsync.bench.slowlinks import Plan
+    from gradsync.cli import build_parser
+    from gradsync.cluster.jobs import Job
+    from gradsync.train.config import TrainConfig
+
+    names = ("sync_every", "powersgd_rank", "outer_lr", "outer_momentum")
+    declared = {name: getattr(TrainConfig(), name) for name in names}
+    commands = {"train": ["train"], "bench slowlinks": ["bench", "slowlinks"], "cluster": ["cluster"],
+                "simulate": ["simulate", "--workers", "2"]}
+    parser = build_parser()
+    for label, argv in commands.items():
+        args = vars(parser.parse_args(argv))
+        for name in names:
+            if name in args and args[name] is not None:
+                assert args[name] == declared[name], (label, name, args[name], declared[name])
+    assert "outer_lr" in vars(parser.parse_args(["cluster"])) and "sync_every" in vars(parser.parse_args(commands["simulate"]))
+    for plan in (Plan(), Job("diloco", 2, 0.0)):
+        assert {name: getattr(plan, name) for name in names} == declared, type(plan).__name__

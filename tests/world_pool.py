@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from gradsync.launch import _die_with_parent
+from gradsync.group.launch import _die_with_parent
 
 CASE_TIMEOUT = 60.0
 

@@ -14,21 +14,21 @@ _register_backend()  # torch.distributed.init_process_group("gradsync") works af
 __version__ = "0.1.0"
 
 _SOURCES = {
-    "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "world": "gradsync.runtime",
-    "World": "gradsync.runtime", "spawn": "gradsync.launch", "SpawnError": "gradsync.launch",
+    "init": "gradsync.group.runtime", "shutdown": "gradsync.group.runtime", "world": "gradsync.group.runtime",
+    "World": "gradsync.group.runtime", "spawn": "gradsync.group.launch", "SpawnError": "gradsync.group.spawn_report",
     "DistributedDataParallel": "gradsync.ddp.wrapper", "ReplicaMismatchError": "gradsync.ddp.wrapper",
     "DistributedSampler": "gradsync.data", "ParameterServer": "gradsync.ps", "ShardedOptimizer": "gradsync.zero",
     "DiLoCo": "gradsync.diloco",
     "all_reduce": "gradsync.comm.collectives", "reduce_scatter": "gradsync.comm.collectives",
     "all_gather": "gradsync.comm.collectives", "broadcast": "gradsync.comm.collectives",
-    "traffic": "gradsync.meter", "traffic_reset": "gradsync.meter",
+    "traffic": "gradsync.observe.meter", "traffic_reset": "gradsync.observe.meter",
 }
 
 __all__ = list(_SOURCES)
 
 
 def _load_public_names() -> None:
-    from gradsync import runtime
+    from gradsync.group import runtime
 
     for name, module in _SOURCES.items():
         globals()[name] = getattr(importlib.import_module(module), name)

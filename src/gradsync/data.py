@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from gradsync import runtime
+from gradsync.group import runtime
 
 
 class DistributedSampler(torch.utils.data.Sampler[int]):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.collectives import all_reduce, broadcast, shared_allocator
 
 

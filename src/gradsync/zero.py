@@ -80,10 +80,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from gradsync import clip, runtime
+from gradsync import clip
+from gradsync.group import runtime
 from gradsync.comm.allreduce_ring import Chunks, ring_chunks
 from gradsync.comm.collectives import all_gather, all_gather_in_place, all_reduce, reduce_scatter, shared_allocator
-from gradsync.grad_watch import GradientWatch
+from gradsync.observe.grad_watch import GradientWatch
 from gradsync.replicas import broadcast_coalesced
 
 DEFAULT_BUCKET_CAP_MB = 25.0

@@ -57,13 +57,13 @@ class Plan:
     """If set: every task this many steps instead (small runs, tests)."""
     batch_size: int = 32
     """Samples per rank per step (charlm: windows of 64 bytes)."""
-    powersgd_rank: int = 2
+    powersgd_rank: int = TrainConfig.powersgd_rank
     """PowerSGD's r."""
-    sync_every: int = 8
+    sync_every: int = TrainConfig.sync_every
     """DiLoCo's H."""
-    outer_lr: float = 0.5
-    """DiLoCo's outer learning rate (0.5 reached the digits target; the paper's 0.7 did not: README)."""
-    outer_momentum: float = 0.9
+    outer_lr: float = TrainConfig.outer_lr
+    """DiLoCo's outer learning rate."""
+    outer_momentum: float = TrainConfig.outer_momentum
     """DiLoCo's outer Nesterov momentum."""
     seed: int = 0
     """Every run's --seed: the model's initialisation and the order of the samples."""

@@ -42,7 +42,7 @@ import time
 from typing import Callable
 
 
-from gradsync import stall
+from gradsync.observe import stall
 from gradsync.c10d.work import DoneWork, Failure, FutureWork, Operation
 
 GRACE = 5.0

@@ -44,7 +44,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import join, runtime, stall
+from gradsync.group import join, runtime
+from gradsync.observe import stall
 from gradsync.c10d.adoption import BucketAdoption
 from gradsync.c10d.arguments import SUM, as_real, check_complex_op, chosen_algorithm, op_name, routed
 from gradsync.c10d.comm_thread import CommThread

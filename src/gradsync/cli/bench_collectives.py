@@ -35,7 +35,7 @@ def add_parser(benches) -> None:
 
 
 def run(args) -> int:
-    from gradsync import display
+    from gradsync.observe import display
     from gradsync.bench import collectives, mpi_peer
     from gradsync.comm import select
 

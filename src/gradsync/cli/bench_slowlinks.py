@@ -9,6 +9,7 @@ from rich.table import Table
 
 from gradsync.cli.args import positive_int
 from gradsync.cli.output import show
+from gradsync.train.config import TrainConfig
 
 
 def add_parser(benches) -> None:
@@ -20,11 +21,11 @@ def add_parser(benches) -> None:
     slow.add_argument("--charlm-steps", type=positive_int, default=300, help="charlm: optimizer steps")
     slow.add_argument("--steps", type=positive_int, default=None, help="every task this many steps instead")
     slow.add_argument("--batch-size", type=positive_int, default=32, help="samples per rank per step")
-    slow.add_argument("--powersgd-rank", type=positive_int, default=2, metavar="R")
-    slow.add_argument("--sync-every", type=positive_int, default=8, metavar="H", help="DiLoCo's H")
-    slow.add_argument("--outer-lr", type=float, default=0.5,
-                      help="DiLoCo's outer lr (0.5 reaches the digits target; the paper's 0.7 did not)")
-    slow.add_argument("--outer-momentum", type=float, default=0.9)
+    slow.add_argument("--powersgd-rank", type=positive_int, default=TrainConfig.powersgd_rank, metavar="R")
+    slow.add_argument("--sync-every", type=positive_int, default=TrainConfig.sync_every, metavar="H", help="DiLoCo's H")
+    slow.add_argument("--outer-lr", type=float, default=TrainConfig.outer_lr,
+                      help="DiLoCo's outer lr (default %(default)s, gradsync train's; the paper's: 0.7)")
+    slow.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum)
     slow.add_argument("--seed", type=int, default=0)
     slow.add_argument("--out", default="runs/slowlinks", help="each run's --out is OUT/<task>-<strategy>")
     slow.add_argument("--json", metavar="PATH", help="also write the rows and the loss curves as JSON")

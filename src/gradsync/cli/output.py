@@ -9,8 +9,8 @@ from rich.table import Table
 
 def show(table: Table, rows, json_path: str | None, width: int = 100) -> None:
     """Print a result table (on a terminal at least ``width`` columns wide; in a pipe or file at its
-    natural width or COLUMNS, see gradsync/display.py) and, with --json, write the rows."""
-    from gradsync import display
+    natural width or COLUMNS, see gradsync/observe/display.py) and, with --json, write the rows."""
+    from gradsync.observe import display
 
     display.console(width).print(table)
     if json_path:

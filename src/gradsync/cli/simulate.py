@@ -10,6 +10,7 @@ from rich.table import Table
 from gradsync.cli.args import bandwidth, count, duration, int_list, positive_int
 from gradsync.cli.output import human_count, show
 from gradsync.sim.cost import STRATEGIES as STRATEGIES_SIM
+from gradsync.train.config import TrainConfig
 
 
 def add_parser(commands) -> None:
@@ -28,7 +29,8 @@ def add_parser(commands) -> None:
     sim.add_argument("--bucket-mb", type=float, default=25.0, help="ddp bucket size in MiB")
     sim.add_argument("--powersgd-ratio", type=float, default=0.01,
                      help="powersgd: the share of the gradient sent (sum of (n+m)r / (n m) over the matrices)")
-    sim.add_argument("--sync-every", type=positive_int, default=8, help="diloco: steps between outer steps (H)")
+    sim.add_argument("--sync-every", type=positive_int, default=TrainConfig.sync_every,
+                     help="diloco: steps between outer steps (H)")
     sim.add_argument("--calibrated", action="store_true",
                      help="use this machine's measured alpha/beta/gamma (gradsync bench collectives --fit)")
     sim.add_argument("--check", metavar="N,N,...", type=int_list, default=None,

@@ -33,6 +33,7 @@ from pathlib import Path
 from gradsync.cluster.netns import EmulatedCluster
 from gradsync.cluster.loss_worker import STRATEGIES as TIME_TO_LOSS_STRATEGIES
 from gradsync.cluster.worker import PS_MODES, STRATEGIES
+from gradsync.train.config import TrainConfig
 
 MASTER_PORT = 29500   # every cluster's namespaces are new: the port is free there
 
@@ -55,13 +56,13 @@ class Job:
     """Timed reps (median), after one warm-up rep."""
     staleness: int = 2
     """SSP bound."""
-    sync_every: int = 8
+    sync_every: int = TrainConfig.sync_every
     """DiLoCo's H (diloco only)."""
-    powersgd_rank: int = 2
+    powersgd_rank: int = TrainConfig.powersgd_rank
     """PowerSGD's r (powersgd only)."""
-    outer_lr: float = 0.7
+    outer_lr: float = TrainConfig.outer_lr
     """DiLoCo's outer learning rate (time-to-loss jobs; diloco only)."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = TrainConfig.outer_momentum
     """DiLoCo's outer momentum, Nesterov when > 0, plain SGD at 0 (time-to-loss jobs; diloco only)."""
     inner_lr: float | None = None
     """DiLoCo's inner AdamW learning rate (time-to-loss jobs; None: the lr every strategy uses, 1e-3)."""

@@ -29,6 +29,7 @@ from gradsync.cluster import netns
 from gradsync.cluster.jobs import Job, run_job
 from gradsync.cluster.results import PAIR_PRICED, summarize
 from gradsync.cluster.worker import PS_MODES, STRATEGIES
+from gradsync.train.config import TrainConfig
 
 
 def _list(kind):
@@ -101,8 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     parser.add_argument("--clean", action="store_true",
                         help="only delete namespaces left by cluster runs (of any process) and exit")
-    parser.add_argument("--sync-every", type=int, default=8, metavar="H", help="diloco: H (default 8)")
-    parser.add_argument("--powersgd-rank", type=int, default=2, metavar="R", help="powersgd: r (default 2)")
+    parser.add_argument("--sync-every", type=int, default=TrainConfig.sync_every, metavar="H",
+                        help="diloco: H (default %(default)s)")
+    parser.add_argument("--powersgd-rank", type=int, default=TrainConfig.powersgd_rank, metavar="R",
+                        help="powersgd: r (default %(default)s)")
     slow = parser.add_argument_group("time to loss (charlm; cluster/time_to_loss.py)")
     slow.add_argument("--time-to-loss", action="store_true",
                       help="instead of step time: seconds to reach ring DDP's charlm loss, for ring, ps-sync, "
@@ -111,9 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slow.add_argument("--step-cap", type=_fraction, default=3.0,
                       help="the others stop after this many times --loss-steps (default 3)")
     slow.add_argument("--loss-margin", type=_fraction, default=0.02, help="target = ring's loss x (1 + this)")
-    slow.add_argument("--outer-lr", type=_fraction, default=0.7, help="diloco's outer lr (default 0.7)")
-    slow.add_argument("--outer-momentum", type=float, default=0.9,
-                      help="diloco's outer Nesterov momentum in [0, 1); 0: plain SGD (default 0.9, the paper's)")
+    slow.add_argument("--outer-lr", type=_fraction, default=TrainConfig.outer_lr,
+                      help="diloco's outer lr (default %(default)s, gradsync train's; the paper's: 0.7)")
+    slow.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum,
+                      help="diloco's outer Nesterov momentum in [0, 1); 0: plain SGD (default %(default)s)")
     slow.add_argument("--inner-lr", type=_fraction, default=None,
                       help="diloco's inner AdamW lr (default: 1e-3, every strategy's lr)")
 
@@ -220,7 +224,7 @@ def _cells(r: dict) -> list[str]:
 def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
-    from gradsync import display
+    from gradsync.observe import display
 
     for rate in dict.fromkeys(r["link"] for r in rows):
         chosen = [r for r in rows if r["link"] == rate]

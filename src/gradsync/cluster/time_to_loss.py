@@ -120,7 +120,7 @@ def _ring_of(rows: list[dict], r: dict) -> dict | None:
 def print_table(rows: list[dict], markdown: bool = False) -> None:
     from rich.table import Table
 
-    from gradsync import display
+    from gradsync.observe import display
 
     for rate in dict.fromkeys(r["link"] for r in rows):
         chosen = sorted((r for r in rows if r["link"] == rate), key=lambda r: (r["workers"], r["strategy"] != "ring"))

@@ -27,14 +27,11 @@ group.
 
 from __future__ import annotations
 
-import functools
-import threading
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime, stall
+from gradsync.group import runtime
+from gradsync.observe import stall
 from gradsync.comm import host_staging, select
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
                                   gather_control, mismatch_error, next_sequence_of, uses_staged_check)
@@ -46,6 +43,7 @@ from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
 from gradsync.comm.transport import Transport
+from gradsync.comm.place import Place, here, holds, on_own_core, spins, spins_anywhere  # noqa: F401 - Place, here: callers'
 from gradsync.comm.world_transport import default_transport
 from gradsync.comm.transport.shm import single_copy
 from gradsync.comm.transport.shm.all_gather_in_place import all_gather_in_place as all_gather_region
@@ -69,71 +67,6 @@ _IMPLEMENTATIONS = {
     "hierarchical": allreduce_hierarchical,
     "shared_memory": allreduce_shared,
 }
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a collective runs: the ranks (a World) and the transport that connects them."""
-
-    world: runtime.World
-    transport: Transport
-
-
-_HERE: list[Place] = []
-
-
-def here() -> Place:
-    """gradsync's own world and its transport (the same Place while they stay the same)."""
-    w, transport = runtime.world(), default_transport()
-    if not _HERE or _HERE[0].world is not w or _HERE[0].transport is not transport:
-        _HERE[:] = [Place(w, transport)]
-    return _HERE[0]
-
-
-HOLD_BELOW_BYTES = 4 << 20
-"""On the Python path with a core per local rank, only collectives of fewer bytes than this are held on
-the rank's core (``_on_own_core``); with more ranks than cores, or with the native core, every one is
-(``_holds``)."""
-
-
-def _on_own_core(collective):
-    """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
-    the transport has one (shared memory with several local ranks: transport/shm/hold.py, lazily). Measured with
-    4 ranks on 2 cores (docs/studies/core-hold.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
-    2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
-    run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
-    4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
-    up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7 of 45 run medians up to 256 KiB took
-    over 200 us (both ranks on one core), held none; at 4 MiB (887 -> 968 us) and 16 MiB (2.75 ->
-    3.08 ms, 11 runs) the hold's moves cost more than they save, so with a core per rank only
-    messages below HOLD_BELOW_BYTES are held."""
-    @functools.wraps(collective)
-    def held(place: Place, *args, **kwargs):
-        transport = place.transport
-        hold = getattr(transport, "hold", None)
-        tensor = args[0] if args else None
-        if hold is None or (isinstance(tensor, torch.Tensor)
-                            and not _holds(transport, tensor.numel() * tensor.element_size())):
-            return collective(place, *args, **kwargs)
-        holding = hold.enter()   # False inside a held collective already
-        try:
-            return collective(place, *args, **kwargs)
-        finally:
-            if holding:
-                hold.leave()
-    return held
-
-
-def _holds(transport: Transport, nbytes: int) -> bool:
-    """Whether a collective of ``nbytes`` is held on its rank's core (_on_own_core): every one where
-    ranks outnumber cores or the native core runs the collectives, below HOLD_BELOW_BYTES on the
-    Python path with a core per rank. With the native core, whose barriers come microseconds apart,
-    two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier:
-    N=2, 4 MiB took 2.8 ms in two runs of three and 0.54 ms in the third; held, 543-581 us in every
-    run, 16 MiB 2.2-2.3 ms, 64 MiB 11.9-12.0 ms (2026-12-04, `gradsync bench collectives --rounds 3`,
-    load 3)."""
-    return (getattr(transport, "core", None) is not None or not getattr(transport, "spin_allowed", False)
-            or nbytes < HOLD_BELOW_BYTES)
 
 
 def shared_allocator(w: runtime.World):
@@ -202,15 +135,6 @@ def next_sequence(place: Place) -> int:
     return next_sequence_of(place.transport)
 
 
-SPIN_BELOW_BYTES = 4 << 20
-"""With more local ranks than cores, collectives of fewer bytes than this poll in their barriers on
-any thread, yielding the core, before they sleep (transport/shm/waiting.py's ``spin``): their phases
-are short and balanced, so a sleep and a wake-up would dominate them. Larger ones poll on the main
-thread only: a communication thread shares its core with backward. With a core per rank every
-collective polls. The measurements behind both: docs/studies/barrier-polling.md, "Where ranks
-outnumber the cores"."""
-
-
 def _entered(transport: Transport, kind: str, flat: torch.Tensor, op: str, algorithm: str, *,
              region: int = -1) -> Fingerprint:
     """The fingerprint of the collective this rank enters now (the transport's next sequence number),
@@ -223,7 +147,7 @@ def _entered(transport: Transport, kind: str, flat: torch.Tensor, op: str, algor
 def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> None:
     stall.entered(fingerprint)
     if uses_staged_check(transport):
-        check_staged(transport, fingerprint, _spins(transport, fingerprint))
+        check_staged(transport, fingerprint, spins(transport, fingerprint))
     elif w.debug:
         check_everyone(transport, fingerprint)
     else:
@@ -233,19 +157,6 @@ def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> 
 def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
     """Every rank on this host over shared memory, and a CPU tensor: the shared-memory algorithms."""
     return not tensor.is_cuda and shared_layout_error(transport) is None
-
-
-def _spins(transport: Transport, fingerprint: Fingerprint) -> bool:
-    """Whether the collective's barriers poll before they sleep: always while every local rank has a
-    core (transport/shm/waiting.py poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
-    below SPIN_BELOW_BYTES."""
-    return (threading.current_thread() is threading.main_thread()
-            or _spins_anywhere(transport, fingerprint.numel * fingerprint.dtype.itemsize))
-
-
-def _spins_anywhere(transport: Transport, nbytes: int) -> bool:
-    """Whether a collective of ``nbytes`` polls on any thread (_spins)."""
-    return getattr(transport, "spin_allowed", False) or nbytes < SPIN_BELOW_BYTES
 
 
 def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
@@ -308,7 +219,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
         if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
                 and not tensor.is_cuda
                 and (plan.nbytes < IN_PLACE_FROM_BYTES or transport.regions.views_of(tensor) is None)):
-            plan.run(tensor, transport)   # held on the rank's core as _on_own_core holds
+            plan.run(tensor, transport)   # held on the rank's core as on_own_core holds
             return tensor
     staging = _staging(place, tensor)
     if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
@@ -316,7 +227,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
     return _all_reduce_in(place, tensor, op, algorithm)
 
 
-@_on_own_core
+@on_own_core
 def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) -> torch.Tensor:
     """all_reduce_in without a plan (its first call for a shape, or one no plan is kept for)."""
     w, transport = place.world, place.transport
@@ -334,10 +245,10 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
         region, views = in_place
         fingerprint = _entered(transport, "all_reduce", flat, op, "shared_memory_in_place", region=region)
         allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
-                                  spin=_spins(transport, fingerprint))
+                                  spin=spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
         fingerprint = _entered(transport, "all_reduce", flat, op, algorithm)
-        spin = _spins(transport, fingerprint)
+        spin = spins(transport, fingerprint)
         allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
         if flat is target:
             _remember_plan(transport, flat, op, requested, chosen, spin)
@@ -356,7 +267,7 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
 def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
                    spin: bool) -> None:
     """Keep a plan for ``flat``'s shape: a DirectAllReduce below allreduce_shared.direct_below, else a
-    SplitAllReduce (told to hold the call and to poll as _on_own_core and _spins would off the main
+    SplitAllReduce (told to hold the call and to poll as on_own_core and spins would off the main
     thread); all_reduce_in runs it straight from its key, for a tensor of IN_PLACE_FROM_BYTES or more
     only when it does not lie in a shared region (those are reduced in place)."""
     nbytes = flat.numel() * flat.element_size()
@@ -368,8 +279,8 @@ def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested:
     if nbytes < direct_below(transport):
         plan = DirectAllReduce(transport, flat.numel(), flat.dtype, chosen, spin)
     else:
-        plan = SplitAllReduce(transport, flat.numel(), flat.dtype, chosen, _spins_anywhere(transport, nbytes),
-                              getattr(transport, "hold", None) if _holds(transport, nbytes) else None)
+        plan = SplitAllReduce(transport, flat.numel(), flat.dtype, chosen, spins_anywhere(transport, nbytes),
+                              getattr(transport, "hold", None) if holds(transport, nbytes) else None)
     plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = plan
 
 
@@ -391,7 +302,7 @@ def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> to
     return _reduce_scatter_in(place, tensor, op)
 
 
-@_on_own_core
+@on_own_core
 def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(tensor, "reduce_scatter", w)
@@ -406,15 +317,15 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
             region, views = in_place
             fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory_in_place", region=region)
             return reduce_scatter_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
-                                           spin=_spins(transport, fingerprint))
+                                           spin=spins(transport, fingerprint))
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
             # each rank reads its chunk where it lies
             fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory_single_copy")
             return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                              spin=_spins(transport, fingerprint))
+                                              spin=spins(transport, fingerprint))
         fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory")  # one barrier per staging half
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                     spin=_spins(transport, fingerprint))
+                                     spin=spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
     _agree(w, transport, Fingerprint("reduce_scatter", next_sequence_of(transport), work.numel(), work.dtype, op, "ring"))
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
@@ -440,7 +351,7 @@ def all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     return _all_gather_in(place, shard)
 
 
-@_on_own_core
+@on_own_core
 def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(shard, "all_gather", w)
@@ -450,7 +361,7 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
     if _shared(transport, shard):
         mine = _entered(transport, "all_gather", flat_shard, "none", "shared_memory")
         gather = all_gather_single_copy if transport.single_copy else all_gather_shared
-        return gather(flat_shard, transport, mine, spin=_spins(transport, mine))
+        return gather(flat_shard, transport, mine, spin=spins(transport, mine))
     mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")
@@ -476,7 +387,7 @@ def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
 
 
 @stall.tracked
-@_on_own_core
+@on_own_core
 def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
     """all_gather_in_place on ``place``."""
     w, transport = place.world, place.transport
@@ -489,7 +400,7 @@ def all_gather_in_place_in(place: Place, full: torch.Tensor) -> torch.Tensor:
                          "with every rank on this host over shared memory; use all_gather otherwise")
     region, views = located
     fingerprint = _entered(transport, "all_gather", full, "none", "shared_memory_in_place", region=region)
-    all_gather_region(full, transport, views, fingerprint=fingerprint, spin=_spins(transport, fingerprint))
+    all_gather_region(full, transport, views, fingerprint=fingerprint, spin=spins(transport, fingerprint))
     return full
 
 
@@ -507,7 +418,7 @@ def broadcast_in(place: Place, tensor: torch.Tensor, src: int = 0) -> torch.Tens
     return _broadcast_in(place, tensor, src)
 
 
-@_on_own_core
+@on_own_core
 def _broadcast_in(place: Place, tensor: torch.Tensor, src: int) -> torch.Tensor:
     w, transport = place.world, place.transport
     _check_tensor(tensor, "broadcast", w)

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from gradsync.meter import METER
+from gradsync.observe.meter import METER
 
 KEEP_BUFFERS = 64
 """Host buffers kept per transport (a program with more shapes allocates afresh)."""

@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.sim.cost import ALGORITHMS, Link, allreduce_time
 
 _STORE_KEY = "gradsync/calibration"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from gradsync import device_path, runtime
+from gradsync.group import device_path, runtime
 from gradsync.comm.transport.shm import doorbell, segment
 from gradsync.comm.transport.shm.allreduce_shared import direct_below as _direct_below
 from gradsync.comm.transport.shm.allreduce_shared import layout_error

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.collectives import all_gather, all_reduce, broadcast
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

@@ -46,7 +46,8 @@ from concurrent.futures import wait as wait_for_jobs
 import torch
 from torch.autograd import Variable
 
-from gradsync import runtime, trace
+from gradsync.group import runtime
+from gradsync.observe import trace
 from gradsync.comm.host_staging import produced_by
 from gradsync.ddp.buckets import Bucket, build_buckets
 from gradsync.ddp.grad_bucket import GradBucket

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from gradsync import trace
+from gradsync.observe import trace
 from gradsync.comm.collectives import ALGORITHMS, shared_allocator
 from gradsync.ddp import hooks, torch_arguments
 from gradsync.ddp.buckets import default_limits

@@ -59,11 +59,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
-from gradsync.launch import NotNeeded
+from gradsync.group.launch import NotNeeded
 from gradsync.live import growth, transfer
 from gradsync.live.failures import caused_by_peer, first_line_freed, rerun
 from gradsync.live.membership import PREFIX, Generation, Membership

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from gradsync.comm.world_transport import process_alive
 from gradsync.live.heartbeat import Heart, Listener
-from gradsync.world_info import host_id
+from gradsync.group.world_info import host_id
 
 PREFIX = "gradsync/live"
 CHECK_SECONDS = 0.2

@@ -76,7 +76,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
 from gradsync.live.ddp import Recovery

@@ -52,7 +52,8 @@ from torch import nn
 
 import io
 
-from gradsync import clip, runtime
+from gradsync import clip
+from gradsync.group import runtime
 from gradsync.comm.world_transport import default_transport
 from gradsync.ps import resharding
 from gradsync.ps.client import Client

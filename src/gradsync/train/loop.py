@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync import checkpoint, trace
-from gradsync.launch import hold_signals
+from gradsync import checkpoint
+from gradsync.observe import trace
+from gradsync.group.job_signals import hold_signals
 from gradsync.data import EpochCursor
 from gradsync.replicas import first_mismatch, gather_strings
 from gradsync.train.common import (build_optimizer, clip_gradients, device_record, evaluate, loss_of, lr_at, on,

@@ -63,7 +63,8 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync import checkpoint, runtime
+from gradsync import checkpoint
+from gradsync.group import runtime
 from gradsync.data import EpochCursor
 from gradsync.live import LiveDDP, resized
 from gradsync.train import resume

@@ -14,7 +14,7 @@ Vocabulary
                        has (STOP_REASONS)]
 
 A signal that arrives while the rank starts up (before the watch is installed) was held
-(launch.hold_signals) and counts as received: the job stops after its first step.
+(job_signals.hold_signals) and counts as received: the job stops after its first step.
 
 Sequence: the handler only counts (a rank inside a collective finishes it: the step in flight is
 completed, not lost); at the next boundary every rank learns the verdict, so all ranks stop after
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import gradsync as gs
-from gradsync.launch import REPEATED_SIGNAL_SECONDS, take_held
+from gradsync.group.job_signals import REPEATED_SIGNAL_SECONDS, take_held
 from gradsync.train.config import TrainConfig
 
 EXIT_PREEMPTED = 75
@@ -102,7 +102,7 @@ class PreemptWatch:
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:
             if self.interrupts and time.monotonic() - self._first_interrupt < REPEATED_SIGNAL_SECONDS:
-                return   # the same Ctrl-C, received twice (launch.REPEATED_SIGNAL_SECONDS)
+                return   # the same Ctrl-C, received twice (job_signals.REPEATED_SIGNAL_SECONDS)
             self.interrupts += 1
             self._first_interrupt = self._first_interrupt or time.monotonic()
             if self.interrupts >= 2 and self.interrupt_twice_raises:
@@ -117,7 +117,7 @@ class PreemptWatch:
             return self
         for signum in (signal.SIGINT,) if self.signum is None else (self.signum, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
-            held, first = take_held(signum)   # arrived during start-up (launch.hold_signals)
+            held, first = take_held(signum)   # arrived during start-up (job_signals.hold_signals)
             if signum == signal.SIGINT and held:   # held Ctrl-Cs count as one: their times are not kept
                 self.interrupts, self._first_interrupt = 1, time.monotonic()
             elif signum != signal.SIGINT:

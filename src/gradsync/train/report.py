@@ -18,7 +18,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gradsync import display, runtime
+from gradsync.group import runtime
+from gradsync.observe import display
 from gradsync.comm.world_transport import carrier
 from gradsync.train.config import TrainConfig
 

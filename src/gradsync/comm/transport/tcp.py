@@ -20,9 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.transport import Handle, PeerError, Transport
-from gradsync.meter import METER, TrafficMeter
+from gradsync.observe.meter import METER, TrafficMeter
 
 
 class _TorchHandle(Handle):

@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradsync import stall
+from gradsync.observe import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.transport.shm.allreduce_shared_direct import KeptPlan, allreduce_shared_direct
@@ -214,7 +214,7 @@ class SplitAllReduce(KeptPlan):
         ``fingerprint``: compare it, metered, or with None look at the published bytes first and
         compare (rebuilt from ``published``) only where they differ."""
         n_ranks, rank, reduction = self.n_ranks, self.rank, self.reduction
-        # every rank polls on the main thread; elsewhere as the plan was told (collectives._spins)
+        # every rank polls on the main thread; elsewhere as the plan was told (place.spins)
         spin = self.spin or threading.current_thread() is threading.main_thread()
         layouts, last = self.layouts[transport.split_half()], self.last
         slices = flat.split(self.split_sizes)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync import stall
+from gradsync.observe import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import PeerError
@@ -120,7 +120,7 @@ class DirectAllReduce(KeptPlan):
             transport.meter.record_exchanges(self.exchanges, op=OP)
 
     def run(self, flat: torch.Tensor, transport) -> None:
-        """A repeated call, whole: held on the rank's core (as collectives.py's ``_on_own_core`` holds
+        """A repeated call, whole: held on the rank's core (as place.py's ``on_own_core`` holds
         a call below HOLD_BELOW_BYTES, which every plan is), the next sequence number, the stall
         inspector told, the fingerprint published with the staged input and compared after the one
         barrier (compare_published raises on a difference), the call counted for the meter (its

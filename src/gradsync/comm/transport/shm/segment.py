@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.transport.shm import native, single_copy
 from gradsync.comm.transport.shm.doorbell import Doorbell
 from gradsync.comm.transport.shm.ring import FRAME, Ring, slot_bytes

@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from gradsync import runtime
+from gradsync.group import runtime
 from gradsync.comm.transport.shm.hold import CoreHold
 from gradsync.comm.transport.shm.native import Counters
 from gradsync.comm.transport.shm.progress import Progress, ShmOp
@@ -45,7 +45,7 @@ from gradsync.comm.transport.shm.staging import Staging
 from gradsync.comm.transport.shm.waiting import Delegated, Waiting
 from gradsync.comm.transport.tcp import TorchTransport
 from gradsync.comm.transport import Transport
-from gradsync.meter import METER, TrafficMeter
+from gradsync.observe.meter import METER, TrafficMeter
 
 SEGMENT_BYTES = 1 << 20
 """The ring all-reduce's wire unit on shared memory (the TCP default is 4 MiB): half a ring, so the

@@ -5,13 +5,13 @@ seconds; after each slice it checks that the peers it waits for are still alive 
 /proc tells), which turns a dead peer into an error within a fraction of a second; before it
 blames a dead peer it looks once more whether the wait is over (a peer may have done its part,
 arrived at the barrier or written its data, and exited while this rank slept). The one
-exception is a barrier the caller marks ``spin`` (collectives.py's ``_spins``: where sleeping and
+exception is a barrier the caller marks ``spin`` (place.py's ``spins``: where sleeping and
 being woken costs more than the wait): while every local rank can have a core of its own
 (``spin_allowed``) it polls for at most SPIN_SECONDS before it sleeps (BACKGROUND_SPIN_SECONDS on a
 thread other than the main one, which shares its core with the main thread's work); with more ranks
 than cores a spinning rank would take the core its peer needs, so it polls for at most YIELD_SECONDS
 and yields its core after every poll. The caller's thread is held on one core while it is in a collective
-(``own_core``: local rank i on core i mod C, collectives.py's ``_on_own_core``), as Open MPI binds
+(``own_core``: local rank i on core i mod C, place.py's ``on_own_core``), as Open MPI binds
 its ranks to cores: with a core per rank no two polling ranks land on one core (where the one
 polling holds the core its peer needs to arrive; collectives below 4 MiB only, where that costs
 more than the hold); with more ranks than cores the ranks that share a core yield to each other

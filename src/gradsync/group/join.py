@@ -36,8 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import world_info
-from gradsync.world_info import World
+from gradsync.group import world_info
+from gradsync.group.world_info import World
 
 CPU = torch.device("cpu")
 

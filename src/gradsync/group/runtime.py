@@ -40,9 +40,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gradsync import device_path, join, stall
-from gradsync.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
-from gradsync.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
+from gradsync.group import device_path, join
+from gradsync.observe import stall
+from gradsync.group.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
+from gradsync.group.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 

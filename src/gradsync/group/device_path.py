@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync.world_info import host_id
+from gradsync.group.world_info import host_id
 
 PATHS = ("auto", "host", "nccl")
 """GRADSYNC_CUDA_PATH's values."""

@@ -17,30 +17,13 @@ Recipe
        the rank is blocked inside a gloo wait), so the error also says what every other rank was
        doing: "rank 1 was in all_reduce <- allreduce_ring <- wait".
 
-Signals: the launcher stops ranks with its own STOP_SIGNAL (SIGUSR2), so that SIGTERM stays the
-scheduler's: ``forward_signals`` (gradsync train passes its preemption signal) are relayed from
-the launcher to every rank instead of killing the launcher, and a rank that handles one (stop at
-the next step with a checkpoint, train/preempt.py) is never mistaken for a stopped one. A rank
-holds them from its first line (hold_signals: counted, not acted on) and says so with a file
-{rank}.ready; until then the launcher keeps a relayed signal back and delivers it once the file is
-there, so a signal during start-up (interpreter, imports, rendezvous) is not a kill. Whoever handles
-the signal later takes the held count (take_held). A signal to the whole job at once (JOB_SIGNALS:
-`timeout`, Slurm, `kill -- -PGID`, Ctrl-C) reaches the launcher, which relays it, and every rank
-directly, which counts it once more; the forkserver, the ranks' parent, ignores it. With SIGINT
-among ``forward_signals`` a second one to the launcher stops the ranks at once (KeyboardInterrupt).
+Signals (job_signals.py): SIGTERM stays the scheduler's; ``forward_signals`` are relayed to every
+rank, held by a rank until it can handle them. Start-up (forkserver.py): ranks are forked from a
+forkserver that has imported torch once. A failure (spawn_report.py): one screen naming the rank,
+its traceback, and where the stopped ranks were.
 
 Threads: like torchrun, each rank gets max(1, cpu_count // nprocs) intra-op threads unless
 OMP_NUM_THREADS is set, so N ranks do not oversubscribe the cores.
-
-Start-up: on Linux the ranks are forked from a multiprocessing forkserver that has imported torch
-and gradsync once (START_PRELOAD), so a rank starts in a fraction of a second instead of
-importing torch again (about 2 s of CPU each); elsewhere they are spawned. A forked rank takes
-the launcher's environment, working directory, sys.path, stdout and stderr as they are at the
-call (as a spawned one would), not as they were when the forkserver started, and the launcher's
-init hooks (passed by reference, so their modules are imported in the rank): runtime.init() then
-loads the package's public names before the ranks meet (runtime.before_init) and connects the
-world's transport (runtime.on_init) in every rank, as in the launcher. Its parent is the
-forkserver, which exits when the launcher does, so PR_SET_PDEATHSIG still leaves no orphans.
 """
 
 from __future__ import annotations
@@ -50,8 +33,6 @@ import ctypes
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
-import multiprocessing.forkserver
-import multiprocessing.reduction
 import os
 import pickle
 import secrets
@@ -67,146 +48,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync.group import runtime
+from gradsync.group.forkserver import launcher_state, start_context, take_launcher_state
+from gradsync.group.job_signals import REPEATED_SIGNAL_SECONDS, hold_signals, take_back_job_signals, take_held
+from gradsync.group.spawn_report import SpawnError, spawn_error  # noqa: F401 - launch.SpawnError, as callers know it
 
 GRACE_SECONDS = 5.0
 """How long a stopped rank gets between STOP_SIGNAL and SIGKILL."""
 STOP_SIGNAL = signal.SIGUSR2
 """How the launcher stops the other ranks after a failure (not SIGTERM: that one is the scheduler's)."""
-
-
-START_PRELOAD = ["torch", "torch.distributed", "gradsync"]
-"""What the forkserver imports once, before it forks any rank."""
-JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-"""Signals a scheduler or a terminal sends to every process of a job at once (SIGTERM: `timeout`,
-Slurm's scancel, `kill -- -PGID`; SIGINT: Ctrl-C; SIGUSR1: --preempt-signal SIGUSR1). The
-forkserver ignores them (_ensure_forkserver_without_stdio); a rank takes them back as it starts."""
-REPEATED_SIGNAL_SECONDS = 0.1
-"""Two SIGINTs closer than this are one Ctrl-C received twice, not a second one: `timeout -s INT`
-signals the command and then its whole process group, the command included."""
-
-
-def _context():
-    """The forkserver (preloading START_PRELOAD) where the platform has one, else spawn."""
-    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(START_PRELOAD)
-        _ensure_forkserver_without_stdio()
-        return ctx
-    return mp.get_context("spawn")
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
-def _ensure_forkserver_without_stdio() -> None:
-    """Start the forkserver, if it is not running, with /dev/null for stdout and stderr: it outlives
-    each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
-    would otherwise wait for it too (ranks get the launcher's stdio at each call instead). Once
-    started, it is left alone: stdout is not touched again (should it have died, multiprocessing
-    starts another, with the launcher's stdio).
-
-    It is started with JOB_SIGNALS ignored and blocked (both survive its exec): a signal to the
-    whole job (module docstring) must not kill the ranks' parent. The launcher blocks them only
-    while it starts the forkserver, so one arriving meanwhile waits and then reaches its handler."""
-    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
-        return
-    _flush_stdio()
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_RDWR)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
-    actions = {signum: signal.signal(signum, signal.SIG_IGN) for signum in JOB_SIGNALS} \
-        if threading.current_thread() is threading.main_thread() else {}
-    try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
-            os.close(fd)
-        for signum, action in actions.items():
-            signal.signal(signum, action)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-class _InheritedFd:
-    """A file descriptor of the launcher, passed to a rank as it starts (the rank's stdout/stderr)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self):
-        return _InheritedFd._rebuild, (multiprocessing.reduction.DupFd(self.fd),)
-
-    @staticmethod
-    def _rebuild(dup) -> "_InheritedFd":
-        return _InheritedFd(dup.detach())
-
-
-def _launcher_state() -> dict:
-    """What a rank takes from the launcher at the call: its environment, stdout, stderr and init hooks
-    (pickled apart: they are unpickled, importing their modules, once the environment is taken)."""
-    _flush_stdio()
-    return {"environ": dict(os.environ), "stdio": (_InheritedFd(1), _InheritedFd(2)),
-            "hooks": pickle.dumps(runtime.hooks()),
-            "ignored": tuple(s for s in JOB_SIGNALS if signal.getsignal(s) is signal.SIG_IGN)}
-
-
-def _take_launcher_state(state: dict) -> None:
-    forkserver = getattr(multiprocessing.forkserver, "_forkserver", None)
-    alive_fd = getattr(forkserver, "_forkserver_alive_fd", None)
-    if alive_fd is not None:
-        # A forked child holds the launcher's end of the pipe whose closing tells the forkserver
-        # that the launcher is gone; let go of it, or a dead launcher's forkserver, and with it
-        # its ranks (PR_SET_PDEATHSIG), would live on
-        os.close(alive_fd)
-        forkserver._forkserver_alive_fd = forkserver._forkserver_address = forkserver._forkserver_pid = None
-    os.environ.clear()
-    os.environ.update(state["environ"])
-    runtime.add_hooks(*pickle.loads(state["hooks"]))
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:   # if the forkserver drew it, forked ranks would share its global stream
-        numpy_random.seed()
-    for target, inherited in zip((1, 2), state["stdio"]):
-        if inherited.fd != target:
-            os.dup2(inherited.fd, target)
-            os.close(inherited.fd)
-
-
-_HELD: dict[int, list] = {}
-"""signal number -> [times received while held, time.time() of the first]."""
-
-
-def _count_held(signum, frame) -> None:
-    entry = _HELD.setdefault(signum, [0, time.time()])
-    entry[0] += 1
-
-
-def hold_signals(signums: tuple[int, ...]) -> None:
-    """Count ``signums`` instead of acting on them, until a handler takes them over (main thread only)."""
-    if threading.current_thread() is threading.main_thread():
-        for signum in signums:
-            signal.signal(signum, _count_held)
-
-
-def take_held(signum: int) -> tuple[int, float | None]:
-    """(how many times ``signum`` arrived while held, when the first did), and forget them."""
-    count, first = _HELD.pop(signum, [0, None])
-    return count, first
-
-
-class SpawnError(RuntimeError):
-    """A rank raised or died. ``rank`` is the first rank that failed; ``tracebacks`` maps rank -> text."""
-
-    def __init__(self, message: str, rank: int, tracebacks: dict[int, str]) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.tracebacks = tracebacks
 
 
 def _die_with_parent() -> None:
@@ -234,26 +84,11 @@ class NotNeeded(Exception):
     its value is None and it is no failure."""
 
 
-def _take_back_job_signals(forward_signals: tuple[int, ...], ignored: tuple[int, ...]) -> None:
-    """A rank forked by the forkserver starts with JOB_SIGNALS blocked and ignored (its parent's).
-    Those it does not hold (forward_signals) get the launcher's actions back: ignored where the
-    launcher ignores them (``ignored``), else their defaults (SIGINT: KeyboardInterrupt); then
-    they are unblocked."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in JOB_SIGNALS:
-        if signum in ignored:
-            signal.signal(signum, signal.SIG_IGN)
-        elif signum not in forward_signals:
-            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
-
-
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out_dir: str,
                init_kwargs: dict, job: str, forward_signals: tuple[int, ...] = (),
                launcher: dict | None = None, replacement: bool = False, live: bool = False) -> None:
     hold_signals(forward_signals)
-    _take_back_job_signals(forward_signals, launcher["ignored"] if launcher else ())
+    take_back_job_signals(forward_signals, launcher["ignored"] if launcher else ())
     (Path(out_dir) / f"{rank}.ready").touch()
     parent = os.getppid()   # the launcher, or the forkserver it started
     _die_with_parent()
@@ -261,7 +96,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     if os.getppid() != parent:  # the parent died before prctl took effect (a forkserver exits with the launcher)
         os._exit(1)
     if launcher is not None:
-        _take_launcher_state(launcher)
+        take_launcher_state(launcher)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GRADSYNC_EXTERNAL_STORE": "1",
                        "GRADSYNC_JOB_ID": job})
     if not replacement:
@@ -319,15 +154,6 @@ def _stop(processes: list) -> None:
             p.join()
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 FAULT_TOLERANCE = ("stop", "live")
 """What spawn does when a rank dies: stop the others (stop), or let them run on (live: the survivors
 rebuild their world, gradsync.live)."""
@@ -373,10 +199,10 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
 
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)
     init_kwargs = {"backend": backend, "timeout": timeout, "debug": debug}
-    ctx = _context()
+    ctx = start_context()
     job = f"{os.getpid()}x{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix=f"gradsync-spawn-{os.getpid()}-") as out_dir:
-        launcher = _launcher_state()
+        launcher = launcher_state()
         def process(rank: int, replacement: bool = False):
             return ctx.Process(target=_rank_main, name=f"gradsync-rank-{rank}",
                                args=(rank, nprocs, store.port, fn, args, out_dir, init_kwargs, job,
@@ -400,7 +226,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
                 _stop(processes)
-                raise _spawn_error(exit_codes, failed, Path(out_dir))
+                raise spawn_error(exit_codes, failed, Path(out_dir))
             return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False)
                     if processes[rank].exitcode == 0 and (Path(out_dir) / f"{rank}.result").exists() else None
                     for rank in range(len(processes))]
@@ -499,73 +325,3 @@ def _watch(processes: list, join_timeout: float | None, live: bool = False, repl
     if killed and len(killed) == len(processes):
         return killed[0]
     return None
-
-
-_TRANSPORT_DIR = "gradsync/comm/transport/"
-_ALGORITHM_FILES = ("allreduce_", "reduce_scatter_", "all_gather_")
-
-
-def _transport_internal(path: str) -> bool:
-    """A frame of a transport's own machinery (anything under comm/transport/ but the intra-host
-    algorithms' files): a stack names the collective that waited, not these."""
-    return _TRANSPORT_DIR in path and not Path(path).name.startswith(_ALGORITHM_FILES)
-
-
-def _where(stack_path: Path) -> str | None:
-    """Where a rank's main thread was, from its faulthandler dump: the innermost frames of gradsync
-    and of the user's code (not the launcher, multiprocessing, torch or transport internals),
-    innermost first."""
-    try:
-        text = stack_path.read_text()
-    except OSError:
-        return None
-    # faulthandler writes each thread's frames innermost first; the main thread is the last block
-    blocks = [b for b in text.split("\n\n") if "File " in b]
-    if not blocks:
-        return None
-    frames = []
-    for line in blocks[-1].splitlines():
-        line = line.strip()
-        if not line.startswith("File "):
-            continue
-        path = line.split('"')[1]
-        if any(part in path for part in ("gradsync/launch.py", "/multiprocessing/", "/threading.py",
-                                         "/site-packages/torch/", "<frozen", "<string>")) or _transport_internal(path):
-            continue
-        name = line.rsplit(" in ", 1)[-1]
-        short = path.rsplit("gradsync/", 1)[-1] if "/gradsync/" in path else Path(path).name
-        frames.append(f"{name} ({short}:{line.split('line ')[1].split(' ')[0]})")
-    if not frames:
-        return None
-    return " <- ".join(frames[:4]) + (" <- ..." if len(frames) > 4 else "")
-
-
-def _first_line(traceback_text: str) -> str:
-    # A rank stopped while writing its error file leaves it empty or partial.
-    lines = traceback_text.strip().splitlines()
-    return lines[0] if lines else "an error (its report was cut short when the rank was stopped)"
-
-
-def _spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -> SpawnError:
-    if failed == -1:
-        return SpawnError("spawn: the ranks did not finish within join_timeout; all were stopped", -1, {})
-    tracebacks = {rank: (out_dir / f"{rank}.error").read_text()
-                  for rank in exit_codes if (out_dir / f"{rank}.error").exists()}
-    # Prefer the root cause: a rank that died (no traceback) beats one that raised because its peer died.
-    died = [r for r, code in exit_codes.items() if code not in (None, 0) and r not in tracebacks]
-    primary = failed if failed not in tracebacks or not died else died[0]
-    if primary in tracebacks:
-        what = f"rank {primary} raised {_first_line(tracebacks[primary])}"
-    else:
-        what = f"rank {primary} {_describe_exit(exit_codes[primary])}"
-    others = [f"  rank {r}: {_first_line(tb)}" for r, tb in sorted(tracebacks.items()) if r != primary]
-    message = f"spawn: {what}; the other ranks were stopped."
-    if others:
-        message += "\nother ranks reported:\n" + "\n".join(others)
-    doing = [f"  rank {r}: {where}" for r in sorted(exit_codes) if r != primary and r not in tracebacks
-             for where in [_where(out_dir / f"{r}.stack")] if where]
-    if doing:
-        message += "\nwhen stopped, the other ranks were in:\n" + "\n".join(doing)
-    if primary in tracebacks:
-        message += f"\n\nrank {primary} traceback:\n{tracebacks[primary]}"
-    return SpawnError(message, primary, tracebacks)

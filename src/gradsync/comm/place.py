@@ -1,0 +1,109 @@
+"""Where a collective runs and how its rank waits there.
+
+    Place(world, transport)     the ranks and what connects them; here() is gradsync's own world's
+    on_own_core(collective)     hold the calling thread on its rank's core for the call (holds())
+    spins(transport, fp)        whether the call's barriers poll before they sleep
+
+Holding and polling pay where a sleep and a wake-up would cost more than the wait itself; both rest
+on measurements (docs/studies/core-hold.md, docs/studies/barrier-polling.md), quoted below.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.group import runtime
+from gradsync.comm.agree import Fingerprint
+from gradsync.comm.transport import Transport
+from gradsync.comm.world_transport import default_transport
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a collective runs: the ranks (a World) and the transport that connects them."""
+
+    world: runtime.World
+    transport: Transport
+
+
+_HERE: list[Place] = []
+
+
+def here() -> Place:
+    """gradsync's own world and its transport (the same Place while they stay the same)."""
+    w, transport = runtime.world(), default_transport()
+    if not _HERE or _HERE[0].world is not w or _HERE[0].transport is not transport:
+        _HERE[:] = [Place(w, transport)]
+    return _HERE[0]
+
+
+HOLD_BELOW_BYTES = 4 << 20
+"""On the Python path with a core per local rank, only collectives of fewer bytes than this are held on
+the rank's core (``on_own_core``); with more ranks than cores, or with the native core, every one is
+(``holds``)."""
+
+
+def on_own_core(collective):
+    """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
+    the transport has one (shared memory with several local ranks: transport/shm/hold.py, lazily). Measured with
+    4 ranks on 2 cores (docs/studies/core-hold.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
+    2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
+    run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
+    4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
+    up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7 of 45 run medians up to 256 KiB took
+    over 200 us (both ranks on one core), held none; at 4 MiB (887 -> 968 us) and 16 MiB (2.75 ->
+    3.08 ms, 11 runs) the hold's moves cost more than they save, so with a core per rank only
+    messages below HOLD_BELOW_BYTES are held."""
+    @functools.wraps(collective)
+    def held(place: Place, *args, **kwargs):
+        transport = place.transport
+        hold = getattr(transport, "hold", None)
+        tensor = args[0] if args else None
+        if hold is None or (isinstance(tensor, torch.Tensor)
+                            and not holds(transport, tensor.numel() * tensor.element_size())):
+            return collective(place, *args, **kwargs)
+        holding = hold.enter()   # False inside a held collective already
+        try:
+            return collective(place, *args, **kwargs)
+        finally:
+            if holding:
+                hold.leave()
+    return held
+
+
+def holds(transport: Transport, nbytes: int) -> bool:
+    """Whether a collective of ``nbytes`` is held on its rank's core (on_own_core): every one where
+    ranks outnumber cores or the native core runs the collectives, below HOLD_BELOW_BYTES on the
+    Python path with a core per rank. With the native core, whose barriers come microseconds apart,
+    two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier:
+    N=2, 4 MiB took 2.8 ms in two runs of three and 0.54 ms in the third; held, 543-581 us in every
+    run, 16 MiB 2.2-2.3 ms, 64 MiB 11.9-12.0 ms (2026-12-04, `gradsync bench collectives --rounds 3`,
+    load 3)."""
+    return (getattr(transport, "core", None) is not None or not getattr(transport, "spin_allowed", False)
+            or nbytes < HOLD_BELOW_BYTES)
+
+
+SPIN_BELOW_BYTES = 4 << 20
+"""With more local ranks than cores, collectives of fewer bytes than this poll in their barriers on
+any thread, yielding the core, before they sleep (transport/shm/waiting.py's ``spin``): their phases
+are short and balanced, so a sleep and a wake-up would dominate them. Larger ones poll on the main
+thread only: a communication thread shares its core with backward. With a core per rank every
+collective polls. The measurements behind both: docs/studies/barrier-polling.md, "Where ranks
+outnumber the cores"."""
+
+
+def spins(transport: Transport, fingerprint: Fingerprint) -> bool:
+    """Whether the collective's barriers poll before they sleep: always while every local rank has a
+    core (transport/shm/waiting.py poll_seconds); when ranks outnumber the cores, on the main thread, and on any other
+    below SPIN_BELOW_BYTES."""
+    return (threading.current_thread() is threading.main_thread()
+            or spins_anywhere(transport, fingerprint.numel * fingerprint.dtype.itemsize))
+
+
+def spins_anywhere(transport: Transport, nbytes: int) -> bool:
+    """Whether a collective of ``nbytes`` polls on any thread (spins)."""
+    return getattr(transport, "spin_allowed", False) or nbytes < SPIN_BELOW_BYTES
