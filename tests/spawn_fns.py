@@ -190,3 +190,26 @@ def odd_rank_out(odd: int):
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return type(exc).__name__, str(exc)
     return "no error", ""
+
+
+def post_to_a_dead_peer():
+    """Over TCP (TorchTransport), rank 1 leaves after one all-reduce; rank 0 keeps posting sends to it
+    (and waiting for each) until one fails, then posts one more on the connection now known closed
+    (gloo refuses that one as it is posted). Rank 0 returns, for each failure, (error type, message,
+    the PeerError's peer)."""
+    from gradsync.comm.world_transport import default_transport
+
+    w = gs.world()
+    gs.all_reduce(torch.ones(4))
+    if w.rank == 1:
+        os._exit(0)
+    transport = default_transport()
+    failures = []
+    deadline = time.monotonic() + 20
+    while len(failures) < 2 and time.monotonic() < deadline:
+        try:
+            transport.isend(torch.ones(1 << 16), 1, "probe").wait(5.0)
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            failures.append((type(exc).__name__, str(exc), getattr(exc, "peer", None)))
+        time.sleep(0.01)
+    return failures

@@ -206,7 +206,9 @@ def test_preempted_on_2_3_2_then_1_worker_sees_every_sample_once(tmp_path):
     through the per-step all-reduce, and the printed command keeps the flag."""
     import replay
 
-    job = [*JOB, "--epochs", "2"]   # the last --epochs wins: the one-process leg trains about 26 steps, not 60
+    # the last --epochs wins: the one-process leg trains about 26 steps, not 60; linear scaling, so that
+    # the lr moves with each leg's global batch by a factor the test can state
+    job = [*JOB, "--epochs", "2", "--lr-scaling", "linear", "--warmup-steps", "20"]
     logs = tmp_path / "ids"
     logs.mkdir()
     env = {"GRADSYNC_SAMPLE_LOG": str(logs)}

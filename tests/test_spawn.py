@@ -176,3 +176,16 @@ def test_stall_inspector_names_the_rank_that_has_not_joined(capfd, monkeypatch):
     assert "all_reduce (ring, 10 x float32)" in reports[0]
     assert "Also waiting in" in reports[0] and "ranks 1" in reports[0]
     assert "rank 2 (posted nothing" in reports[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_send_to_a_peer_that_died_over_tcp_is_a_peer_error_naming_it(monkeypatch):
+    """gloo refuses to post a send on a connection the dead peer closed, before any wait: that is
+    a PeerError too (the live world's sign of a death, live/failures.py), naming both ranks, not
+    gloo's bare "Connection closed by peer"."""
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", "tcp")
+    failures = gs.spawn(spawn_fns.post_to_a_dead_peer, nprocs=2, timeout=10.0, fault_tolerance="live")[0]
+    assert len(failures) == 2, failures
+    for name, message, peer in failures:
+        assert name == "PeerError" and peer == 1, (name, message)
+        assert message.startswith("rank 0: probe: send to rank 1") and "rank 1 may have died" in message, message

@@ -25,6 +25,19 @@ from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.observe.meter import METER, TrafficMeter
 
 
+def _peer_error(t: "TorchTransport", op: str, peer: int | None, nbytes: int, sent: bool, waited: float,
+                exc: Exception) -> PeerError:
+    """gloo's failure of a send or receive, posting it or waiting for it, in the transport's words: a
+    PeerError (the live world's sign that a member died; live/failures.py) naming both ranks."""
+    verb = "send to" if sent else "receive from"
+    who = "any rank" if peer is None else f"rank {peer}"
+    kind = "timed out" if "imed out" in str(exc) else "failed"
+    return PeerError(f"rank {t.rank}: {op}: {verb} {who} ({nbytes} bytes) {kind} after {waited:.1f} s (timeout "
+                     f"{t.timeout:.0f} s); rank {peer} may have died or stalled. "
+                     f"Cause: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
+                     rank=t.rank, peer=peer, op=op)
+
+
 class _TorchHandle(Handle):
     __slots__ = ("_work", "_transport", "_peer", "_op", "_nbytes", "_sent", "_control", "_done")
 
@@ -51,15 +64,8 @@ class _TorchHandle(Handle):
             if self._peer is None:
                 self._peer = self._work._source_rank()
         except Exception as exc:
-            waited = time.monotonic() - started
-            verb = "send to" if self._sent else "receive from"
-            who = "any rank" if self._peer is None else f"rank {self._peer}"
-            kind = "timed out" if "imed out" in str(exc) else "failed"
-            raise PeerError(
-                f"rank {t.rank}: {self._op}: {verb} {who} ({self._nbytes} bytes) {kind} after "
-                f"{waited:.1f} s (timeout {t.timeout:.0f} s); rank {self._peer} may have died or stalled. "
-                f"Cause: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
-                rank=t.rank, peer=self._peer, op=self._op) from exc
+            raise _peer_error(t, self._op, self._peer, self._nbytes, self._sent, time.monotonic() - started,
+                              exc) from exc
         self._done = True
         t.meter.record(peer=self._peer, nbytes=self._nbytes, op=self._op, sent=self._sent,
                        control=self._control)
@@ -103,11 +109,19 @@ class TorchTransport(Transport):
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         self._check(tensor, dst, op)
-        work = self._group(tensor, self.rank, dst, tag).send([tensor], dst, tag)
-        return _TorchHandle(work, self, dst, op, tensor.numel() * tensor.element_size(), True, control)
+        nbytes = tensor.numel() * tensor.element_size()
+        try:   # gloo refuses to post on a connection a dead peer closed: the same PeerError as a failed wait
+            work = self._group(tensor, self.rank, dst, tag).send([tensor], dst, tag)
+        except RuntimeError as exc:
+            raise _peer_error(self, op, dst, nbytes, True, 0.0, exc) from exc
+        return _TorchHandle(work, self, dst, op, nbytes, True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         self._check(tensor, src, op)
         group = self._group(tensor, src, self.rank, tag)
-        work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
-        return _TorchHandle(work, self, src, op, tensor.numel() * tensor.element_size(), False, control)
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise _peer_error(self, op, src, nbytes, False, 0.0, exc) from exc
+        return _TorchHandle(work, self, src, op, nbytes, False, control)
