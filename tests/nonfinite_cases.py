@@ -1,7 +1,7 @@
 """NaN and +-inf through every reduction: the values each rank contributes, the single-process oracle,
 and the functions the test worlds run (module level, so child processes can import them).
 
-What NaN does (README, "What NaN does in a reduction"): sum, avg and product follow IEEE arithmetic,
+What NaN does (docs/library.md, "Reductions and NaN"): sum, avg and product follow IEEE arithmetic,
 so an element is NaN where any rank's is NaN or where +inf meets -inf (sum) or 0 meets inf
 (product); max and min are torch.maximum and torch.minimum, NaN wherever any rank's element is
 NaN, on every algorithm and size. torch's gloo agrees with that for sum, avg and product; its max

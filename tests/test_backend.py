@@ -197,7 +197,7 @@ def test_a_killed_rank_of_a_torch_ddp_job_is_named_well_before_the_timeout(tmp_p
     assert [row["rank"] for row in survivors] == list(range(n - 1)), [err[-2000:] for _, err in outputs]
     for row in survivors:
         assert row["error"] is not None and f"rank {n - 1}" in row["error"], row["error"]
-        # the README says about 0.2 s: a waiting rank checks /proc for its peers every 0.2 s (0.20-0.21 s
+        # docs/backend.md says about 0.2 s: a waiting rank checks /proc for its peers every 0.2 s (0.20-0.21 s
         # here, at load 4.6); gloo notices the reset connection too, but names only an address
         # (docs/reliability.md, catalogue #29). 2 s leaves a loaded machine 10x that
         assert row["raised_at"] - killed_at < 2.0, row

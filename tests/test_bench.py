@@ -46,7 +46,7 @@ def test_bench_collectives_rows(tmp_path, capsys, monkeypatch):
         elif r["algorithm"] == "naive":   # rank 0 sends the result to each of the others
             expected = (n_ranks - 1) * r["size"]
         elif "shared_memory" in (r["algorithm"], r["picked"]):
-            # 4K and 96K are below the README's bound: the direct all-reduce reads all of both others'
+            # 4K and 96K are below docs/transports.md's bound: the direct all-reduce reads all of both others'
             expected = (n_ranks - 1) * r["size"]
         else:
             continue
@@ -99,10 +99,10 @@ def test_simulate_check_refuses_a_calibration_of_another_transport(tmp_path, mon
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backends", ["gradsync", pytest.param("gloo,gradsync", marks=pytest.mark.slow)])
 def test_bench_ddp_of_torch_ddp_on_each_backend(tmp_path, capsys, backends):
-    """`gradsync bench ddp --backend gloo,gradsync` (README): torch's own DDP in a torchrun of its own per
+    """`gradsync bench ddp --backend gloo,gradsync` (docs/backend.md): torch's own DDP in a torchrun of its own per
     backend, the first one the baseline, and on gradsync the API layer beside gs.all_reduce. The
     default run takes the gradsync backend alone (one torchrun; gloo's side is torch's own code), -m
-    slow both, as the README's command does."""
+    slow both, as that page's command does."""
     out = tmp_path / "backends.json"
     assert main(["bench", "ddp", "--backend", backends, "--workers", "2", "--model", "mlp", "--steps", "1",
                  "--rounds", "1", "--json", str(out)]) == 0

@@ -93,7 +93,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
     check()
 
 
-# From the README's direct/split bound up (readme_claims.py: a bound per world size, and at most
+# From docs/transports.md's direct/split bound up (doc_claims.py: a bound per world size, and at most
 # one staging half) a tensor outside a shared region is staged slice by slice (allreduce_shared.py);
 # the direct all-reduce takes everything below (test_traffic.py checks which path runs on each side). With staging halves of 256 KiB (N=3): every dtype and op
 # just over the bound, sizes not divisible by N, and one that spans 2.5 halves (its last piece short).
@@ -105,7 +105,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 @pytest.mark.parametrize("world_size,stage_mb", [(2, None), (3, None), pytest.param(4, None, marks=pytest.mark.slow),
                                                  (3, "0.25")])
 def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
-    import readme_claims
+    import doc_claims
     from gradsync.comm.transport.shm.segment import stage_bytes
 
     env = {} if stage_mb is None else {"GRADSYNC_SHM_STAGE_MB": stage_mb}
@@ -114,7 +114,7 @@ def test_large_shared_memory_all_reduce_staged(world_of, world_size, stage_mb):
         for name, value in env.items():
             patch.setenv(name, value)
         half = stage_bytes()
-    bound = min(readme_claims.direct_below(world_size), half + 1)
+    bound = min(doc_claims.direct_below(world_size), half + 1)
     dtypes = DTYPES if stage_mb is not None else (torch.float32,)
     batch = [("shared_memory", dtype, op, -(-bound // dtype.itemsize) + 2 * world_size + 1)
              for dtype in dtypes for op in (applicable_ops(dtype) if stage_mb is not None else ["sum"])]

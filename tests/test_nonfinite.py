@@ -18,7 +18,7 @@ import torch
 
 import cases
 import nonfinite_cases as nf
-import readme_claims
+import doc_claims
 from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
 from gradsync.comm.transport.shm.single_copy import FROM_BYTES
 
@@ -39,9 +39,9 @@ SETUPS = {   # name: (world size, environment of every rank, every rank on one h
 def bands(world_size: int, env: dict, itemsize: int) -> list[int]:
     """Element counts at the shared-memory all-reduce's edges: 1 (fewer than N) and 97 (every
     scenario, some twice; not divisible by N: the direct all-reduce); just over the direct/split bound
-    the README states (capped at one staging half), not divisible by N either."""
+    docs/transports.md states (capped at one staging half), not divisible by N either."""
     stage = int(float(env.get("GRADSYNC_SHM_STAGE_MB", "0")) * (1 << 20)) or None
-    bound = readme_claims.direct_below(world_size) if stage is None else min(readme_claims.direct_below(world_size),
+    bound = doc_claims.direct_below(world_size) if stage is None else min(doc_claims.direct_below(world_size),
                                                                             stage + 1)
     return [1, 97, -(-bound // itemsize) + 2 * world_size + 1]
 

@@ -89,15 +89,15 @@ def test_receive_from_any_source_names_the_sender(world_of):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_direct_and_split_traffic(world_of, world_size):
-    # the bound between the two is the README's (readme_claims.py; the default 4 MiB staging halves
+    # the bound between the two is docs/transports.md's (doc_claims.py; the default 4 MiB staging halves
     # are above it): one float32 below it the direct all-reduce reads all of every other rank's
     # tensor after a single barrier, from it up the split one moves slices, two barriers a piece
     # (with two ranks both read M bytes: only the barriers tell them apart). 4 KB is far below it.
-    import readme_claims
+    import doc_claims
     import shm_fns
 
     pool = world_of(world_size)
-    bound = readme_claims.direct_below(world_size)
+    bound = doc_claims.direct_below(world_size)
     for numel, direct in ((1000, True), (bound // 4 - 1, True), (bound // 4, False)):
         m_bytes = numel * 4
         sizes = ring_chunks(numel, world_size).sizes

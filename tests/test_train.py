@@ -54,7 +54,7 @@ def test_default_job_reaches_95_percent_on_digits(tmp_path):
     assert summary["accuracy"] >= 0.95
     assert results[0]["digest"] == results[1]["digest"], "replicas must end bit-identical"
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.pt").exists()
-    # the README's bytes sent per rank: 2(N-1)/N x M per step for M bytes of gradients (N=2: M)
+    # docs/train.md's bytes sent per rank: 2(N-1)/N x M per step for M bytes of gradients (N=2: M)
     m_bytes = sum(p.numel() for p in DigitsCNN().parameters()) * 4
     for sent in summary["bytes_sent_per_rank"]:
         gradient_bytes(sent, summary["steps"], m_bytes)

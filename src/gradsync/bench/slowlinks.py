@@ -50,7 +50,7 @@ class Plan:
     tasks: tuple[str, ...] = ("digits", "charlm")
     """Which of TASKS, in order."""
     digits_epochs: int = 8
-    """Epochs of digits (the README's numbers are of 8)."""
+    """Epochs of digits (docs/train.md's numbers are of 8)."""
     charlm_steps: int = 300
     """Optimizer steps of charlm."""
     steps: int | None = None

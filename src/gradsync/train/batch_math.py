@@ -9,7 +9,7 @@ Vocabulary
     k     learning-rate multiplier for G: 1 (--lr-scaling none), sqrt(G/b) (sqrt), G/b (linear)
     S     optimizer steps of the run;  ceil(N/G) of them an epoch (the last one shorter)
 
-The rules (cited in the README's batch-math paragraph, with the measurements):
+The rules (docs/train.md, "The batch size and the learning rate", with the measurements):
     lr      = base lr x k. linear: Goyal et al. 2017; sqrt: Krizhevsky 2014, Hoffer et al. 2017,
               and for Adam-like optimizers Malladi et al. 2022; none: the lr as given.
     epochs  = ceil(E0 x (G/b) / k), E0 = DEFAULT_EPOCHS, unless --epochs or --steps is given: the run

@@ -82,7 +82,7 @@ class TrainConfig:
     outer_lr: float = 0.4
     """DiLoCo's outer learning rate (Nesterov SGD on the averaged pseudo-gradient). 0.4, where the paper
     has 0.7: on digits the paper's value ends 0.6 (2 workers) and 1.9 points (4) below ring DDP, 0.4
-    within 0.3 (the sweep in the README's DiLoCo paragraph); --outer-lr 0.7 gives the paper's."""
+    within 0.3 (the sweep in docs/train.md, "Slow links"); --outer-lr 0.7 gives the paper's."""
     outer_momentum: float = 0.9
     """DiLoCo's outer momentum (the paper's 0.9)."""
     clip_grad: float | None = None
