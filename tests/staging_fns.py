@@ -52,70 +52,60 @@ def every_collective(numels: list[int], dtypes: list[torch.dtype]):
     return wrong, traffic["device_to_host_bytes"], traffic["host_to_device_bytes"]
 
 
+def _mlp(seed: int, where=None) -> torch.nn.Module:
+    """The float64 MLP every training case here starts from, seeded, on ``where`` (None: the CPU)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    return model if where is None else model.to(where)
+
+
+def _train(model, opt, steps: int, batch: int, seed: int, world_size: int, rank: int | None = None, where=None):
+    """``steps`` of MSE on one seeded global batch of world_size x ``batch`` a step; with ``rank``, only
+    rank r's slice of it, moved to ``where``."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(world_size * batch, 12, generator=g, dtype=torch.float64)
+        y = torch.randn(world_size * batch, 3, generator=g, dtype=torch.float64)
+        if rank is not None:
+            mine = slice(rank * batch, (rank + 1) * batch)
+            x, y = x[mine].to(where), y[mine].to(where)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def ddp_steps(steps: int, batch: int, seed: int = 0):
     """DDP over a float64 MLP on this rank's device, ``batch`` samples a rank a step, rank r's slice of
     one global batch of N x ``batch``: the final parameters (on the CPU)."""
     w, where = gs.world(), device()
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    model = _mlp(seed, where)
     ddp = gs.DistributedDataParallel(model, bucket_cap_mb=0.001)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
-        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
-        mine = slice(w.rank * batch, (w.rank + 1) * batch)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
-        opt.step()
+    _train(ddp, opt, steps, batch, seed, w.world_size, w.rank, where)
     ddp.check_replicas()
     return [p.detach().cpu() for p in model.parameters()]
 
 
 def one_process_steps(world_size: int, steps: int, batch: int, seed: int = 0):
     """The same training in one process with the global batch of world_size x ``batch`` (the oracle)."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(world_size * batch, 12, generator=g, dtype=torch.float64)
-        y = torch.randn(world_size * batch, 3, generator=g, dtype=torch.float64)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    model = _mlp(seed)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), steps, batch, seed, world_size)
     return [p.detach() for p in model.parameters()]
 
 
 def zero1_steps(steps: int, batch: int, seed: int = 0):
     """ShardedOptimizer (Adam) over the same model on this rank's device: the final parameters."""
     w, where = gs.world(), device()
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    model = _mlp(seed, where)
     ddp = gs.DistributedDataParallel(model)
     opt = gs.ShardedOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
-    g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
-        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
-        mine = slice(w.rank * batch, (w.rank + 1) * batch)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
-        opt.step()
+    _train(ddp, opt, steps, batch, seed, w.world_size, w.rank, where)
     return [p.detach().cpu() for p in model.parameters()]
 
 
 def one_process_adam(world_size: int, steps: int, batch: int, seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(world_size * batch, 12, generator=g, dtype=torch.float64)
-        y = torch.randn(world_size * batch, 3, generator=g, dtype=torch.float64)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    model = _mlp(seed)
+    _train(model, torch.optim.Adam(model.parameters(), lr=0.01), steps, batch, seed, world_size)
     return [p.detach() for p in model.parameters()]
 
 
@@ -126,18 +116,9 @@ def torch_ddp_on_the_backend(backend: str, steps: int, batch: int, seed: int = 0
 
     w, where = gs.world(), device()
     group = dist.new_group(backend=backend)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().to(where)
+    model = _mlp(seed, where)
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(w.world_size * batch, 12, generator=g, dtype=torch.float64)
-        y = torch.randn(w.world_size * batch, 3, generator=g, dtype=torch.float64)
-        mine = slice(w.rank * batch, (w.rank + 1) * batch)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[mine].to(where)), y[mine].to(where)).backward()
-        opt.step()
+    _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), steps, batch, seed, w.world_size, w.rank, where)
     return [p.detach().cpu() for p in model.parameters()]
 
 
