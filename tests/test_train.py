@@ -264,7 +264,8 @@ def test_resume_with_a_different_world_size_says_what_changed(tmp_path, capfd, m
     from gradsync.train.datasets import digits
 
     monkeypatch.setenv("GRADSYNC_SAMPLE_LOG", str(tmp_path))
-    assert main(["train", "--workers", "2", "--steps", "3", "--out", str(tmp_path), "--quiet"]) == 0
+    assert main(["train", "--workers", "2", "--steps", "3", "--lr-scaling", "linear", "--out", str(tmp_path),
+                 "--quiet"]) == 0   # linear: lr 0.04 at 64, the figure the message keeps
     assert main(["train", "--workers", "4", "--epochs", "1", "--out", str(tmp_path), "--resume", "--quiet"]) == 0
     out = capfd.readouterr().out
     assert "global batch 64 kept: 16 per worker per micro-batch x 1 accumulation x 4 workers; lr 0.04 kept" in out

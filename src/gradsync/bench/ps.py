@@ -9,10 +9,12 @@ the runs (one thread, no communication), so it computes at about half speed. (Sl
 that step's own backward took would delay the ring's straggler more: DDP's all-reduce runs inside
 backward, so its backward includes the wait for the other ranks.) Throughput = W x batch x steps / wall, wall = the slowest worker's time from
 a common barrier to its last step (the async/SSP workers that finish early do not hide a late one).
+Ring DDP takes two untimed, unmetered steps first: its first builds the buckets, its second rebuilds
+them in the order backward made gradients ready (a one-off broadcast of that order).
 
 Traffic per step, measured by the TrafficMeter beside the closed forms (M = model bytes):
     server link (in + out)    2 * W * M              every worker pushes M and pulls M
-    ring rank (sent)          2 * (W-1)/W * M        reduce-scatter + all-gather
+    ring rank (sent)          2 * (W-1)/W * M        reduce-scatter + all-gather (the mean over ranks)
 "transport" says what carried each row's bytes: the parameter server's messages are tagged and
 always travel over torch.distributed (tcp); ring DDP uses GRADSYNC_TRANSPORT's choice (shm or tcp).
 The model is an MLP 256 -> 1024 -> 1024 -> 10 (1.33M float32 parameters), batch 64 per worker.
@@ -108,6 +110,10 @@ def _ring_rank(batch: int, steps: int, delay_s: float) -> dict:
     model, x, y = _model_and_batch(batch)
     ddp = gs.DistributedDataParallel(model, algorithm="ring")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(2):   # not timed: the first step builds DDP's buckets, the second rebuilds them in
+        optimizer.zero_grad()   # the order backward made gradients ready (a one-off broadcast of it)
+        _compute(ddp, x, y, 0.0)
+        optimizer.step()
     gs.all_reduce(torch.zeros(1), algorithm="native")
     gs.traffic_reset()
     started = time.perf_counter()
@@ -115,8 +121,11 @@ def _ring_rank(batch: int, steps: int, delay_s: float) -> dict:
         optimizer.zero_grad()
         _compute(ddp, x, y, delay_s if w.rank == w.world_size - 1 else 0.0)
         optimizer.step()
-    sent = gs.traffic()["bytes_sent"]
-    wall = _slowest(time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    # the mean over ranks: each chunk goes round N-1 times in each phase, so the ranks send 2(N-1) M
+    # together, but one rank's share moves by a few elements with how its buckets split into N chunks
+    sent = float(gs.all_gather(torch.tensor([float(gs.traffic()["bytes_sent"])], dtype=torch.float64)).mean())
+    wall = _slowest(wall)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"impl": "ring DDP", "workers": w.world_size, "straggler": delay_s > 0, "delay_s": delay_s, "wall_s": wall,
             "samples_per_s": w.world_size * batch * steps / wall, "step_ms": wall / steps * 1e3,
