@@ -79,10 +79,8 @@ def holds(transport: Transport, nbytes: int) -> bool:
     """Whether a collective of ``nbytes`` is held on its rank's core (on_own_core): every one where
     ranks outnumber cores or the native core runs the collectives, below HOLD_BELOW_BYTES on the
     Python path with a core per rank. With the native core, whose barriers come microseconds apart,
-    two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier:
-    N=2, 4 MiB took 2.8 ms in two runs of three and 0.54 ms in the third; held, 543-581 us in every
-    run, 16 MiB 2.2-2.3 ms, 64 MiB 11.9-12.0 ms (2026-12-04, `gradsync bench collectives --rounds 3`,
-    load 3)."""
+    two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier, so
+    it holds every size (docs/studies/core-hold.md, "With the native core")."""
     return (getattr(transport, "core", None) is not None or not getattr(transport, "spin_allowed", False)
             or nbytes < HOLD_BELOW_BYTES)
 

@@ -76,25 +76,13 @@ AGREE = "all_reduce/agree"
 DIRECT_BELOW_BYTES = 256 << 10
 """With four ranks or more, messages smaller than this (and fitting one staging half) take the direct
 all-reduce: one barrier against two per piece, worth more than the (N-1) x M it reads up to about
-here. Timed on this 2-core host (2026-12-03 08:25 UTC, with 512 KiB regions and barriers that poll
-their counters alone; blocks of 30 calls alternating, each from a fresh input with its result
-checked after it, as the bench makes them; the slowest rank's time, medians of six blocks, us),
-direct against the split, both from their plans, N=4: 128 KiB 198 against 229, 256 KiB 262 against
-263, 512 KiB 341 against 297. (At 06:10 UTC, with regions of S/N and a polling barrier that also
-moved traffic under the transport's lock, the direct all-reduce still won up to 1 MiB: N=4 512 KiB
-346-393 against 481-509, 1 MiB 465-570 against 578-599. With 8 ranks, 05:20 UTC: 1 MiB 1,924
-against 2,662, 2 MiB 4,113 against 3,930.)"""
+here (the timings: docs/studies/direct-or-split.md)."""
 
 DIRECT_BELOW_BYTES_BY_RANKS = {2: 1 << 20, 3: 512 << 10}
 """With two or three ranks the direct all-reduce takes messages below these: it folds all M bytes on
 each rank where the split folds M/N, and it saves a barrier. Both paths take the same bands (so that
-they give the same bits), calibrated on the native core, which runs by default: N=2 in C (2026-12-04,
-an idle machine, `gradsync bench collectives --workers 2 --rounds 3`, us, direct bound 2 MiB against 512
-KiB): 512 KiB 59 against 64, 1 MiB 146 against 140, 2 MiB 326 against 297; so two ranks go direct below
-1 MiB. The Python path's own figures, from before the core (where two ranks went direct up to 2 MiB): Timed as DIRECT_BELOW_BYTES (08:25
-UTC, us): N=3 256 KiB 208 against 240, 512 KiB 283 against 285, 1 MiB 416 against 379; N=2 1 MiB
-105 against 128, 1.5 MiB 167 against 181, 2 MiB 221-225 against 217-218, 2.5 MiB 316 against 276,
-3 MiB 398 against 324."""
+they give the same bits), calibrated on the native core, which runs by default (the timings:
+docs/studies/direct-or-split.md)."""
 
 
 def direct_below(transport) -> int:

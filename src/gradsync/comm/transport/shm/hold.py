@@ -14,14 +14,7 @@ woken wherever the scheduler likes, often on the waker's core, so it is pinned f
 collective whose waits are all polls runs where it is, on its own core, and makes no system call
 for the hold; a thread found on another core at entry is pinned at once. Pinning costs three
 system calls (the affinity read, set, and given back), and with two ranks to a core they cost
-more than a core each: 17-18 us of a 64 KiB all-reduce's 100-115 us of CPU with 4 ranks on 2
-cores, against 4.5 us with 2 ranks (a /tmp probe timing the thread's CPU, 2026-12-03). Pinning at
-every entry where ranks outnumber cores, as before, against lazily (`gradsync bench collectives
---workers N --algorithms auto --reps 30`, trees alternating, three runs each, us): N=4 4 KiB
-182, 192, 195 -> 165, 156, 154; 64 KiB 221, 224, 227 -> 199, 200, 199; 256 KiB 352, 361, 361 ->
-337, 345, 338; 1 MiB 962, 979, 954 -> 946, 949, 922; 4 MiB 2,627, 3,157, 3,112 -> 3,224, 2,969,
-3,121 and 16 MiB 10,375, 10,131, 9,818 -> 9,500, 9,651, 9,937 (the noise); N=3 64 KiB 199, 212,
-193 -> 183, 169, 184; 1 MiB 771, 777, 766 -> 728, 729, 725.
+more than a core each, which the lazy hold saves (the timings: docs/studies/core-hold.md).
 
 One holder at a time: a collective started inside a held one (on the same thread), or on a second
 thread while another holds, runs without taking the hold again.

@@ -32,10 +32,8 @@ from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
 
 PIECE_BYTES = 512 << 10
-"""Bytes read into the scratch buffer at a time. 2 MiB, which a single-copy all-reduce took, was
-no better here (one world, medians of 32 calls, three rounds, 2026-12-03, us): 2 ranks 4 MiB
-617-650 against 627-645, 16 MiB 3,067-3,245 against 3,240-3,339; 4 ranks 16 MiB 6,986-7,374
-against 6,680-7,064."""
+"""Bytes read into the scratch buffer at a time: the split all-reduce's region size; 2 MiB was no
+better (docs/studies/staging-or-single-copy.md, "The reduce-scatter's pieces")."""
 
 
 def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,

@@ -38,12 +38,8 @@ LIVENESS_SLICE = 0.2
 SPIN_SECONDS = 200e-6
 """Longest a ``spin`` wait polls on the main thread before it sleeps: about what a futex sleep and
 wake-up cost here, so a peer that arrives later than this costs one wake-up more than it would have
-anyway. Measured (2026-12-02, a /tmp probe, 2 ranks, the waker 2 ms late, 190 wake-ups each run):
-from the waker's barrier to the sleeper's return 173-176 us median, 107-122 us p10, 233-235 us p90.
-In-world A/B against 30 us (2 ranks, blocks of 10 calls alternating, the bench's loop, slowest
-rank, medians; two runs, us): 64 KiB 39 -> 36 and 41 -> 37, 256 KiB 115 -> 93 and 138 -> 142,
-1 MiB 322 -> 282 and 424 -> 375, 4 MiB 1,013 -> 935 and 1,559 -> 1,498, 16 MiB 4,957 -> 5,179,
-7,577 -> 6,954 and 6,146 -> 5,611; 4 KiB level (docs/studies/barrier-polling.md)."""
+anyway (a sleep and wake-up took 173-176 us median; the A/B against 30 us:
+docs/studies/barrier-polling.md)."""
 BACKGROUND_SPIN_SECONDS = 30e-6
 """Longest a ``spin`` wait polls on any other thread: DDP's reducer and the c10d backend run their
 collectives on a communication thread while the main thread computes backward on the same core, and
