@@ -5,7 +5,7 @@
     spins(transport, fp)        whether the call's barriers poll before they sleep
 
 Holding and polling pay where a sleep and a wake-up would cost more than the wait itself; both rest
-on measurements (docs/studies/core-hold.md, docs/studies/barrier-polling.md), quoted below.
+on measurements (docs/studies/core-hold.md, docs/studies/barrier-polling.md).
 """
 
 from __future__ import annotations
@@ -49,15 +49,10 @@ the rank's core (``on_own_core``); with more ranks than cores, or with the nativ
 
 def on_own_core(collective):
     """Run ``collective(place, tensor, ...)`` with the calling thread held on its rank's core where
-    the transport has one (shared memory with several local ranks: transport/shm/hold.py, lazily). Measured with
-    4 ranks on 2 cores (docs/studies/core-hold.md, medians of 3 runs, us): 256 KiB 845 -> 491, 1 MiB
-    2,097 -> 1,342, 16 MiB 11,395 -> 9,325; unheld, the same call took one of two times from run to
-    run (1 MiB 1.2 or 2.1 ms), held 1.3-1.4 ms every time.
-    4 MiB 3.7 -> 3.9 ms. With 2 ranks on 2 cores (15 runs each, alternating) the medians are level
-    up to 256 KiB (64 KiB 47 unheld, 48 held), but unheld, 7 of 45 run medians up to 256 KiB took
-    over 200 us (both ranks on one core), held none; at 4 MiB (887 -> 968 us) and 16 MiB (2.75 ->
-    3.08 ms, 11 runs) the hold's moves cost more than they save, so with a core per rank only
-    messages below HOLD_BELOW_BYTES are held."""
+    the transport has one (shared memory with several local ranks: transport/shm/hold.py, lazily), for
+    the calls holds() picks. Unheld, two ranks the scheduler puts on one core take turns at every
+    barrier, and a call takes one of two times from run to run; held, it takes the shorter one
+    (docs/studies/core-hold.md)."""
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
         transport = place.transport

@@ -109,19 +109,21 @@ class TorchTransport(Transport):
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         self._check(tensor, dst, op)
-        nbytes = tensor.numel() * tensor.element_size()
-        try:   # gloo refuses to post on a connection a dead peer closed: the same PeerError as a failed wait
-            work = self._group(tensor, self.rank, dst, tag).send([tensor], dst, tag)
-        except RuntimeError as exc:
-            raise _peer_error(self, op, dst, nbytes, True, 0.0, exc) from exc
-        return _TorchHandle(work, self, dst, op, nbytes, True, control)
+        group = self._group(tensor, self.rank, dst, tag)
+        return self._posted(lambda: group.send([tensor], dst, tag), tensor, dst, op, True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         self._check(tensor, src, op)
         group = self._group(tensor, src, self.rank, tag)
+        return self._posted(lambda: (group.recv_anysource([tensor], tag) if src is None
+                                     else group.recv([tensor], src, tag)), tensor, src, op, False, control)
+
+    def _posted(self, post, tensor, peer, op, sent, control) -> _TorchHandle:
+        """post()'s Work in a handle; gloo refuses to post on a connection a dead peer closed, and that
+        is the same PeerError as a failed wait."""
         nbytes = tensor.numel() * tensor.element_size()
         try:
-            work = group.recv_anysource([tensor], tag) if src is None else group.recv([tensor], src, tag)
+            work = post()
         except RuntimeError as exc:
-            raise _peer_error(self, op, src, nbytes, False, 0.0, exc) from exc
-        return _TorchHandle(work, self, src, op, nbytes, False, control)
+            raise _peer_error(self, op, peer, nbytes, sent, 0.0, exc) from exc
+        return _TorchHandle(work, self, peer, op, nbytes, sent, control)
