@@ -97,7 +97,7 @@ def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
 
 def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, list[int]]:
     """Per epoch, the sorted sample ids of every committed step in the GRADSYNC_SAMPLE_LOG files of
-    ``gradsync train --fault-tolerance live`` (train/loop_live.py): of a step written twice (tried again
+    ``gradsync train --fault-tolerance live`` (train/step.py's sample log): of a step written twice (tried again
     after a recovery) the last line counts, and a lost member's steps count up to ``resumed_from``."""
     last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
     for path in Path(ids_dir).glob("live.*"):

@@ -15,7 +15,7 @@ from gradsync.train import resume
 from gradsync.train.batch_math import (RunShape, default_epochs, default_warmup, lr_multiplier, trap_findings,
                                        trap_warning)
 from gradsync.train.config import TrainConfig
-from gradsync.train.runs import batch_trap_warning, train_samples
+from gradsync.train.runs import batch_trap_warning
 
 DIGITS = 1437
 OLD_DEFAULTS = dict(lr_scaling="linear", epochs=8, warmup_steps=20)
@@ -43,9 +43,9 @@ def test_the_default_job_is_out_of_the_trap_at_every_scale(workers, accum, tmp_p
     warning, and at least 5 warm-ups long. With the old defaults (linear, 8 epochs, 20 warm-up steps)
     W >= 4 and A >= 2 are in the trap (96 steps or fewer; 48 at a global batch of 256)."""
     cfg = TrainConfig(workers=workers, grad_accum=accum, out=str(tmp_path))
-    assert batch_trap_warning(cfg) is None, batch_trap_warning(cfg)
+    assert batch_trap_warning(cfg, DIGITS) is None, batch_trap_warning(cfg, DIGITS)
     old = TrainConfig(workers=workers, grad_accum=accum, out=str(tmp_path), **OLD_DEFAULTS)
-    assert (batch_trap_warning(old) is None) == (workers * accum <= 3), batch_trap_warning(old)
+    assert (batch_trap_warning(old, DIGITS) is None) == (workers * accum <= 3), batch_trap_warning(old, DIGITS)
 
 
 def test_the_warning_says_why_and_what_to_change():
@@ -84,7 +84,9 @@ def test_the_launcher_warns_before_any_rank_starts(monkeypatch, tmp_path, capsys
     with pytest.raises(AssertionError, match="a rank was started"):
         main(["train", "--workers", "8", "--out", str(tmp_path), "--overwrite", "--quiet"])
     assert "warning" not in capsys.readouterr().out
-    assert train_samples("digits") == DIGITS
+    from gradsync.train.datasets import digits
+
+    assert len(digits()[0]) == DIGITS
 
 
 def test_a_resume_keeps_the_length_and_warm_up_the_run_started_with(tmp_path):
@@ -144,7 +146,7 @@ def test_the_main_job_at_a_global_batch_of_256_reaches_96_percent(tmp_path):
     """`gradsync train --grad-accum 4` (2 workers x 32 x 4 = 256 a step, 18% of the data set: the trap's
     worst case the issue measured, 67.5% with the old defaults, and the same batch math as 8 workers):
     >= 96% test accuracy with the default flags. (8 workers themselves: the slow test below.)"""
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     results = run(TrainConfig(grad_accum=4, out=str(tmp_path), quiet=True))
     summary = results[0]["summary"]
@@ -155,7 +157,7 @@ def test_the_main_job_at_a_global_batch_of_256_reaches_96_percent(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_eight_workers_with_the_default_flags_reach_96_percent(tmp_path):
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     results = run(TrainConfig(workers=8, out=str(tmp_path), quiet=True))
     assert results[0]["summary"]["accuracy"] >= 0.96, results[0]["summary"]["accuracy"]
@@ -167,7 +169,7 @@ def test_diloco_with_its_defaults_ends_within_a_point_of_ring_ddp_on_four_worker
     """`gradsync train --strategy diloco --workers 4` against `--algorithm ring` at the same samples
     (seed 0, each at its default length): within 1 point of test accuracy (the paper's outer lr 0.7
     ended 1.9 points below on the mean of three seeds; docs/train.md, "DiLoCo's outer step")."""
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     def accuracy(**flags):
         return run(TrainConfig(workers=4, seed=0, quiet=True, out=str(tmp_path / "-".join(flags.values())),

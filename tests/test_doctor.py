@@ -7,7 +7,7 @@ import pytest
 from gradsync.cli import main
 from gradsync.observe.doctor import examine
 from gradsync.train.config import TrainConfig
-from gradsync.train.loop import run
+from gradsync.train.launcher import run
 
 
 def verdicts(run_dir):

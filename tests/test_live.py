@@ -197,7 +197,7 @@ def test_live_mode_under_torchrun_refuses_replacements(tmp_path, monkeypatch):
     """Under torchrun nothing starts a replacement rank: --max-restarts in live mode is refused before
     the world is joined, naming what to do."""
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)

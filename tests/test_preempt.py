@@ -451,9 +451,11 @@ def test_async_ps_preempted_resumes_every_worker_at_its_own_clock(tmp_path, stra
     worker rank 2 alone: from then on every answer carries the stop
     flag and each worker stops at its own clock with its last push applied (the checkpoint's clocks
     are the steps each worker logged: nothing trained is lost). Resumed, each worker goes on at its
-    own clock, and over both runs every worker trained exactly its own shard's batches, in order, as
-    torch's own DistributedSampler deals them (seed 0, the epoch's reshuffle), 60 steps each. (A
-    resume on another number of workers: test_train.py.)"""
+    own clock, and over both runs every worker trained exactly its own share of each global step, in
+    order: of the epoch's permutation (torch.randperm seeded with seed + epoch), steps of G = 32 samples,
+    the last of an epoch the 29 left, worker w taking every 2nd from the w-th, 60 steps each; which for
+    the full steps is torch's own DistributedSampler's deal. (A resume on another number of workers:
+    test_train.py.)"""
     job = ["--strategy", strategy, "--steps", "60", "--batch-size", "16", "--seed", "0", "--timeout", "30", "--quiet"]
     before, after = tmp_path / "ids-before", tmp_path / "ids-after"
     before.mkdir()
@@ -471,11 +473,13 @@ def test_async_ps_preempted_resumes_every_worker_at_its_own_clock(tmp_path, stra
         runs = [[line.split() for line in path.read_text().splitlines()]
                 for logs in (before, after) for path in logs.glob(f"samples.*.r{worker + 1}")]
         assert len(runs) == 2 and len(runs[0]) == clock, (worker, clock, [len(run) for run in runs])
-        sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=2, rank=worker, shuffle=True, seed=0)
-        per_epoch = len(sampler) // 16
+        per_epoch = -(-len(train_set) // 32)
         expected = []
         for step in range(60):
             epoch, batch = divmod(step, per_epoch)
-            sampler.set_epoch(epoch)
-            expected.append([str(epoch), *map(str, list(sampler)[batch * 16:(batch + 1) * 16])])
-        assert runs[0] + runs[1] == expected, f"worker {worker}: not its shard's batches in order across the cut"
+            order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(epoch)).tolist()
+            expected.append([str(epoch), *map(str, order[batch * 32:(batch + 1) * 32][worker::2])])
+        assert runs[0] + runs[1] == expected, f"worker {worker}: not its share of each step in order across the cut"
+        sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=2, rank=worker, shuffle=True, seed=0)
+        assert [line[1:] for line in expected[:per_epoch - 1]] == \
+            [list(map(str, list(sampler)[b * 16:(b + 1) * 16])) for b in range(per_epoch - 1)]

@@ -125,24 +125,26 @@ def test_ssp_drops_a_dead_worker_and_its_clock_holds_no_one_back(tmp_path):
 
 def test_train_refuses_what_live_ps_does_not_rebuild_and_says_why(tmp_path):
     from gradsync.train.config import TrainConfig
+    from gradsync.train.runs import check_task
 
     for strategy in ("ps-sync", "ps-async", "ssp"):
         assert TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", out=str(tmp_path)).servers == 1
         with pytest.raises(RuntimeError, match="keeps the global batch \\(--live-batch keep-global\\)"):
             TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", live_batch="keep-per-rank",
                         out=str(tmp_path))
-        with pytest.raises(RuntimeError, match="does not support sparse tables \\(--model word2vec\\)"):
-            TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", dataset="stdlib-tokens",
-                        out=str(tmp_path))
+        with pytest.raises(RuntimeError, match="does not support sparse tables \\(in_embed.weight, out_embed.weight "
+                                               "of --model word2vec\\)"):
+            check_task(TrainConfig(strategy=strategy, workers=4, fault_tolerance="live", dataset="stdlib-tokens",
+                                   out=str(tmp_path)))
 
 
 def test_async_tasks_of_a_lost_worker_are_dealt_to_the_open_survivors():
-    """train/loop_ps_live.tasks_of in closed form: T=4, workers 1, 2, 3; member 2 lost at clock 1 with
+    """train/strategies/ps.py tasks_of in closed form: T=4, workers 1, 2, 3; member 2 lost at clock 1 with
     1 and 3 open, then member 3 lost at clock 4 with only 1 open (it takes (1,2)); with no open
     survivor the lost tasks go to no one."""
     from types import SimpleNamespace
 
-    from gradsync.train.loop_ps_live import tasks_of
+    from gradsync.train.strategies.ps import tasks_of
 
     first = SimpleNamespace(lost_clocks={2: 1}, open_workers=(1, 3))
     assert tasks_of([1, 2, 3], 4, [first]) == {1: [(0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 3)],
@@ -188,7 +190,7 @@ def test_ps_sync_live_under_torchrun_is_refused(tmp_path, monkeypatch):
     """LivePS rebuilds its world through gradsync's own launcher: under torchrun the job is refused
     before the world is joined, naming what to run instead."""
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)

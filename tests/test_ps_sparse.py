@@ -342,7 +342,7 @@ def test_word2vec_sparse_ps_sync_equals_one_dense_process(tmp_path):
     """gradsync train, ps-sync (1 server, 2 workers, batch 64 each, sparse rows) against --strategy local
     (batch 128, dense tables, torch's Adagrad): same samples, same parameters up to float32 rounding."""
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     common = dict(model="word2vec", steps=8, lr=0.2, lr_scaling="none", warmup_steps=4, quiet=True)
     ps = run(TrainConfig(workers=3, strategy="ps-sync", batch_size=64, out=str(tmp_path / "ps"), **common))

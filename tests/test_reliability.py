@@ -85,7 +85,7 @@ def test_max_restarts_resumes_bit_identically_after_a_kill(tmp_path):
 
     from gradsync import checkpoint
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     # 16 epochs of ~0.1 s: the kill must land while training is still going
     common = ["--workers", "2", "--epochs", "16", "--quiet", "--seed", "3"]

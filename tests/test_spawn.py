@@ -110,6 +110,27 @@ def test_ranks_load_the_public_names_and_connect_their_transport_at_init(monkeyp
     assert gs.spawn(spawn_fns.what_init_did, nprocs=2) == [(True, expected)] * 2
 
 
+@pytest.mark.timeout(120)
+def test_a_script_that_spawns_at_its_top_level_is_told_to_add_the_main_guard(tmp_path):
+    """A new user's first script: gs.spawn at module level, without `if __name__ == "__main__":`. Each rank
+    imports the script to find fn and calls spawn again, and multiprocessing refuses before the rank runs
+    anything of gradsync's: the launcher's error must say so (the guard to add, and the ranks' own last
+    lines), as Python's multiprocessing does, not only that a rank exited with code 1."""
+    script = tmp_path / "first.py"
+    script.write_text("import gradsync as gs\n\ndef work():\n    return gs.world().rank\n\n"
+                      "print(gs.spawn(work, nprocs=2))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()
+    error = next(line for line in last if line.startswith("gradsync.group.spawn_report.SpawnError"))
+    assert "before it ran fn" in error and 'if __name__ == "__main__":' in error, error
+    assert any("bootstrapping phase" in line for line in last), done.stderr[-2000:]
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(script.read_text().replace("print(gs.spawn", 'if __name__ == "__main__":\n    print(gs.spawn'))
+    done = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "[0, 1]", done.stderr[-2000:]
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nprocs must be an integer >= 1"):
         gs.spawn(spawn_fns.identity_and_state, nprocs=0)

@@ -12,7 +12,7 @@ import torch
 
 from gradsync.cli import main
 from gradsync.train.config import TrainConfig
-from gradsync.train.loop import run
+from gradsync.train.launcher import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_bad_flags_give_clear_errors(argv, message, capsys):
 def test_the_epochs_shorter_last_step_averages_over_its_own_samples(world_of, n, position):
     """An epoch of n samples in steps of G = 8 ends with a shorter step of the n - 8 left: over 3 ranks
     they fall 2, 1, 1 (n=12) or 1, 1, 0 (n=10: rank 2 has none, its hooks still fire). With the loop's
-    own weighting (train/loop.py, _micro_loss), DDP's averaged gradient must be one process's gradient
+    own weighting (train/step.py, weighed), DDP's averaged gradient must be one process's gradient
     of the mean loss over exactly those samples (torch autograd, float64, 1e-12)."""
     import train_fns
 

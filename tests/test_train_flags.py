@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -98,24 +99,28 @@ def test_out_the_finished_run_and_the_default_directory(no_ranks, tmp_path, caps
     assert not (default / "checkpoint.pt").exists() and not (default / "metrics.jsonl").exists()
 
 
-def _tour_train_commands() -> list[list[str]]:
-    """The README tour's `gradsync train` commands in order (after `timeout N`, between && and ;)."""
+def _tour_train_commands() -> list[tuple[str | None, list[str]]]:
+    """The README tour's `gradsync train` commands in order (after `timeout N`, between && and ;), each with
+    the folder a `cd DIR` before it on its line moved to (None: where the tour starts)."""
     text = (ROOT / "README.md").read_text().split("## A tour", 1)[1].split("```", 2)[1]
     commands = []
     for line in text.splitlines():
+        folder = None
         for part in re.split(r"&&|;", line.split("#", 1)[0]):
+            if part.strip().startswith("cd "):
+                folder = part.split()[1]
             if "gradsync train" not in part:
                 continue
             argv = shlex.split(part)
             if argv[:2] == ["timeout", argv[1] if len(argv) > 1 else ""]:
                 argv = argv[2:]
             if argv[:2] == ["gradsync", "train"]:
-                commands.append(argv[2:])
+                commands.append((folder, argv[2:]))
     assert len(commands) >= 20, commands
     return commands
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)   # each line's task is built and probed: word2vec's samples take seconds
 def test_the_readme_tour_train_commands_pass_every_check_in_order(no_ranks, monkeypatch, tmp_path, capsys):
     """Each `gradsync train` line of the tour, run in order in one directory, passes every check made
     before the ranks start and reaches them; each run leaves its metrics.jsonl where it trained, so a
@@ -139,12 +144,19 @@ def test_the_readme_tour_train_commands_pass_every_check_in_order(no_ranks, monk
 
     monkeypatch.setattr(gs, "spawn", start)
     monkeypatch.setattr(gs, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("local start")))
-    for argv in _tour_train_commands():
+    for folder, argv in _tour_train_commands():
         before = len(reached)
+        if folder is not None:   # a copy of the repository's folder, so that the runs land in tmp_path
+            copy = tmp_path / "tour" / folder
+            if not copy.exists():
+                shutil.copytree(ROOT / folder, copy, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+            monkeypatch.chdir(copy)
         try:
             code = main(["train", *argv])
         except AssertionError as error:   # --strategy local starts in this process
             code = 0 if str(error) == "local start" else error
+        finally:
+            monkeypatch.chdir(tmp_path)
         err = capsys.readouterr().err
         assert code == 0 and (len(reached) == before + 1 or "--strategy local" in " ".join(argv)), (argv, code, err)
     naive = [cfg for cfg in reached if cfg.algorithm == "naive"]

@@ -153,7 +153,7 @@ def test_memory_command_prints_the_table(capsys):
 @pytest.mark.timeout(300)
 def test_train_zero1_reaches_accuracy_and_resumes_exactly(tmp_path):
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train.launcher import run
 
     full = run(TrainConfig(workers=2, strategy="zero1", out=str(tmp_path / "full"), quiet=True))
     assert full[0]["summary"]["accuracy"] >= 0.95

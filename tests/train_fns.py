@@ -24,11 +24,10 @@ def resume_where_only_rank_0_has_the_checkpoint(out_dirs: list[str]):
 def last_step_gradients(n: int, global_batch: int, position: int, seed: int = 0):
     """The step that starts at ``position`` of an epoch of ``n`` samples (data.EpochCursor), on this
     world's ranks with gs.DistributedDataParallel and the training loop's own loss weighting
-    (train/loop.py, _micro_loss), float64; returns (the step's sample ids, the averaged gradients)."""
-    from types import SimpleNamespace
-
+    (train/step.py, weighed and share_scale, a 'step' strategy), float64; returns (the step's sample ids,
+    the averaged gradients)."""
     from gradsync.data import EpochCursor
-    from gradsync.train.loop import _micro_loss
+    from gradsync.train.step import share_scale, weighed
 
     w = gs.world()
     x, y = last_step_data(n, seed)
@@ -39,9 +38,9 @@ def last_step_gradients(n: int, global_batch: int, position: int, seed: int = 0)
     order = cursor.order(0)
     share = cursor.share(order, position, w.world_size, w.rank)
     step_size = cursor.step_size(position)
-    cfg = SimpleNamespace(model="mlp", grad_accum=1)   # what _micro_loss reads of a TrainConfig
-    loss = _micro_loss(cfg, ddp(x[share]), y[share], share, step_size, step_size == global_batch, w.world_size)
-    loss.backward()
+    scale = share_scale("step", w.world_size, w.world_size, step_size, len(share))
+    ((ids, weight),) = weighed(share, 1, scale, filler=order[position])
+    (torch.nn.functional.cross_entropy(ddp(x[ids]), y[ids]) * weight).backward()
     return order[position:position + step_size], [p.grad.clone() for p in model.parameters()]
 
 
@@ -54,10 +53,10 @@ def ps_resume(out: str):
     """This world's ranks resume the parameter-server job in ``out`` (ps-async, 1 server); returns the
     error each rank got (type, message)."""
     from gradsync.train.config import TrainConfig
-    from gradsync.train.loop_ps import train_ps_rank
+    from gradsync.train.loop import train_rank
 
     try:
-        train_ps_rank(TrainConfig(strategy="ps-async", workers=gs.world().world_size, servers=1, batch_size=16,
+        train_rank(TrainConfig(strategy="ps-async", workers=gs.world().world_size, servers=1, batch_size=16,
                                   steps=60, out=out, resume=True, quiet=True))
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return type(exc).__name__, str(exc)

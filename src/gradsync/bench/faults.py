@@ -238,9 +238,9 @@ def _expected_ids(seed: int, workers: int) -> list[int]:
     """The sample ids a parameter-server run of one epoch trains: each worker's shard of the epoch's
     order (data.DistributedSampler), in whole steps of 4 (the shard's tail that fills no step is skipped)."""
     from gradsync.data import DistributedSampler
-    from gradsync.train.datasets import build_dataset
+    from gradsync.train.datasets import digits
 
-    train_set, _ = build_dataset("digits", seed=seed)
+    train_set, _ = digits(seed=seed)
     ids = []
     for worker in range(workers):
         sampler = DistributedSampler(train_set, num_replicas=workers, rank=worker, shuffle=True, seed=seed)

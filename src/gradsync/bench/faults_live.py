@@ -6,15 +6,15 @@ Scenarios (each trial: `gradsync train --fault-tolerance live --workers W --epoc
                 outside (at whatever point of the next step it is)
     forward     the victim (a random member, at a random step of the first epoch) kills itself after
                 its forward: the others are waiting for its gradients in the all-reduce
-                (GRADSYNC_LIVE_KILL, train/loop_live.py)
+                (GRADSYNC_LIVE_KILL, train/live_knobs.py)
     optimizer   the same after the all-reduce, just before the victim's optimizer step
     checkpoint  with --checkpoint-every 5: member 0, rank 0, dies halfway through writing the
-                checkpoint of step 5 or 10 (train/loop_live.py's knob); the trial also needs the last
+                checkpoint of step 5 or 10 (train/live_knobs.py's knob); the trial also needs the last
                 checkpoint intact at the final step and no temporary checkpoint file left
     two         W+1 ranks (4 by default), two random ranks killed in a row from outside: the second
                 once the survivors of the first have stepped again (4 -> 3 -> 2)
     ps-forward  --strategy ps-sync with 1 server and W workers (W+1 ranks): a random worker kills itself
-                after its forward at a random step of the first epoch (train/loop_ps_live.py)
+                after its forward at a random step of the first epoch (train/live_knobs.py)
     replace     as random, with --max-restarts 1: the launcher starts a replacement that joins the
                 survivors (3 -> 2 -> 3); GRADSYNC_LIVE_AWAIT_JOINER=1 makes them wait for it after
                 one step in the shrunk world, so that it joins before the short run ends

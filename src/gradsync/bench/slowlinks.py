@@ -14,7 +14,7 @@ source, a fixed number of steps). Every run of a task is `gradsync train` with t
 same order (the same --seed and global batch: data.EpochCursor), all of them in one world of
 ``workers`` ranks, one after another (train/loop.py's train_worker, so the runs are the command's).
 
-Measured per run: the test set's accuracy and loss after the last step (train/common.py's exact
+Measured per run: the test set's accuracy and loss after the last step (train/evaluation.py's exact
 evaluation), the bytes each rank sent (the traffic meter, gs.traffic(): every byte of the run,
 evaluations included), and per step rank 0's training loss and bytes sent so far (metrics.jsonl),
 the curves the figure draws. ``vs ring`` is a run's bytes per rank over ring DDP's for the same task.

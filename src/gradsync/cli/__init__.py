@@ -1,6 +1,6 @@
 """The gradsync command: one module per command, each with its flags (add_parser) and what it does (run).
 
-    gradsync train [--workers 2] [--strategy ddp] [--model cnn --dataset digits] ...  (see train/loop.py)
+    gradsync train [--workers 2] [--strategy ddp] [--model cnn|pkg.mod:fn --data digits|pkg.mod:fn] [--config run.toml] ...
     gradsync bench collectives --workers 4 --sizes 4K,64K,1M,16M,64M [--transport tcp,shm] [--peers gloo,mpi] [--json out.json] [--fit]
     gradsync bench ddp --workers 2 [--backend gloo,gradsync] [--device cuda]
     gradsync bench ps --workers 2,3,4 [--steps 20]
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # what was given, for commands that read it again
     try:
         return COMMANDS[args.command].run(args)
     except (ValueError, RuntimeError, TypeError) as exc:

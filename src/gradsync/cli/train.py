@@ -1,5 +1,5 @@
-"""gradsync train: N local workers train a real model on real data (train/loop.py; the flags are
-train/config.py's TrainConfig)."""
+"""gradsync train: N local workers train a model on its data -- a built-in one, or the user's own
+(train/loop.py; the flags are train/config.py's TrainConfig, also settable from --config FILE.toml)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,6 @@ import signal
 import sys
 
 from gradsync.cli.args import positive_int
-
-WORD2VEC_DEFAULT_STEPS = 3000
-"""What `gradsync train --model word2vec` trains without --epochs or --steps: about a minute with 3
-workers here (one pass over the 1.5 million-token corpus is about 26,000 steps at the default batch)."""
-
 
 class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
     """Each flag's help ends with its default, unless the help says it (a flag that is off or unset by
@@ -29,50 +24,96 @@ class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
 
 
 def add_parser(commands) -> None:
-    from gradsync.train.batch_math import DEFAULT_EPOCHS, LR_SCALING, WARMUP_MIN_STEPS, WARMUP_SHARE
-    from gradsync.train.config import (COMPRESSION, DEVICES, FAULT_TOLERANCE, LIVE_BATCH, PREEMPT_SIGNALS,
-                                        STRATEGIES, TrainConfig)
-    from gradsync.comm.collectives import ALGORITHMS
-    from gradsync.train.datasets import DATASETS
-    from gradsync.train.models import MODELS
-    from gradsync.train.runs import DEFAULT_OUT
+    from gradsync.train.config import TrainConfig
 
-    defaults = {name: field.default for name, field in TrainConfig.__dataclass_fields__.items()}
-    train = commands.add_parser("train", help="N local workers train a real model on real data",
+    defaults = TrainConfig.defaults()
+    train = commands.add_parser("train", help="N local workers train a model on its data (a built-in, or yours)",
                                 formatter_class=_DefaultsShown, description=RUNBOOK)
+    add_flags(train, defaults)
 
-    def flag(name: str, **options) -> None:
-        field = name.removeprefix("--").replace("-", "_")
-        if field in defaults and "default" not in options and options.get("action") != "store_true":
+
+def add_flags(train, defaults: dict) -> None:
+    """Every flag of gradsync train on ``train``, each defaulting to ``defaults``' value for its field."""
+    from gradsync.train.batch_math import DEFAULT_EPOCHS, LR_SCALING, WARMUP_MIN_STEPS, WARMUP_SHARE
+    from gradsync.train.config import COMPRESSION, DEVICES, FAULT_TOLERANCE, LIVE_BATCH, PREEMPT_SIGNALS
+    from gradsync.comm.collectives import ALGORITHMS
+    from gradsync.train.losses import LOSSES
+    from gradsync.train.optimizers import OPTIMIZERS, SCHEDULES
+    from gradsync.train.runs import DEFAULT_OUT
+    from gradsync.train.strategies import STRATEGIES
+    from gradsync.train.tasks import DATASETS, MODELS
+
+    def flag(*names: str, **options) -> None:
+        field = options.get("dest") or names[0].removeprefix("--").replace("-", "_")
+        if "default" in options and field not in defaults:
+            del options["default"]   # a parser that tells given flags from defaults (config_of) has none
+        elif field in defaults and "default" not in options and options.get("action") != "store_true":
             options["default"] = defaults[field]
-        train.add_argument(name, **options)
+        train.add_argument(*names, **options)
+
+    def named(choices, flag_name: str):
+        """A built-in name from ``choices`` or module:function."""
+        from gradsync.train.factory import is_spec
+
+        def parse(text: str) -> str:
+            if text in choices or is_spec(text):
+                return text
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)}, or give "
+                                             f"module:function)")
+        parse.__name__ = flag_name
+        return parse
 
     flag("--workers", type=positive_int, help="local worker processes (torchrun sets the world instead)")
-    flag("--strategy", choices=STRATEGIES, metavar="{" + ",".join(STRATEGIES) + "}",
-         help="how the gradients become one update: ddp (all-reduce), ps-sync / ps-async / ssp (the first --servers "
-              "processes serve parameters), zero1 (sharded optimizer state), local (one process), diloco (average "
-              "the replicas every --sync-every steps)")
+    flag("--strategy", choices=list(STRATEGIES), metavar="{" + ",".join(STRATEGIES) + "}",
+         help="how the gradients become one update: " + "; ".join(f"{s.name}: {s.help}" for s in STRATEGIES.values()))
     flag("--algorithm", choices=ALGORITHMS, metavar="{" + ",".join(ALGORITHMS) + "}",
          help="all-reduce algorithm (ddp, zero1, diloco); auto picks by message size")
     flag("--servers", type=positive_int,
          help="how many of the --workers processes serve parameters (ps-sync, ps-async, ssp); the rest train")
     flag("--staleness", type=int,
          help="ssp: how many steps (worker clocks) the fastest worker may run ahead of the slowest; 0: lockstep")
-    flag("--model", choices=MODELS, help="default: the dataset's natural model (cnn for digits and synthetic, "
-                                         "charlm for stdlib-text, word2vec for stdlib-tokens)")
-    flag("--dataset", choices=DATASETS, help="default: the model's natural dataset (digits for cnn and mlp, "
-                                             "stdlib-text for charlm, stdlib-tokens for word2vec)")
+    flag("--config", metavar="FILE.toml", default=None,
+         help="set any flag by its name in a TOML file (flags given here override it); every run keeps its resolved "
+              "config as RUN_DIR/config.toml, which --config takes to train it again")
+    flag("--model", type=named(MODELS, "model"), metavar="NAME|module:function",
+         help=f"what trains: module:function returning a torch.nn.Module (called with --model-args, importable from the "
+              f"working directory), or a built-in: {', '.join(MODELS)} (default: the dataset's natural model, cnn)")
+    flag("--model-args", type=_arguments("--model-args"), metavar="K=V,...",
+         help="keyword arguments of the model's factory, e.g. depth=4,width=256 (values are Python literals, else text)")
+    flag("--data", "--dataset", dest="dataset", type=named(DATASETS, "data"), metavar="NAME|module:function",
+         help=f"the data: module:function returning the training set, (train, test) or {{'train', 'test', 'collate'}} "
+              f"(map-style torch Datasets; called with --data-args, and seed=--seed if it takes one), or a built-in: "
+              f"{', '.join(DATASETS)} (default: the model's natural dataset)")
+    flag("--data-args", type=_arguments("--data-args"), metavar="K=V,...",
+         help="keyword arguments of the data's factory, e.g. root=/data,download=False")
+    flag("--loss", metavar="|".join(LOSSES) + "|module:function",
+         help="how a batch becomes a loss: cross_entropy or mse on (inputs, targets); model: the model returns the "
+              "loss (nanoGPT's (logits, loss), Hugging Face's .loss for dict batches); module:function(outputs, "
+              "targets); auto: model for dict batches, else cross_entropy (default: the model's own, else auto)")
+    flag("--metric", metavar="module:function",
+         help="the accuracy: function(outputs, targets) -> (correct, count) (default: argmax = target where the "
+              "outputs are class scores)")
     flag("--epochs", type=positive_int, default=None,
          help=f"passes over the training set, ignored with --steps (default: as many as keep lr x steps equal to "
               f"{DEFAULT_EPOCHS} epochs of one worker's batch: {DEFAULT_EPOCHS} with --lr-scaling linear, "
               f"{DEFAULT_EPOCHS} x sqrt(global / per-worker batch) with sqrt, e.g. 12 for 2 workers; word2vec: "
-              f"--steps {WORD2VEC_DEFAULT_STEPS:,}, about a minute, unless --epochs or --steps is given)")
+              f"--steps {MODELS['word2vec'].steps:,}, about a minute, unless --epochs or --steps is given)")
     flag("--steps", type=positive_int, help="optimizer steps in all, counted from the run's start even when "
                                             "resuming (default: as many as --epochs take)")
     flag("--batch-size", type=positive_int, help="samples per worker per micro-batch")
     flag("--grad-accum", type=positive_int, help="micro-batches per optimizer step")
+    flag("--optimizer", metavar="|".join(OPTIMIZERS) + "|module:function",
+         help="the optimizer, or module:function taking the parameters and returning a torch.optim.Optimizer "
+              "(default: the model's: sgd with momentum 0.9 for cnn and mlp, adagrad for word2vec, adamw for charlm "
+              "and your own)")
     flag("--lr", type=float, help="base learning rate for one worker's batch (default: the model's: 0.02 cnn and "
-                                  "mlp, 0.001 charlm, 0.2 word2vec)")
+                                  "mlp, 0.001 charlm and your own, 0.2 word2vec; a module:function optimizer's own)")
+    flag("--weight-decay", type=float, help="the optimizer's weight decay (default: the model's: 0.01 with adamw)")
+    flag("--momentum", type=float, help="SGD's momentum (default: the model's: 0.9 for cnn and mlp, else 0)")
+    flag("--lr-schedule", choices=SCHEDULES,
+         help="after the warm-up the lr stays (constant), or falls to --min-lr by the last step along a cosine or a "
+              "line (default: constant, or a resumed run's own)")
+    flag("--min-lr", type=float, help="where --lr-schedule cosine and linear end")
     flag("--lr-scaling", choices=LR_SCALING,
          help="how the lr follows the global batch G of b per worker: sqrt: lr x sqrt(G / b) (Krizhevsky 2014, Hoffer "
               "et al. 2017); linear: lr x G / b (Goyal et al. 2017); none: lr as given; the default --epochs follows it")
@@ -122,29 +163,72 @@ def add_parser(commands) -> None:
               "second Ctrl-C stops at once")
 
 
+def _arguments(flag_name: str):
+    """--model-args / --data-args: name=value,... -> a dict (train/factory.py)."""
+    def parse(text: str) -> dict:
+        from gradsync.train.factory import parse_arguments
+
+        try:
+            return parse_arguments(text, flag_name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    parse.__name__ = flag_name
+    return parse
+
+
 def _before_spawning(cfg) -> str | None:
-    """The checks that need no rank (train/runs.py): the batch fits the data, --out holds what this
-    command expects, and a warning when a new run is in the batch-size trap (train/batch_math.py).
-    Returns the line saying a resumed run is finished, if it is."""
+    """The checks that need no rank (train/runs.py): the task's factories and a batch through its loss, the
+    batch fits the data, --out holds what this command expects, and a warning when a new run is in the
+    batch-size trap (train/batch_math.py). Returns the line saying a resumed run is finished, if it is."""
     from gradsync.train import runs
 
-    runs.check_batch(cfg)
+    task, model, data = runs.check_task(cfg)
+    runs.check_batch(cfg, len(data.train))
+    task.probe(model, data)
     runs.check_device(cfg)
     if cfg.resume:
         return runs.check_resume(cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:   # a torchrun restart continues its run
-        first = os.environ.get("RANK", "0") == "0"   # under torchrun every rank checks (before any writes), one says
-        say = print if first else lambda *_, **__: None
+        say = print if _first_rank() else lambda *_, **__: None   # under torchrun every rank checks, one says
         runs.claim_out(cfg, cfg.overwrite, say=say)
-        warning = runs.batch_trap_warning(cfg)
+        warning = runs.batch_trap_warning(cfg, len(data.train))
         if warning:
             say(f"gradsync train: {warning}", flush=True)
     return None
 
 
-RUNBOOK = """N local workers train a model on data that ships offline, and one summary says what the ranks did.
+def _first_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def config_of(args):
+    """The TrainConfig the command asks for: TrainConfig's defaults, then --config's file, then the flags given
+    on the command line."""
+    from gradsync.train import config_file
+    from gradsync.train.config import TrainConfig
+
+    fields = TrainConfig.__dataclass_fields__
+    given = {k: v for k, v in vars(args).items() if k in fields and not (k == "epochs" and v is None)}
+    if getattr(args, "config", None):
+        explicit = _explicit(args)
+        given = {**config_file.read(args.config, fields), **{k: v for k, v in given.items() if k in explicit}}
+    return TrainConfig(**given)
+
+
+def _explicit(args) -> set[str]:
+    """The fields whose flags were given on the command line (not left at their defaults)."""
+    parser = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    add_flags(parser, defaults={})
+    known, _ = parser.parse_known_args(list(getattr(args, "argv", []))[1:])
+    return set(vars(known))
+
+
+RUNBOOK = """N local workers train a model on its data, and one summary says what the ranks did.
 
   gradsync train                                  2 workers, a CNN on scikit-learn's digits (a few seconds)
+  gradsync train --model my_pkg.models:build --data my_pkg.data:build --loss mse
+                                                  your own model and data (docs/your-model.md)
+  gradsync train --config run.toml                every flag from a TOML file (RUN_DIR/config.toml reruns a run)
   gradsync train --workers 4 --strategy zero1     4 workers, optimizer state sharded
   gradsync train --out runs/a --steps 80 --resume continue the run in runs/a to step 80
   torchrun --nproc-per-node 2 -m gradsync.train   the same flags under torchrun
@@ -154,21 +238,22 @@ step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130."""
 
 
 def run(args) -> int:
-    from gradsync.train.config import TrainConfig
-    from gradsync.train.loop import run
+    from gradsync.train import config_file, tasks
+    from gradsync.train.launcher import run
     from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
 
-    fields = TrainConfig.__dataclass_fields__
-    given = {k: v for k, v in vars(args).items() if k in fields and not (k == "epochs" and v is None)}
-    cfg = TrainConfig(**given)
-    if cfg.model == "word2vec" and args.epochs is None and cfg.steps is None and not cfg.resume:
-        cfg = dataclasses.replace(cfg, steps=WORD2VEC_DEFAULT_STEPS)
-        print(f"gradsync train: word2vec trains {WORD2VEC_DEFAULT_STEPS:,} steps by default (about a minute); "
-              f"--epochs 1 is one pass over the whole corpus", flush=True)
+    cfg = config_of(args)
+    default_steps = tasks.model_defaults(cfg.model).steps
+    if default_steps and cfg.epochs is None and cfg.steps is None and not cfg.resume:
+        cfg = dataclasses.replace(cfg, steps=default_steps)
+        print(f"gradsync train: {cfg.model} trains {default_steps:,} steps by default; --epochs N trains N passes over "
+              f"the data", flush=True)
     finished = _before_spawning(cfg)
     if finished:
         print(finished, flush=True)
         return 0
+    if _first_rank():
+        config_file.write(cfg, cfg.out)
     try:
         results = run(cfg)
     except KeyboardInterrupt:   # a second Ctrl-C: the ranks were stopped at once
@@ -180,10 +265,11 @@ def run(args) -> int:
             signal.signal(signum, signal.SIG_IGN)
     results = [r for r in results if r is not None]   # --fault-tolerance live: members that died return nothing
     stopped = [r["preempted"] for r in results if r.get("preempted")]
-    if cfg.model == "word2vec" and not stopped:
-        from gradsync.train.word2vec import print_neighbours
+    after = tasks.model_defaults(cfg.model).after
+    if after and not stopped:
+        from gradsync.train.factory import load
 
-        print_neighbours(results)
+        load(after, "--model")(results)
     if any(s.get("reason") == "interrupted" for s in stopped):
         return EXIT_INTERRUPTED
     return EXIT_PREEMPTED if stopped else 0

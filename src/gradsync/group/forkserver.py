@@ -13,6 +13,7 @@ forkserver, which exits when the launcher does, so PR_SET_PDEATHSIG still leaves
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -21,7 +22,9 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 from gradsync.group import runtime
 from gradsync.group.job_signals import JOB_SIGNALS
@@ -46,12 +49,19 @@ def flush_stdio() -> None:
             stream.flush()
 
 
+def early_output() -> Path:
+    """The file the forkserver's stdout and stderr go to: what a rank prints before it takes the launcher's
+    (a failure while it imports the launcher's script or unpickles fn) ends up here, and the launcher quotes
+    its last lines when a rank exits without a report (spawn_report.py)."""
+    return Path(tempfile.gettempdir()) / f"gradsync-forkserver-{os.getpid()}.log"
+
+
 def ensure_forkserver_without_stdio() -> None:
-    """Start the forkserver, if it is not running, with /dev/null for stdout and stderr: it outlives
-    each call and exits only after the launcher, and whoever reads the launcher's output (a pipe)
-    would otherwise wait for it too (ranks get the launcher's stdio at each call instead). Once
-    started, it is left alone: stdout is not touched again (should it have died, multiprocessing
-    starts another, with the launcher's stdio).
+    """Start the forkserver, if it is not running, with early_output() for stdout and stderr, not the
+    launcher's: it outlives each call and exits only after the launcher, and whoever reads the
+    launcher's output (a pipe) would otherwise wait for it too (ranks get the launcher's stdio at each
+    call instead). Once started, it is left alone: stdout is not touched again (should it have died,
+    multiprocessing starts another, with the launcher's stdio).
 
     It is started with JOB_SIGNALS ignored and blocked (both survive its exec): a signal to the
     whole job (module docstring) must not kill the ranks' parent. The launcher blocks them only
@@ -60,18 +70,20 @@ def ensure_forkserver_without_stdio() -> None:
         return
     flush_stdio()
     saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_RDWR)
+    log = early_output()
+    sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    atexit.register(log.unlink, missing_ok=True)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
     actions = {signum: signal.signal(signum, signal.SIG_IGN) for signum in JOB_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
     try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
         multiprocessing.forkserver.ensure_running()
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
+        for fd in (*saved, sink):
             os.close(fd)
         for signum, action in actions.items():
             signal.signal(signum, action)

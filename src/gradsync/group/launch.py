@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.group import runtime
-from gradsync.group.forkserver import launcher_state, start_context, take_launcher_state
+from gradsync.group.forkserver import early_output, launcher_state, start_context, take_launcher_state
 from gradsync.group.job_signals import REPEATED_SIGNAL_SECONDS, hold_signals, take_back_job_signals, take_held
 from gradsync.group.spawn_report import SpawnError, spawn_error  # noqa: F401 - launch.SpawnError, as callers know it
 
@@ -226,7 +226,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
                 time.sleep(0.2)  # let ranks that fail because of this one report it first
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
                 _stop(processes)
-                raise spawn_error(exit_codes, failed, Path(out_dir))
+                raise spawn_error(exit_codes, failed, Path(out_dir), _early_output())
             return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False)
                     if processes[rank].exitcode == 0 and (Path(out_dir) / f"{rank}.result").exists() else None
                     for rank in range(len(processes))]
@@ -234,6 +234,14 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
             _stop(processes)
             _remove_segments(job)
             del store
+
+
+def _early_output() -> str:
+    """The ranks' output before they took the launcher's stdio (forkserver.early_output), if any."""
+    try:
+        return early_output().read_text(errors="replace")[-20000:]
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager

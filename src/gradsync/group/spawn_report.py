@@ -71,7 +71,23 @@ def first_line(traceback_text: str) -> str:
     return lines[0] if lines else "an error (its report was cut short when the rank was stopped)"
 
 
-def spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -> SpawnError:
+EARLY_LINES = 12
+"""How many of the ranks' last early lines (forkserver.early_output) a rank that left no report gets quoted."""
+GUARD_HINT = ("gs.spawn(...) runs again in each rank: a rank imports the script that defines fn, and that "
+              "script calls spawn at its top level. Put the call under `if __name__ == \"__main__\":`, as Python's "
+              "multiprocessing requires")
+
+
+def _before_fn(early: str) -> tuple[str, str]:
+    """What to say of a rank that exited with an error code and no report (it failed before it ran fn), and
+    the ranks' last lines before they started."""
+    lines = [line for line in early.strip().splitlines() if line.strip()][-EARLY_LINES:]
+    said = " before it ran fn" + (f" ({GUARD_HINT})" if any("bootstrapping phase" in line for line in lines) else "")
+    quoted = "\nthe ranks' last lines before they started:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
+    return said, quoted
+
+
+def spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path, early: str = "") -> SpawnError:
     if failed == -1:
         return SpawnError("spawn: the ranks did not finish within join_timeout; all were stopped", -1, {})
     tracebacks = {rank: (out_dir / f"{rank}.error").read_text()
@@ -83,8 +99,12 @@ def spawn_error(exit_codes: dict[int, int | None], failed: int, out_dir: Path) -
         what = f"rank {primary} raised {first_line(tracebacks[primary])}"
     else:
         what = f"rank {primary} {describe_exit(exit_codes[primary])}"
+    quoted = ""
+    if primary not in tracebacks and (exit_codes[primary] or 0) > 0 and not (out_dir / f"{primary}.stack").exists():
+        said, quoted = _before_fn(early)   # no stack file: it never reached spawn's rank function
+        what += said
     others = [f"  rank {r}: {first_line(tb)}" for r, tb in sorted(tracebacks.items()) if r != primary]
-    message = f"spawn: {what}; the other ranks were stopped."
+    message = f"spawn: {what}; the other ranks were stopped." + quoted
     if others:
         message += "\nother ranks reported:\n" + "\n".join(others)
     doing = [f"  rank {r}: {where}" for r in sorted(exit_codes) if r != primary and r not in tracebacks

@@ -53,13 +53,13 @@ survivor's clock is the most pushes any server applied from it (a push whose sen
 server had read it counts, with the progress train_step returned for it); a server that had not
 read the last of them sets its clock there too, so that push is applied on the servers that read
 it and not on the others. The dead worker's pushes stay where they were applied; what happens to
-the samples it had not trained is the caller's choice (train/loop_ps_live.py deals its remaining
+the samples it had not trained is the caller's choice (train/strategies/ps.py tasks_of deals its remaining
 steps to the open survivors, by PSRecovery.lost_clocks and open_workers).
 
 Stopping early (a preemption): serve(stop) and run_step(train_step, stop) pass it on to the
 ParameterServer, whose answers then say ``stopping``; the worker calls finish(), which closes without
 another pull. The caller then gathers ps.state_dict() through collective() and writes its
-checkpoint; ps.load_state_dict() after construction continues it (train/loop_ps_live.py).
+checkpoint; ps.load_state_dict() after construction continues it (train/strategies/live_ps.py).
 
 What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm).
 """

@@ -12,7 +12,7 @@
         ps.close()
     ps.stats()                            # this rank's counters (see Server.stats / Client.stats)
 
-Stopping early and checkpoints (a preemption: train/loop_ps.py)
+Stopping early and checkpoints (a preemption: train/strategies/ps.py)
     ps.serve(stop=lambda: asked)          # a server polls stop() between messages
     ps.push(stop=True)                    # a worker asks; either way the servers answer the next
     if ps.stopping: ps.close()            # pulls with a stop flag (sync: all on the same version)

@@ -34,7 +34,7 @@ numel = rows), and every other kind is padded with T zero headers, so that every
 header tag has one length. The rows themselves follow on the payload tag (after the dense payload)
 as one body. Dense payloads of 0 elements (a model with only sparse tables) are not sent.
 
-Stopping early (a preemption, train/loop_ps.py): a PUSH with FLAG_STOP asks the servers to end
+Stopping early (a preemption, train/strategies/ps.py): a PUSH with FLAG_STOP asks the servers to end
 the job; a PARAMS with FLAG_STOP tells the worker that the parameters it carries are the last ones
 (sync: every worker gets it with the same version; server.py says when a server sets it).
 

@@ -4,33 +4,22 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
 from gradsync.comm.collectives import ALGORITHMS
+from gradsync.train import factory
 from gradsync.train.batch_math import LR_SCALING
-from gradsync.train.datasets import DATASETS
-from gradsync.train.models import MODELS
+from gradsync.train.optimizers import SCHEDULES
+from gradsync.train.strategies import PS_STRATEGIES, STRATEGIES, strategy
+from gradsync.train.tasks import DATASETS, MODELS, resolve
 
-STRATEGIES = ("ddp", "ps-sync", "ps-async", "ssp", "zero1", "local", "diloco")
 COMPRESSION = ("none", "fp16", "bf16", "powersgd")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "none")
 FAULT_TOLERANCE = ("restart", "live")
 LIVE_BATCH = ("keep-global", "keep-per-rank")
-LIVE_REFUSED = {
-    "zero1": "ZeRO-1 keeps each rank's optimizer state shard on that rank alone, and live mode keeps no "
-             "buddy copy of it, so a dead rank's shard would be lost",
-    "diloco": "DiLoCo's replicas differ between outer steps, and live mode keeps no copy of a dead worker's",
-    "local": "one process has no survivors",
-}
-"""Why --fault-tolerance live refuses each strategy it does not run."""
-PS_STRATEGIES = ("ps-sync", "ps-async", "ssp")
-DEFAULT_MODEL_FOR = {"digits": "cnn", "stdlib-text": "charlm", "synthetic": "mlp", "stdlib-tokens": "word2vec"}
-DEFAULT_DATASET_FOR = {"cnn": "digits", "mlp": "digits", "charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
-SEQUENCE_PAIRS = {"charlm": "stdlib-text", "word2vec": "stdlib-tokens"}
-"""Models that read one dataset only (the others read images: digits, synthetic)."""
 
 
 @dataclass
@@ -48,9 +37,30 @@ class TrainConfig:
     """SSP bound, in steps (worker clocks): how many steps the fastest worker may run ahead of the
     slowest (0: lockstep). The summary's staleness counts versions, which advance once per push."""
     model: str | None = None
-    """cnn | mlp | charlm | word2vec; None: the dataset's natural model."""
+    """What trains: module:function returning an nn.Module (train/task.py), or a built-in: cnn | mlp | charlm
+    | word2vec (train/tasks.py); None: the dataset's natural model (cnn with no dataset either)."""
     dataset: str | None = None
-    """digits | stdlib-text | synthetic | stdlib-tokens; None: the model's natural dataset."""
+    """The data (--data, or --dataset): module:function returning the training set, (train, test) or a dict
+    with train, test and collate, or a built-in: digits | stdlib-text | synthetic | stdlib-tokens; None: the
+    built-in model's natural dataset."""
+    model_args: dict = field(default_factory=dict)
+    """Keyword arguments of the model's factory (--model-args depth=4,width=256)."""
+    data_args: dict = field(default_factory=dict)
+    """Keyword arguments of the data's factory (--data-args root=/data,download=False)."""
+    loss: str | None = None
+    """How a batch becomes a loss (train/losses.py): cross_entropy | mse | model (the model returns it) |
+    auto (model for dict batches, else cross_entropy) | module:function(outputs, targets); None: the model's
+    default (auto, or a built-in's own)."""
+    metric: str | None = None
+    """module:function(outputs, targets) -> (correct, count), reported as the accuracy; None: argmax = target
+    where the outputs are class scores."""
+    optimizer: str | None = None
+    """sgd | adam | adamw | adagrad | module:function taking the parameters; None: the model's default (sgd
+    with momentum 0.9 for cnn and mlp, adamw for charlm and a user's model, adagrad for word2vec)."""
+    weight_decay: float | None = None
+    """The optimizer's weight decay; None: the model's default (0.01 with adamw, else the optimizer's own)."""
+    momentum: float | None = None
+    """SGD's momentum; None: the model's default (0.9 for cnn and mlp, else 0)."""
     epochs: int | None = None
     """Passes over the training set (ignored when steps is set); None: as many as keep lr x steps equal to
     8 epochs of one worker's batch at the base lr (8 with linear scaling, 8 x sqrt(global / per-worker
@@ -70,6 +80,11 @@ class TrainConfig:
     warmup_steps: int | None = None
     """Steps of linear learning-rate warm-up from 0 (0: none); None: max(20, 5% of the run's steps),
     decided when the run starts and kept by a resume (train/batch_math.py)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] | None = None
+    """What the lr does after the warm-up: stays (constant), or falls to ``min_lr`` by the run's last step
+    along a cosine or a line (train/optimizers.py); None: constant, or a resumed run's own."""
+    min_lr: float = 0.0
+    """Where --lr-schedule cosine and linear end."""
     bucket_mb: float = 25.0
     """DDP bucket cap in MiB."""
     compress: Literal["none", "fp16", "bf16", "powersgd"] = "none"
@@ -119,15 +134,15 @@ class TrainConfig:
 
     fault_tolerance: Literal["restart", "live"] = "restart"
     """When a rank dies: restart (stop every rank; with --max-restarts start again from the last
-    checkpoint) or live (the survivors rebuild their world and train on: train/loop_live.py for ddp,
-    train/loop_ps_live.py for ps-sync, ps-async and ssp; LIVE_REFUSED says why not the others)."""
+    checkpoint) or live (the survivors rebuild their world and train on: the strategies with a live object in
+    train/strategies/registry.py, ddp and the parameter server's; it says why not the others)."""
     live_batch: Literal["keep-global", "keep-per-rank"] = "keep-global"
     """--fault-tolerance live, after ranks die: keep the global batch (the survivors' shares grow) or keep
     each rank's batch and scale the learning rate by the new world size over the old (live/policy.py)."""
 
     preempt_signal: Literal["SIGTERM", "SIGUSR1", "none"] = "SIGTERM"
     """The signal that stops the job at the next step boundary with a checkpoint, exit status 75
-    (train/preempt.py, train/loop_ps.py); sent to the launcher or to any rank. 'none': the signal's
+    (train/preempt.py, train/strategies/ps.py); sent to the launcher or to any rank. 'none': the signal's
     default action."""
 
     def checkpoint_interval(self) -> tuple[int | None, float | None]:
@@ -149,11 +164,13 @@ class TrainConfig:
                          f"with its unit (30s, 5m, 1h)")
 
     def _check_live(self) -> None:
-        """--fault-tolerance live runs ddp alone and without the features it would have to rebuild."""
-        if self.strategy in LIVE_REFUSED:
+        """--fault-tolerance live runs the strategies that declare a live object, without the features it
+        would have to rebuild."""
+        declared = strategy(self.strategy)
+        if declared.live_object is None:
             raise RuntimeError(f"--fault-tolerance live is not supported with --strategy {self.strategy}: "
-                               f"{LIVE_REFUSED[self.strategy]}; use --strategy ddp, or --fault-tolerance restart")
-        if self.strategy in PS_STRATEGIES and self.live_batch != "keep-global":
+                               f"{declared.live_refused}; use --strategy ddp, or --fault-tolerance restart")
+        if declared.serves and self.live_batch != "keep-global":
             raise RuntimeError(f"--strategy {self.strategy} --fault-tolerance live keeps the global batch (--live-batch "
                                f"keep-global): the servers' learning rate is not rescaled when a worker dies")
         if self.checkpoint_interval()[1] is not None:
@@ -178,25 +195,12 @@ class TrainConfig:
         choose("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         choose("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
         choose("live_batch", self.live_batch, LIVE_BATCH)
+        if self.lr_schedule is not None:
+            choose("lr_schedule", self.lr_schedule, SCHEDULES)
+        declared = strategy(self.strategy)
         if self.fault_tolerance == "live":
             self._check_live()
-        if self.model is None and self.dataset is None:
-            self.model, self.dataset = "cnn", "digits"
-        if self.model is None:
-            self.model = DEFAULT_MODEL_FOR.get(self.dataset, "cnn")
-        if self.dataset is None:
-            self.dataset = DEFAULT_DATASET_FOR.get(self.model, "digits")
-        choose("model", self.model, MODELS)
-        choose("dataset", self.dataset, DATASETS)
-        if SEQUENCE_PAIRS.get(self.model) != self.dataset and (self.model in SEQUENCE_PAIRS or
-                                                              self.dataset in SEQUENCE_PAIRS.values()):
-            raise ValueError(f"--model {self.model} cannot train on --dataset {self.dataset}: charlm reads text "
-                             f"(stdlib-text), word2vec reads tokens (stdlib-tokens); cnn and mlp read images "
-                             f"(digits, synthetic)")
-        if self.fault_tolerance == "live" and self.strategy in PS_STRATEGIES and self.model == "word2vec":
-            raise RuntimeError(f"--strategy {self.strategy} --fault-tolerance live does not support sparse tables "
-                               f"(--model word2vec): their rows in flight are not recovered; use --fault-tolerance "
-                               f"restart")
+        self._check_task()
         for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
             value = getattr(self, name)
             if name == "epochs" and value is None:
@@ -212,8 +216,11 @@ class TrainConfig:
             raise ValueError(f"--warmup-steps must be an integer >= 0 (0: no warm-up), got {self.warmup_steps}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out and --overwrite replaces it: give one of them")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        for name in ("lr", "weight_decay", "momentum", "min_lr"):
+            value = getattr(self, name)
+            low_ok = name != "lr"
+            if value is not None and not (math.isfinite(value) and (value >= 0 if low_ok else value > 0)):
+                raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if low_ok else '> 0'}, got {value}")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             raise ValueError(f"--clip-grad must be a finite number > 0 (the largest total 2-norm of the averaged "
                              f"gradient), got {self.clip_grad}")
@@ -221,21 +228,17 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number > 0, got {value}")
-        if self.strategy.startswith("ps") or self.strategy == "ssp":
-            if self.servers >= self.workers:
-                raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
-                                 f"at least one worker besides the servers (servers < workers)")
+        if declared.serves and self.servers >= self.workers:
+            raise ValueError(f"--servers {self.servers} >= --workers {self.workers}: a parameter server job needs "
+                             f"at least one worker besides the servers (servers < workers)")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
-        if self.max_restarts and self.strategy in ("ps-sync", "ps-async", "ssp"):
-            raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: a parameter-server "
-                               f"job checkpoints on preemption and at its end, not periodically, so a restart after "
-                               f"a failure would start over; use ddp, zero1 or local, or --resume after a preemption")
+        if self.max_restarts and declared.restarts:
+            raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: {declared.restarts}")
         self.checkpoint_interval()
-        if self.checkpoint_every and self.strategy in ("ps-sync", "ps-async", "ssp"):
-            raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: a parameter-server "
-                               f"job checkpoints on preemption and at its end only (its servers and workers reach a "
-                               f"common point only when they stop); use ddp, zero1 or local")
+        if self.checkpoint_every and declared.periodic_checkpoints:
+            raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: "
+                               f"{declared.periodic_checkpoints}; use ddp, zero1 or local")
         for name in ("powersgd_rank", "sync_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -244,20 +247,28 @@ class TrainConfig:
             raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.compress == "powersgd" and self.strategy != "ddp":
-            raise RuntimeError(f"--compress powersgd compresses the gradients DDP all-reduces; --strategy "
-                               f"{self.strategy} sends none that way (use --strategy ddp)")
-        if self.strategy == "diloco" and self.compress != "none":
-            raise RuntimeError(f"--strategy diloco averages parameters every --sync-every steps, not gradients: "
-                               f"--compress {self.compress} does not apply (use --compress none)")
+        if self.compress not in declared.compress:
+            if self.compress == "powersgd":
+                raise RuntimeError(f"--compress powersgd compresses the gradients DDP all-reduces; --strategy "
+                                   f"{self.strategy} sends none that way (use --strategy ddp)")
+            raise RuntimeError(f"--compress {self.compress} casts the gradients DDP all-reduces; --strategy "
+                               f"{self.strategy} does not send them that way (use --strategy ddp, or --compress none)")
         if self.device not in DEVICES:
             raise ValueError(f"--device {self.device!r}: choose one of {', '.join(DEVICES)}")
-        if self.device == "cuda" and self.model == "word2vec":
-            raise RuntimeError("--device cuda: word2vec's sparse tables train on the CPU (their rows travel as "
-                               "sparse gradients); use --device cpu")
-        if self.strategy == "local" and self.workers != 1:
-            raise ValueError(f"--strategy local trains in one process; use --workers 1 (got {self.workers})")
+        if declared.one_process and self.workers != 1:
+            raise ValueError(f"--strategy {self.strategy} trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()
+
+    def _check_task(self) -> None:
+        """--model and --data: a built-in name or module:function (what they return is checked in the launcher,
+        train/task.py); the defaults filled in (train/tasks.py)."""
+        for flag, value, names in (("--model", self.model, MODELS), ("--data", self.dataset, DATASETS)):
+            if value is not None and value not in names and not factory.is_spec(value):
+                raise ValueError(f"{flag} {value!r} is not a built-in ({', '.join(names)}) nor module:function")
+        self.model, self.dataset = resolve(self.model, self.dataset)
+        for name in ("model_args", "data_args"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"--{name.replace('_', '-')} must be name=value pairs, got {getattr(self, name)!r}")
 
     def _check_out_dir(self) -> None:
         """Create ``out`` and write a probe file: permission bits alone mislead (root, /proc, read-only mounts)."""
@@ -272,16 +283,12 @@ class TrainConfig:
 
     def clip_site(self) -> str:
         """Where --clip-grad takes the norm and clips, for this strategy (the batch-math line prints it)."""
-        return {"ddp": "torch's clip_grad_norm_ on the all-reduced .grad",
-                "local": "torch's clip_grad_norm_",
-                "zero1": "ShardedOptimizer.clip_grad_norm_: shard norms, 1 scalar all-reduce",
-                "ps-sync": "on the servers, the version's averaged gradient, norm over all shards",
-                "ps-async": "on each worker, its own push",
-                "ssp": "on each worker, its own push",
-                "diloco": "torch's clip_grad_norm_ on each worker's own gradient, every inner step"}[self.strategy]
+        return strategy(self.strategy).clip_site
 
-    def default_lr(self) -> float:
-        return {"cnn": 0.02, "mlp": 0.02, "charlm": 1e-3, "word2vec": 0.2}[self.model]
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every field's default value (a fresh one for the dict fields)."""
+        return {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(cls)}
 
     def to_dict(self) -> dict:
         return asdict(self)

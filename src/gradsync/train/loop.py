@@ -1,375 +1,343 @@
-"""gradsync train: N workers train a real model on real data; one summary of what the ranks did.
+"""gradsync train's loop: one rank's run, for every task and every strategy.
 
 Runbook
     one process:          gradsync train --strategy local --workers 1
     N local workers:      gradsync train --workers 4
+    your model:           gradsync train --model my_pkg.models:build --data my_pkg.data:build
     2 hosts x 2 ranks:    torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} \\
-                              --master-addr HOST0 --master-port 29500 -m gradsync.train --dataset digits
+                              --master-addr HOST0 --master-port 29500 -m gradsync.train
 
-Per rank, as a recipe: build_data -> plan_batch (resume.py: the checkpoint's global batch on this
-world size) -> build_model -> wrap_model -> build_optimizer -> maybe_resume -> train epochs (the
-epoch's order from data.EpochCursor, micro-batches with no_sync, warm-up lr, step, the step-boundary
-verdict: checkpoint? preempted? -- preempt.py) -> evaluate -> checkpoint -> summarise.
+Per rank, as a recipe (Run): build_task (train/task.py: the model factory, the data, the loss) ->
+plan_batch (train/resume.py: the checkpoint's global batch on this world size, or a fresh one; the
+run's length, warm-up and schedule) -> build_model (on this rank's device) -> the strategy's object
+(train/strategies/: it wraps the model, builds the optimizer, loads the checkpoint) -> train: step
+after step, the strategy's run_step(work) runs this rank's share (train/step.py) and reduces; at
+each step boundary the verdict (checkpoint? preempted? train/preempt.py), at each epoch's end an
+evaluation and a checkpoint -> the end: the last checkpoint, the final evaluation, the replicas
+checked, one summary of what every rank did (train/report.py).
 
-Preemption: SIGTERM (--preempt-signal) to the launcher, any rank or the whole job stops every rank
-after the same step with a checkpoint, prints ``preempted at step S; resume with: ...`` and exits 75;
-Ctrl-C does the same and exits 130 (a second Ctrl-C: at once). train/preempt.py.
+A parameter server's ranks serve instead of stepping (the strategy's serve()); a live world's
+changes (a death, a replacement) make run_step return False and the loop re-reads the world: the
+batch's cursor, who reports, what the lost members left half written (on_world_change).
+
+Preemption: the preemption signal (--preempt-signal) or Ctrl-C to the launcher, any rank or the whole
+job stops every rank after the same step with a checkpoint; rank 0 prints ``preempted at step S;
+resume with: ...`` and the job exits 75 (Ctrl-C: 130). train/preempt.py.
 
 Batch math (printed at start; train/batch_math.py):
     global batch = per-worker batch x workers x accumulation steps
     lr = base lr x k, k = sqrt(global batch / per-worker batch) (--lr-scaling sqrt, the default), the
-         ratio itself (linear) or 1 (none); without --epochs, the run keeps lr x steps of 8 epochs of one worker
+         ratio itself (linear) or 1 (none); warm-up, then --lr-schedule (train/optimizers.py)
     clip: g <- g x min(1, X / (||g||_2 + 1e-6))           with --clip-grad X, g the step's averaged gradient
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import signal
 import socket
-import sys
-import threading
 import time
-from pathlib import Path
 
 import torch
-from torch import nn
 
 import gradsync as gs
-from gradsync import checkpoint
-from gradsync.observe import trace
-from gradsync.group.job_signals import hold_signals
 from gradsync.data import EpochCursor
-from gradsync.replicas import first_mismatch, gather_strings
-from gradsync.train.common import (build_optimizer, clip_gradients, device_record, evaluate, loss_of, lr_at, on,
-                                   param_digest, train_device)
-from gradsync.train.config import PS_STRATEGIES, TrainConfig
-from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
-from gradsync.train.datasets import build_dataset
-from gradsync.train.diloco_job import DiLoCoJob
-from gradsync.train.loop_ps import MODE_OF, train_ps_rank
-from gradsync.train.models import build_model
-from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, spawned_rank, stop_signals
-from gradsync.train.report import Reporter
-from gradsync.train.resume import CHECKPOINT_NAME
+from gradsync.group import runtime
+from gradsync.observe import trace
+from gradsync.replicas import gather_strings
 from gradsync.train import resume
+from gradsync.train.checkpoints import RunCheckpoints
+from gradsync.train.device import device_record, param_digest, train_device
+from gradsync.train.evaluation import evaluate
+from gradsync.train.live_knobs import die, planted_kill
+from gradsync.train.optimizers import lr_at
+from gradsync.train.preempt import STOP_REASONS, PreemptWatch, StepBoundary, resume_command, spawned_rank
+from gradsync.train.report import Reporter
+from gradsync.train.sparse_rows import make_dense, sparse_modules
+from gradsync.train.step import StepWork, on
+from gradsync.train.strategies import strategy as declared_strategy
+from gradsync.train.task import Task
 
 
-class _Unwrapped:
-    """What the loop needs from a DDP wrapper, for zero1 (which reduces in optimizer.step)."""
-
-    def __init__(self, model: nn.Module, optimizer) -> None:
-        self.module, self.optimizer = model, optimizer
-        self.last_overlap = None
-
-    def __call__(self, *args):
-        return self.module(*args)
-
-    def no_sync(self):
-        return contextlib.nullcontext()   # gradients only meet in optimizer.step()
-
-    @property
-    def comm_seconds(self) -> float:
-        return self.optimizer.last_comm_seconds
-
-    wait_seconds = comm_seconds           # step() blocks on its collectives: all of it is exposed
-
-    def check_replicas(self) -> None:
-        mismatch = first_mismatch(list(self.module.parameters()))
-        if mismatch is not None:
-            raise gs.ReplicaMismatchError(f"replicas diverged at parameter #{mismatch[1]} (rank {mismatch[0]})")
-
-    def close(self) -> None:
-        pass
-
-
-def _layout(model: nn.Module, wrapped) -> dict:
-    """Model size, buckets and rank placement (collective: every rank calls it)."""
-    w = gs.world()
-    hosts = gather_strings([socket.gethostname()])
-    params = [p for p in model.parameters() if p.requires_grad]
-    return {"params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
-            "bucket_bytes": wrapped.bucket_sizes() if hasattr(wrapped, "bucket_sizes") else None,
-            "world_size": w.world_size, "hosts": [h[0] if h else "?" for h in hosts]}
-
-
-def _micro_loss(cfg: TrainConfig, logits, y, ids: list[int], step_size: int, full: bool, workers: int):
-    """A full step: the micro-batch's mean loss / a (the plain recipe). The epoch's last, shorter step:
-    each sample weighs workers / step_size, so the ranks' averaged gradient is the mean over the
-    step's samples however unevenly they fall; a rank with no sample adds zeros (its hooks still fire)."""
-    if full:
-        return loss_of(cfg.model, logits, y) / cfg.grad_accum
-    if not ids:
-        return logits.sum() * 0.0
-    return loss_of(cfg.model, logits, y) * (len(ids) * workers / step_size)
-
-
-def train_worker(cfg: TrainConfig) -> dict:
-    """One rank's job; returns its statistics (and timeline events when tracing)."""
+def train_rank(cfg) -> dict:
+    """One rank's job for any task and strategy; returns its statistics (module docstring)."""
     with PreemptWatch(cfg.preempt_signal, interrupt_twice_raises=not spawned_rank()) as watch:
-        return _train_worker(cfg, watch)
+        return Run(cfg, watch).train()
 
 
-def _train_worker(cfg: TrainConfig, watch: PreemptWatch) -> dict:
-    w = gs.world()
-    torch.manual_seed(cfg.seed)
-    if cfg.trace:
-        trace.enable(w.rank)
-    # build_data, plan_batch
-    train_set, test_set = build_dataset(cfg.dataset, seed=cfg.seed)
-    saved = resume.read(cfg) if resume.agreed(cfg) else None
-    plan = resume.BatchPlan.for_resume(cfg, w.world_size, saved) if saved else resume.BatchPlan.fresh(cfg, w.world_size)
-    cfg = dataclasses.replace(cfg, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
-    global_batch, peak_lr = plan.global_batch, plan.peak_lr
-    if global_batch > len(train_set):
-        raise ValueError(f"each worker sees {len(train_set) // w.world_size} training samples per epoch, fewer than "
-                         f"one step of --batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use fewer "
-                         f"workers or a smaller batch")
-    cursor = EpochCursor(len(train_set), global_batch, seed=cfg.seed)
-    steps_per_epoch = cursor.steps_from(0)
-    cfg = plan.scheduled(cfg, steps_per_epoch)   # the run's length and warm-up (train/batch_math.py)
-    # build_model (on this rank's device), wrap_model, build_optimizer
-    device = train_device(cfg)
-    model = build_model(cfg.model, cfg.dataset).to(device)
-    if cfg.strategy == "zero1":
-        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
-        wrapped = _Unwrapped(model, optimizer)
-    elif cfg.strategy == "diloco":
-        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
-        wrapped = DiLoCoJob(cfg, model, optimizer)
-    else:
-        wrapped = gs.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
-                                             comm_hook=None if cfg.compress in ("none", "powersgd") else cfg.compress)
-        if cfg.compress == "powersgd":
-            wrapped.register_comm_hook(PowerSGDState(rank=cfg.powersgd_rank, algorithm=cfg.algorithm), powersgd_hook)
-        optimizer = build_optimizer(cfg, model.parameters(), peak_lr)
-    step, epoch, position = resume.apply(saved, model, optimizer) if saved else (0, 0, 0)
-    if saved and cfg.strategy == "diloco":
-        wrapped.load_replica(cfg.out, saved)
-    if cfg.steps is not None:
-        total_steps = cfg.steps
-    elif epoch < cfg.epochs:
-        total_steps = step + cursor.steps_from(position) + (cfg.epochs - epoch - 1) * steps_per_epoch
-    else:
-        total_steps = step
+class Run:
+    """One rank's run: what it trains, with what, and how far it has come (module docstring)."""
 
-    first_step = step
-    report = Reporter(cfg, total_steps, enabled=(w.rank == 0))
-    for line in plan.changes:
-        report.note(line)
-    report.start(global_batch, plan.base_lr, peak_lr, steps_per_epoch, resumed_at=step if saved else None,
-                 train_samples=len(train_set))
-    report.setup(**_layout(model, wrapped), **device_record(device))
-    gs.traffic_reset()
-    # overlap: bucket all-reduce seconds before backward ended, and in all (steps that reduced in backward)
-    stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "hidden_s": 0.0, "bucket_s": 0.0, "checkpoint_s": 0.0,
-             "checkpoints": 0}
-    evaluation = {}
-    started = time.perf_counter()
-    boundary = StepBoundary(cfg, watch)
-    # Test knob: GRADSYNC_SAMPLE_LOG=DIR makes every rank append "epoch id id ..." per step it trains
-    log_dir = os.environ.get("GRADSYNC_SAMPLE_LOG")
-    sample_log = open(Path(log_dir) / f"samples.{os.getpid()}.r{w.rank}", "a", buffering=1) if log_dir else None  # noqa: SIM115
-
-    writer = checkpoint.BackgroundWriter()
-
-    def save(step: int, epoch: int, position: int, background: bool = True) -> None:
-        """Checkpoint: rank 0 snapshots the state and writes it in the background while training goes
-        on; ``background`` False (preemption: the job exits next) writes it before returning."""
-        written = time.perf_counter()
-        state = resume.state_of(cfg, plan, model, optimizer, step, epoch, position, w.world_size)  # collective for zero1
-        if cfg.strategy == "diloco":   # the replicas differ between outer steps: each rank saves its own
-            state["diloco"] = wrapped.diloco.state_dict()
-            wrapped.save_replica(cfg.out, step)
-        if w.rank == 0 and background:
-            writer.submit(Path(cfg.out) / CHECKPOINT_NAME, checkpoint.snapshot(state))
-        elif w.rank == 0:
-            writer.wait()
-            checkpoint.save(Path(cfg.out) / CHECKPOINT_NAME, state)
-        stats["checkpoint_s"] += time.perf_counter() - written
-        stats["checkpoints"] += 1
-
-    while step < total_steps:
-        order = cursor.order(epoch)
-        while position < cursor.n and step < total_steps:
-            step_started = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, peak_lr, cfg.warmup_steps)
-            optimizer.zero_grad(set_to_none=False)
-            share = cursor.share(order, position, w.world_size, w.rank)
-            step_size = cursor.step_size(position)
-            if sample_log is not None:
-                sample_log.write(f"{epoch} {' '.join(map(str, share))}\n")
-            loss_sum = 0.0
-            for micro in range(cfg.grad_accum):
-                ids = share[micro * cfg.batch_size:(micro + 1) * cfg.batch_size]
-                x, y = on(device, train_set[ids])
-                with wrapped.no_sync() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
-                    loss = _micro_loss(cfg, wrapped(x), y, ids, step_size, step_size == global_batch, w.world_size)
-                    loss.backward()
-                loss_sum += float(loss.detach())
-            grad_norm = clip_gradients(cfg, model, optimizer)
-            with trace.span("optimizer step", "compute"):
-                optimizer.step()
-            if cfg.strategy == "diloco":
-                wrapped.after_step()
-            step += 1
-            position += step_size
-            elapsed = time.perf_counter() - step_started
-            stats["comm_s"] += wrapped.comm_seconds
-            stats["wait_s"] += wrapped.wait_seconds
-            stats["compute_s"] += elapsed - wrapped.wait_seconds
-            if wrapped.last_overlap is not None:
-                stats["hidden_s"] += wrapped.last_overlap * wrapped.comm_seconds
-                stats["bucket_s"] += wrapped.comm_seconds
-            report.step(step, epoch, loss_sum, step_size / elapsed, wrapped.last_overlap, grad_norm,
-                        bytes_sent=gs.traffic()["bytes_sent"] if w.rank == 0 else None)
-            due, stop = boundary(step)
-            if stop:
-                return _preempted(cfg, report, watch, lambda *at: save(*at, background=False), wrapped, step, epoch,
-                                  position, boundary.reason)
-            if due and step < total_steps and position < cursor.n:  # at an epoch's end the epoch's save follows
-                save(step, epoch, position)
-        finished_epoch = position >= cursor.n
-        if cfg.strategy == "diloco":
-            wrapped.end_epoch()
-        evaluation = evaluate(cfg, model, test_set)
-        report.epoch(epoch, step, evaluation)
-        if finished_epoch:
-            epoch, position = epoch + 1, 0
-        save(step, epoch, position)
-    waited = time.perf_counter()
-    writer.wait()   # the last checkpoint is on disk before the job reports and exits
-    stats["checkpoint_s"] += time.perf_counter() - waited
-    wall = time.perf_counter() - started
-    if not evaluation:  # resumed from a checkpoint with no step left: still report the model's score
-        evaluation = evaluate(cfg, model, test_set)
-    wrapped.check_replicas()
-    mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
-                         stats["hidden_s"] / stats["bucket_s"] if stats["bucket_s"] > 0 else -1.0],
-                        dtype=torch.float64)
-    per_rank = gs.all_gather(mine).view(w.world_size, -1)
-    summary = report.finish(wall, step, evaluation, per_rank,
-                            checkpoints=(stats["checkpoints"], stats["checkpoint_s"], writer.seconds),
-                            trained=step - first_step)
-    wrapped.close()
-    if sample_log is not None:
-        sample_log.close()
-    return {"summary": summary, "digest": param_digest(model),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()} if w.world_size <= 8 else None,
-            "events": trace.disable() if cfg.trace else []}
-
-
-def _preempted(cfg, report, watch, save, wrapped, step: int, epoch: int, position: int, reason: str) -> dict:
-    """Every rank stops after the same step: one checkpoint, rank 0 says how to continue."""
-    save(step, epoch, position)
-    command = resume_command(cfg)
-    report.preempted(step, command, signal_at=watch.first_at)
-    wrapped.close()
-    return {"summary": None, "preempted": {"step": step, "epoch": epoch, "position": position, "command": command,
-                                           "signals": watch.received, "reason": reason},
-            "digest": None, "params": None, "events": trace.disable() if cfg.trace else []}
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ
-
-
-def train_rank(cfg: TrainConfig) -> dict:
-    """One rank's job for any strategy."""
-    if cfg.strategy in MODE_OF:
-        return train_ps_rank(cfg)
-    return train_worker(cfg)
-
-
-def _spawn_with_restarts(cfg: TrainConfig) -> list[dict]:
-    """gs.spawn, and after a failure up to ``cfg.max_restarts`` more attempts, each resuming from the
-    newest checkpoint this job wrote (an older one in --out, from another run, is never used)."""
-    started = time.time()
-    checkpoint_path = Path(cfg.out) / CHECKPOINT_NAME
-    for attempt in range(cfg.max_restarts + 1):
-        try:
-            return gs.spawn(train_rank, nprocs=cfg.workers, args=(cfg,), timeout=cfg.timeout,
-                            forward_signals=stop_signals(cfg))
-        except gs.SpawnError as exc:
-            if attempt == cfg.max_restarts:
-                raise
-            ours = checkpoint_path.exists() and checkpoint_path.stat().st_mtime >= started
-            cfg = dataclasses.replace(cfg, resume=ours or cfg.resume)
-            print(f"gradsync train: {str(exc).splitlines()[0]}\ngradsync train: restart {attempt + 1} of "
-                  f"{cfg.max_restarts}, from {'the last checkpoint' if cfg.resume else 'the beginning'}",
-                  file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
-def _remove_partial_writes(out: Path) -> None:
-    """The temporary files (checkpoint.save's .NAME.tmp-PID) of ranks that were stopped while writing."""
-    for partial in out.glob(".*.tmp-*"):
-        pid = partial.name.rsplit("-", 1)[-1]
-        try:
-            os.kill(int(pid), 0)
-        except (ValueError, ProcessLookupError):
-            partial.unlink(missing_ok=True)
-        except PermissionError:   # alive, another user's
-            pass
-
-
-def run(cfg: TrainConfig) -> list[dict]:
-    """Run the job: under torchrun in this process, else ``cfg.workers`` local processes. Ctrl-C is
-    this job's while it runs (train/preempt.py) and the caller's again when it returns."""
-    interrupt = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    try:
-        return _run(cfg)
-    finally:
-        if interrupt is not None:
-            signal.signal(signal.SIGINT, interrupt)
-
-
-def _run(cfg: TrainConfig) -> list[dict]:
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    hold_signals(stop_signals(cfg))   # a preemption during start-up stops the job after its first step
-    if _under_torchrun() and cfg.fault_tolerance == "live":
-        from gradsync.train.loop_live import train_live_rank
-
-        if cfg.strategy in PS_STRATEGIES:
-            raise RuntimeError(f"--strategy {cfg.strategy} --fault-tolerance live runs under gradsync's own launcher "
-                               f"(gradsync train --workers N), not under torchrun")
-        if cfg.max_restarts:
-            raise RuntimeError("--fault-tolerance live --max-restarts starts replacement ranks from gradsync's own "
-                               "launcher (gradsync train --workers N); under torchrun a lost node is not replaced: "
-                               "drop --max-restarts (and keep torchrun's own --max-restarts at 0)")
-        gs.init(timeout=cfg.timeout)
-        try:
-            return [train_live_rank(cfg)]
-        finally:
-            gs.shutdown()
-    if _under_torchrun() or cfg.strategy == "local":
-        gs.init(timeout=cfg.timeout)
-        try:
-            results = [train_rank(cfg)]
-        finally:
-            gs.shutdown()
+    def __init__(self, cfg, watch: PreemptWatch) -> None:
+        self.watch = watch
+        self.declared = declared_strategy(cfg.strategy)
+        self.live = cfg.fault_tolerance == "live"
+        self.joining = joining = runtime.replacement() is not None   # a live replacement: rank 0 sends the state
+        torch.manual_seed(cfg.seed)
+        self.rank = 0 if joining else gs.world().rank
         if cfg.trace:
-            trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
-        return results
-    if cfg.fault_tolerance == "live":
-        from gradsync.train.loop_live import train_live_rank, workers_summary
-        from gradsync.train.loop_ps_live import train_ps_live_rank
+            trace.enable(self.rank)
+        # build_task
+        self.task = Task.of(cfg)
+        self.data = self.task.build_data()
+        # plan_batch
+        world_size = cfg.workers if joining else gs.world().world_size
+        trainers = world_size - (cfg.servers if self.declared.serves else 0)
+        self.saved = resume.read(cfg) if not joining and resume.agreed(cfg) else None
+        spec = self.task.optimizer(cfg)
+        if self.saved:
+            self.plan = resume.BatchPlan.for_resume(cfg, trainers, self.saved)
+        else:
+            self.plan = resume.BatchPlan.fresh(cfg, trainers, spec.lr)
+        if self.saved and self.declared.serves and self.plan.workers != self.saved["batch"]["workers"]:
+            from gradsync import checkpoint
 
-        ps = cfg.strategy in PS_STRATEGIES
-        results = gs.spawn(train_ps_live_rank if ps else train_live_rank, nprocs=cfg.workers, args=(cfg,),
-                           timeout=cfg.timeout, fault_tolerance="live", replacements=cfg.max_restarts,
-                           forward_signals=stop_signals(cfg))
-        print(f"gradsync train: {workers_summary(results)}", file=sys.stderr, flush=True)
-        return results
-    try:
-        results = _spawn_with_restarts(cfg)
-    except KeyboardInterrupt:   # a second Ctrl-C: the ranks were stopped at once, maybe mid-write
-        _remove_partial_writes(Path(cfg.out))
-        raise
-    if cfg.trace:
-        trace.write(Path(cfg.out) / "trace.json", [e for r in results for e in r["events"]])
-    return results
+            raise checkpoint.CheckpointError(
+                f"the checkpoint was written by {self.saved['batch']['workers']} parameter-server workers, this job "
+                f"has {trainers} (--workers {world_size} - --servers {cfg.servers}): each worker's data shard and "
+                f"clock are its own, so resume with {self.saved['batch']['workers']} workers; the number of servers "
+                f"may change")
+        cfg = dataclasses.replace(cfg, batch_size=self.plan.batch_size, grad_accum=self.plan.grad_accum)
+        if self.plan.global_batch > len(self.data.train):
+            raise ValueError(f"each worker sees {len(self.data.train) // trainers} training samples per epoch, fewer "
+                             f"than one step of --batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use "
+                             f"fewer workers or a smaller batch")
+        self.cursor = EpochCursor(len(self.data.train), self.plan.global_batch, seed=cfg.seed)
+        self.steps_per_epoch = self.cursor.steps_from(0)
+        self.cfg = cfg = self.plan.scheduled(cfg, self.steps_per_epoch)
+        # build_model
+        self.model = self.task.build_model()
+        self.notes = list(self.plan.changes)
+        if not self.declared.serves:
+            dense = make_dense(self.model)
+            if dense:
+                self.notes.append(f"the sparse tables {', '.join(dense)} train dense under --strategy {cfg.strategy} "
+                                  f"(their rows travel alone under a parameter server)")
+        self.device = train_device(cfg, sparse_rows=self.declared.serves and bool(sparse_modules(self.model)))
+        if not self.declared.serves:   # a parameter server places its model itself (its servers keep the CPU)
+            self.model.to(self.device)
+        self.optimizer_spec = spec.with_lr(self.plan.peak_lr)
+        self.kill = None
+        # the strategy's object: wraps the model, builds the optimizer, loads the checkpoint
+        self.strategy = self.declared.load(self.live)(self)
+        if self.live:
+            self.kill = self.kill_of(self.strategy.member)
+        self.trains = not self.strategy.serves
+        self.first_step = self.strategy.step
+        step, progress = self.strategy.step, self.strategy.progress
+        if cfg.steps is not None:
+            self.total_steps = cfg.steps
+        elif progress["epoch"] < cfg.epochs:
+            self.total_steps = (step + self.cursor.steps_from(progress["position"])
+                                + (cfg.epochs - progress["epoch"] - 1) * self.steps_per_epoch)
+        else:
+            self.total_steps = step
+
+    # -- what the strategies ask of the run --------------------------------------------------------
+    def lr_at(self, step: int, peak: float) -> float:
+        plan = self.plan
+        return lr_at(step, peak, plan.warmup_steps, plan.schedule, plan.schedule_steps, plan.min_lr)
+
+    def fetch(self, ids: list[int]):
+        """The training samples ``ids``, collated, on this rank's device."""
+        return on(self.device, self.task.batch(self.data, self.data.train, ids))
+
+    def kill_of(self, member: int) -> tuple[int, str] | None:
+        """The live test knob's planted death for ``member`` (train/live_knobs.py)."""
+        kill = planted_kill(member) if self.live else None
+        if kill is not None and self.declared.serves and kill[1] != "forward":
+            raise ValueError(f"GRADSYNC_LIVE_KILL phase {kill[1]!r}: a parameter-server worker dies at 'forward' only")
+        return kill
+
+    # -- the run -----------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, strategy = self.cfg, self.strategy
+        self.report = report = Reporter(cfg, self.total_steps, enabled=strategy.reporting(),
+                                        accuracy_name=self.task.defaults.accuracy)
+        for line in self.notes:
+            report.note(line)
+        report.start(self.plan.global_batch, self.plan.base_lr, self.plan.peak_lr, self.steps_per_epoch,
+                     resumed_at=self.saved["step"] if self.saved else None, train_samples=len(self.data.train))
+        self.checkpoints = RunCheckpoints(self) if strategy.checkpoints_each_epoch else None
+        self.stats = {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "hidden_s": 0.0, "bucket_s": 0.0}
+        self.evaluation, self.evaluated_at, self.reported = {}, None, len(strategy.recoveries)
+        if not self.joining:   # a replacement enters a world that is past its start, at a step boundary
+            report.setup(**self.collective(self._layout), **device_record(self.device))
+        gs.traffic_reset()
+        self.started = time.perf_counter()
+        if strategy.serves:
+            strategy.serve(stop=lambda: self.watch.requested)
+            return self._end()
+        work = StepWork(self)
+        try:
+            stopped = self._steps(work)
+        finally:
+            work.close()
+        return stopped if stopped is not None else self._end()
+
+    def _steps(self, work: StepWork) -> dict | None:
+        """Step until the run is done; the preempted result if a verdict stopped it."""
+        cfg, strategy, report, watch = self.cfg, self.strategy, self.report, self.watch
+        boundary = StepBoundary(cfg, watch)
+        while True:
+            if not strategy.more(self.total_steps):
+                if strategy.finish():
+                    return None
+                self.on_world_change()
+                continue
+            started = time.perf_counter()
+            if not strategy.run_step(work, stop=watch.requested):
+                if not strategy.stopping:   # the world changed: the step is trained in the new one
+                    self.on_world_change()
+                continue
+            elapsed = time.perf_counter() - started
+            chosen = work.chosen
+            self._count(elapsed)
+            report.step(strategy.step, chosen.epoch, work.loss_sum, chosen.step_size / elapsed, strategy.last_overlap,
+                        strategy.grad_norm, lr=self.lr_at(strategy.step - 1, strategy.peak_lr),
+                        bytes_sent=gs.traffic()["bytes_sent"] if self.rank == 0 and not self.live else None)
+            epoch_ended = strategy.progress["epoch"] != chosen.epoch
+            if epoch_ended and strategy.evaluates_each_epoch:
+                strategy.end_epoch()
+                if self.kill == (strategy.step, "evaluate"):
+                    die()
+                self._evaluate(chosen.epoch)
+            if self.checkpoints is None:
+                continue
+            due, stop = self.collective(lambda: boundary(strategy.step))
+            if stop:
+                return self._preempted(boundary.reason)
+            if epoch_ended or (due and strategy.more(self.total_steps)):
+                self.checkpoints.write()
+
+    def _count(self, elapsed: float) -> None:
+        strategy, stats = self.strategy, self.stats
+        stats["comm_s"] += strategy.comm_seconds
+        stats["wait_s"] += strategy.wait_seconds
+        stats["compute_s"] += elapsed - strategy.wait_seconds
+        if strategy.last_overlap is not None:   # bucket all-reduce seconds before backward ended, and in all
+            stats["hidden_s"] += strategy.last_overlap * strategy.comm_seconds
+            stats["bucket_s"] += strategy.comm_seconds
+
+    def _evaluate(self, epoch: int | None) -> None:
+        """Score the test set (every rank, or the strategy's); ``epoch``: report it as that epoch's."""
+        self.evaluation = self.collective(lambda: evaluate(self, self.model, self.strategy.evaluation_ranks()))
+        self.evaluated_at = self.strategy.step
+        if epoch is not None:
+            self.report.epoch(epoch, self.strategy.step, self.evaluation)
+
+    def collective(self, fn):
+        """The strategy's collective(fn), and the changes of the world it went through followed."""
+        value = self.strategy.collective(fn)
+        if len(self.strategy.recoveries) > self.reported:
+            self.on_world_change()
+        return value
+
+    def on_world_change(self) -> None:
+        """After the world changed, in a step or in a collective: the cursor for the batch as it is now,
+        the new first rank reporting, a record of each change, stale files removed."""
+        strategy, report = self.strategy, self.report
+        self.cursor = EpochCursor(len(self.data.train), strategy.global_batch, seed=self.cfg.seed)
+        report.enabled = strategy.reporting()
+        changes = strategy.recoveries[self.reported:]
+        for change in changes:
+            report.live({"event": "live", **change.__dict__, "world_size": gs.world().world_size,
+                         "global_batch": strategy.global_batch, "peak_lr": strategy.peak_lr, "at": time.time()})
+        if self.checkpoints is not None:
+            self.checkpoints.after_recovery([m for change in changes for m in change.lost])
+        self.reported = len(strategy.recoveries)
+
+    def _layout(self) -> dict:
+        """Model size, buckets and rank placement (collective: every rank calls it)."""
+        w = gs.world()
+        hosts = gather_strings([socket.gethostname()])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buckets = getattr(self.strategy, "bucket_sizes", None)
+        return {"params": sum(p.numel() for p in params),
+                "param_bytes": sum(p.numel() * p.element_size() for p in params),
+                "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                "bucket_bytes": buckets() if buckets else None, "world_size": w.world_size,
+                "hosts": [h[0] if h else "?" for h in hosts]}
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _preempted(self, reason: str | None) -> dict:
+        """Every rank stops after the same step: one checkpoint, rank 0 says how to continue."""
+        strategy = self.strategy
+        self.checkpoints.write(final=True)
+        command = resume_command(self.cfg)
+        self.report.preempted(strategy.step, command, signal_at=self.watch.first_at)
+        strategy.close()
+        return self._result(None, preempted={"step": strategy.step, "epoch": strategy.progress["epoch"],
+                                             "position": strategy.progress["position"], "command": command,
+                                             "signals": self.watch.received, "reason": reason})
+
+    def _end(self) -> dict:
+        strategy, report = self.strategy, self.report
+        if self.checkpoints is not None:
+            if self.checkpoints.written[-1:] != [strategy.step]:
+                self.checkpoints.write(final=True)
+            self.checkpoints.wait()   # the last checkpoint is on disk before the job reports and exits
+        else:
+            stopped = self._save_at_end()
+            if stopped is not None:
+                return stopped
+        wall = time.perf_counter() - self.started
+        if self.evaluated_at != strategy.step or not self.evaluation:
+            # a run that ended inside an epoch reports it as that epoch's (one that trained nothing does not)
+            partial = strategy.evaluates_each_epoch and strategy.step > self.first_step
+            self._evaluate(strategy.progress["epoch"] if partial else None)
+        self.collective(strategy.check_replicas)
+        stats = self.stats
+        mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
+                             stats["hidden_s"] / stats["bucket_s"] if stats["bucket_s"] > 0 else -1.0,
+                             *strategy.extra_stats()], dtype=torch.float64)
+        per_rank = self.collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
+        staleness = None
+        if per_rank.shape[1] > 5:   # a parameter server's [updates, weighted staleness, max] per rank
+            updates = float(per_rank[:, 5].sum())
+            staleness = {"mean": float(per_rank[:, 6].sum()) / updates if updates else 0.0,
+                         "max": float(per_rank[:, 7].max()), "updates": updates}
+        report.enabled = strategy.reporting()
+        # a parameter-server job's steps are the plan's (every step trains the global batch of the W it started with)
+        reached = self.total_steps if self.declared.serves else strategy.step
+        summary = report.finish(wall, reached, self.evaluation, per_rank[:, :5],
+                                workers=self.plan.workers if self.declared.serves else None, staleness=staleness,
+                                checkpoints=self.checkpoints.summary() if self.checkpoints else None,
+                                trained=reached - self.first_step)
+        strategy.close()
+        return self._result(summary)
+
+    def _save_at_end(self) -> dict | None:
+        """A parameter server's end: every rank learns whether the job was stopped early, the servers' state is
+        gathered and rank 0 writes the checkpoint; the preempted result if it was stopped."""
+        strategy = self.strategy
+        # [some worker stopped early, the strongest stop code any rank has (preempt.STOP_REASONS)]
+        stopped = torch.tensor([int(self.trains and strategy.stopping and strategy.step < self.total_steps),
+                                self.watch.stop_code])
+        self.collective(lambda: gs.all_reduce(stopped, op="max"))
+        state = strategy.state_at_end()
+        strategy.save_at_end(state)
+        if not bool(stopped[0]):
+            return None
+        self.report.enabled = strategy.reporting()
+        first_worker = state["clocks"][0]
+        self.report.preempted(first_worker, resume_command(self.cfg), signal_at=self.watch.first_at)
+        strategy.close()
+        return self._result(None, preempted={"step": first_worker, "clocks": state["clocks"],
+                                             "signals": self.watch.received,
+                                             "reason": STOP_REASONS[int(stopped[1])] or "preempted"})
+
+    def _result(self, summary: dict | None, preempted: dict | None = None) -> dict:
+        strategy = self.strategy
+        done = preempted is None
+        result = {"summary": summary, "digest": param_digest(self.model) if done else None,
+                  "params": ({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+                             if done and gs.world().world_size <= 8 else None),
+                  "events": trace.disable() if self.cfg.trace else [],
+                  "checkpoints": self.checkpoints.written if self.checkpoints else []}
+        if preempted is not None:
+            result["preempted"] = preempted
+        if self.live:
+            result.update(member=strategy.member, recoveries=[r.__dict__ for r in strategy.recoveries])
+        if self.declared.serves:
+            result["ps"] = strategy.stats()
+        return result

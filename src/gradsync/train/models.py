@@ -54,20 +54,3 @@ class CharLM(nn.Module):
         h = self.embed(tokens) + self.position[:length]
         h = self.blocks(h, mask=self.causal[:length, :length], is_causal=True)
         return self.head(self.norm(h))
-
-
-MODELS = ("cnn", "mlp", "charlm", "word2vec")
-
-
-def build_model(name: str, dataset_name: str) -> nn.Module:
-    if name == "cnn":
-        return DigitsCNN()
-    if name == "mlp":
-        return MLP()
-    if name == "charlm":
-        return CharLM()
-    if name == "word2vec":   # skip-gram over the stdlib-tokens vocabulary (train/word2vec.py)
-        from gradsync.train import tokens, word2vec
-
-        return word2vec.SkipGram(len(tokens.vocabulary()))
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

@@ -183,10 +183,13 @@ def resume_command(cfg: TrainConfig) -> str:
     if torchrun is not None:
         return shlex.join(torchrun + ([] if "--resume" in torchrun else ["--resume"]))
     argv = ["gradsync", "train"]
+    defaults = TrainConfig.defaults()
     for field in dataclasses.fields(TrainConfig):
         value = getattr(cfg, field.name)
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("resume", "overwrite", "workers", "out") or value == field.default:
+        if field.name in ("resume", "overwrite", "workers", "out") or value == defaults[field.name]:
             continue
+        if isinstance(value, dict):   # --model-args, --data-args
+            value = ",".join(f"{k}={v!r}" for k, v in value.items())
         argv += [flag] if value is True else [flag, str(value)]
     return shlex.join(argv + ["--workers", str(cfg.workers), "--out", cfg.out, "--resume"])

@@ -22,6 +22,7 @@ from gradsync.group import runtime
 from gradsync.observe import display
 from gradsync.comm.world_transport import carrier
 from gradsync.train.config import TrainConfig
+from gradsync.train.strategies import strategy
 
 STRAGGLER_FACTOR = 1.2
 
@@ -46,8 +47,9 @@ def _placement() -> str:
 class Reporter:
     """Rank 0's console output and metrics file; every method is a no-op on other ranks."""
 
-    def __init__(self, cfg: TrainConfig, total_steps: int, enabled: bool) -> None:
+    def __init__(self, cfg: TrainConfig, total_steps: int, enabled: bool, accuracy_name: str = "test accuracy") -> None:
         self.cfg = cfg
+        self.accuracy_name = accuracy_name
         self.total_steps = total_steps
         self.enabled = enabled
         self.console = display.console(minimum_width=0)   # a terminal's own width; unwrapped in logs (display.py)
@@ -72,8 +74,10 @@ class Reporter:
         length = f"{c.epochs} epochs x {steps_per_epoch} steps" if c.steps is None else f"{steps_per_epoch} steps/epoch"
         self.console.print(f"batch: {c.batch_size} per worker x {workers} workers x {c.grad_accum} accumulation "
                            f"= {global_batch} global; lr {base_lr:g} x {peak_lr / base_lr:.3g} ({c.lr_scaling} scaling"
-                           f"{', unscaled: each worker steps alone' if c.strategy == 'diloco' else ''}) = {peak_lr:g}, "
-                           f"warm-up {c.warmup_steps} steps; {length}, {self.total_steps} steps in all"
+                           f"{', unscaled: each worker steps alone' if not strategy(c.strategy).lr_scaled else ''}) = "
+                           f"{peak_lr:g}, warm-up {c.warmup_steps} steps"
+                           f"{f', then {c.lr_schedule} to {c.min_lr:g}' if c.lr_schedule not in (None, 'constant') else ''}"
+                           f"; {length}, {self.total_steps} steps in all"
                            + (f"; clip grad 2-norm to {c.clip_grad:g} ({c.clip_site()})" if c.clip_grad else ""))
         if resumed_at is not None:
             self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
@@ -102,7 +106,7 @@ class Reporter:
             print(f"preempted at step {step}; resume with: {command}", flush=True)
 
     def live(self, record: dict) -> None:
-        """A recovery of a live world (train/loop_live.py): recorded, and said in one line."""
+        """A recovery of a live world (train/loop.py on_world_change): recorded, and said in one line."""
         if self.enabled:
             self._record(record)
             print(f"gradsync train: members {list(record['lost'])} lost; generation {record['generation']} of "
@@ -116,13 +120,14 @@ class Reporter:
             self._record({"event": "setup", **fields})
 
     def step(self, step: int, epoch: int, loss: float, samples_per_s: float, overlap,
-             grad_norm: float | None = None, bytes_sent: int | None = None) -> None:
+             grad_norm: float | None = None, bytes_sent: int | None = None, lr: float | None = None) -> None:
         """``grad_norm``: with --clip-grad, the averaged gradient's 2-norm before clipping (ddp, zero1, local).
         ``bytes_sent``: rank 0's payload bytes sent since training started (the traffic meter), so a
-        loss curve can be drawn against bytes (gradsync bench slowlinks)."""
+        loss curve can be drawn against bytes (gradsync bench slowlinks). ``lr``: the step's learning rate
+        (a parameter server's: the workers' view of the schedule at their clock)."""
         if not self.enabled:
             return
-        self._record({"event": "step", "step": step, "epoch": epoch, "loss": loss,
+        self._record({"event": "step", "step": step, "epoch": epoch, "loss": loss, "lr": lr,
                       "samples_per_s": samples_per_s, "overlap": overlap,
                       **({"grad_norm": grad_norm} if grad_norm is not None else {}),
                       **({"bytes_sent": bytes_sent} if bytes_sent is not None else {})})
@@ -135,7 +140,10 @@ class Reporter:
             return
         self._record({"event": "epoch", "epoch": epoch, "step": step, **evaluation,
                       "wall_s": time.perf_counter() - self.started})   # since training started, evaluations included
-        line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}, accuracy {evaluation['accuracy']:.2%}"
+        if not evaluation:
+            return
+        line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}" + (
+            f", accuracy {evaluation['accuracy']:.2%}" if evaluation.get("accuracy") is not None else "")
         (self.progress.console if self.progress else self.console).print(line)
 
     def finish(self, wall: float, steps: int, evaluation: dict, per_rank: torch.Tensor,
@@ -177,8 +185,8 @@ class Reporter:
         table.add_row("time", f"{wall:.1f} s for {trained} steps" + (
             f" (steps {steps - trained + 1}-{steps}, resumed at step {steps - trained})" if trained < steps else ""))
         table.add_row("throughput", f"{summary['samples_per_s']:,.0f} samples/s")
-        table.add_row("test accuracy" if c.model != "charlm" else "next-byte accuracy", f"{summary['accuracy']:.2%}")
-        table.add_row("test loss", f"{summary['test_loss']:.4f}")
+        table.add_row(self.accuracy_name, "-" if summary["accuracy"] is None else f"{summary['accuracy']:.2%}")
+        table.add_row("test loss", "- (no test set)" if summary["test_loss"] is None else f"{summary['test_loss']:.4f}")
         table.add_row("bytes sent per rank", ", ".join(_human(b) for b in summary["bytes_sent_per_rank"]))
         if staleness is not None:
             table.add_row("staleness", f"mean {staleness['mean']:.2f}, max {staleness['max']:.0f} versions over "

@@ -33,6 +33,8 @@ import gradsync as gs
 from gradsync import checkpoint
 from gradsync.train.batch_math import DEFAULT_EPOCHS, WARMUP_MIN_STEPS, default_epochs, default_warmup, lr_multiplier
 from gradsync.train.config import TrainConfig
+from gradsync.train.strategies import STRATEGIES, strategy
+from gradsync.train.tasks import model_defaults
 
 CHECKPOINT_NAME = "checkpoint.pt"
 IDENTITY = ("model", "dataset", "strategy", "seed")
@@ -52,6 +54,12 @@ class BatchPlan:
     """The run's length in epochs (--epochs, or the default for its global batch); None: not recorded."""
     warmup_steps: int | None = None
     """The run's warm-up in steps (--warmup-steps, or the default); None: sized once the steps are known."""
+    schedule: str = "constant"
+    """--lr-schedule: what the lr does after the warm-up (train/optimizers.py)."""
+    schedule_steps: int | None = None
+    """S, the steps the schedule decays over (the run's planned steps); None: sized once the steps are known."""
+    min_lr: float = 0.0
+    """--min-lr: where cosine and linear end."""
 
     @property
     def global_batch(self) -> int:
@@ -60,21 +68,28 @@ class BatchPlan:
     def scheduled(self, cfg: TrainConfig, steps_per_epoch: int) -> TrainConfig:
         """``cfg`` with this plan's batch, length and warm-up filled in; a fresh run's default warm-up
         is sized here, from the steps it plans (--steps, or its epochs x ``steps_per_epoch``)."""
+        planned = cfg.steps if cfg.steps is not None else self.epochs * steps_per_epoch
         if self.warmup_steps is None:
-            self.warmup_steps = default_warmup(cfg.steps if cfg.steps is not None else self.epochs * steps_per_epoch)
+            self.warmup_steps = default_warmup(planned)
+        if self.schedule_steps is None:
+            self.schedule_steps = planned
         return dataclasses.replace(cfg, batch_size=self.batch_size, grad_accum=self.grad_accum, epochs=self.epochs,
-                                   warmup_steps=self.warmup_steps)
+                                   warmup_steps=self.warmup_steps, lr_schedule=self.schedule, min_lr=self.min_lr)
 
     @classmethod
-    def fresh(cls, cfg: TrainConfig, workers: int) -> "BatchPlan":
-        base_lr = cfg.lr or cfg.default_lr()
+    def fresh(cls, cfg: TrainConfig, workers: int, base_lr: float | None = None) -> "BatchPlan":
+        """The plan of a new run on ``workers`` workers; ``base_lr``: the optimizer's lr for one worker's batch
+        (None: --lr, else the model's default; the loop passes the optimizer's own, Task.optimizer). The lr
+        follows the global batch where the strategy says so (DiLoCo's workers each step alone, on their own
+        batch: its lr is not scaled, and its run is as long as the rule says, the same samples as ddp's)."""
+        if base_lr is None:
+            base_lr = cfg.lr if cfg.lr is not None else model_defaults(cfg.model).hyper["lr"]
         global_batch = cfg.batch_size * cfg.grad_accum * workers
-        # DiLoCo's workers each step alone, on their own batch: their learning rate is not scaled (its run
-        # is as long as the rule says, the same samples as ddp's)
-        scale = 1.0 if cfg.strategy == "diloco" else lr_multiplier(cfg.lr_scaling, global_batch, cfg.batch_size)
+        scaled = strategy(cfg.strategy).lr_scaled
+        scale = lr_multiplier(cfg.lr_scaling, global_batch, cfg.batch_size) if scaled else 1.0
         epochs = cfg.epochs if cfg.epochs is not None else default_epochs(cfg.lr_scaling, global_batch, cfg.batch_size)
         return cls(cfg.batch_size, cfg.grad_accum, workers, base_lr, base_lr * scale, epochs=epochs,
-                   warmup_steps=cfg.warmup_steps)
+                   warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule or "constant", min_lr=cfg.min_lr)
 
     @classmethod
     def for_resume(cls, cfg: TrainConfig, workers: int, state: dict) -> "BatchPlan":
@@ -95,6 +110,9 @@ class BatchPlan:
         plan.epochs = cfg.epochs if cfg.epochs is not None else saved.epochs or DEFAULT_EPOCHS
         plan.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else \
             saved.warmup_steps if saved.warmup_steps is not None else WARMUP_MIN_STEPS
+        # the schedule it started with: a resume continues the same curve (a flag given again replaces it)
+        plan.schedule = cfg.lr_schedule or saved.schedule
+        plan.schedule_steps, plan.min_lr = saved.schedule_steps, saved.min_lr
         if (plan.batch_size, plan.grad_accum) != (cfg.batch_size, cfg.grad_accum) or workers != saved.workers:
             plan.changes = _describe(saved, plan, cfg)
         return plan
@@ -122,18 +140,20 @@ def saved_plan(cfg: TrainConfig, state: dict) -> BatchPlan:
     if "batch" in state:
         b = state["batch"]
         return BatchPlan(b["batch_size"], b["grad_accum"], b["workers"], b["base_lr"], b["peak_lr"],
-                         epochs=b.get("epochs"), warmup_steps=b.get("warmup_steps"))
+                         epochs=b.get("epochs"), warmup_steps=b.get("warmup_steps"),
+                         schedule=b.get("schedule", "constant"), schedule_steps=b.get("schedule_steps"),
+                         min_lr=b.get("min_lr", 0.0))
     identity = state["identity"]
-    old = BatchPlan.fresh(TrainConfig(**{**cfg.to_dict(), "batch_size": identity["batch_size"],
-                                         "grad_accum": identity["grad_accum"]}), state["world_size"])
+    old_cfg = dataclasses.replace(cfg, batch_size=identity["batch_size"], grad_accum=identity["grad_accum"])
+    old = BatchPlan.fresh(old_cfg, state["world_size"])
     old.epochs = old.warmup_steps = None   # not recorded: the defaults of their time
     return old
 
 
 def family(value):
     """ddp, zero1 and local checkpoint the same things (whole weights, whole optimizer state), so one
-    resumes the others: a job of 2 ddp workers may continue as one local process."""
-    return "ddp|zero1|local" if value in ("ddp", "zero1", "local") else value
+    resumes the others: a job of 2 ddp workers may continue as one local process (the registry's family)."""
+    return STRATEGIES[value].family if value in STRATEGIES else value
 
 
 def _parent_started_at() -> float | None:
@@ -219,7 +239,8 @@ def run_record(cfg: TrainConfig, plan: BatchPlan) -> dict:
     """What every checkpoint says about its run: the batch it trained with, and its identity."""
     return {"batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
                       "base_lr": plan.base_lr, "peak_lr": plan.peak_lr, "epochs": plan.epochs,
-                      "warmup_steps": plan.warmup_steps},
+                      "warmup_steps": plan.warmup_steps, "schedule": plan.schedule,
+                      "schedule_steps": plan.schedule_steps, "min_lr": plan.min_lr},
             "identity": {**{k: getattr(cfg, k) for k in IDENTITY}, "batch_size": plan.batch_size,
                          "grad_accum": plan.grad_accum}}
 

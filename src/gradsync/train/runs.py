@@ -1,4 +1,5 @@
-"""What `gradsync train` checks in the launcher, before any rank starts: the batch fits the data,
+"""What `gradsync train` checks in the launcher, before any rank starts: the task's factories import and
+give a model and map-style data whose batch the loss takes (train/task.py), the batch fits the data,
 and --out is never overwritten or appended to without being asked; a new run in the batch-size trap
 is warned about (one line, batch_math.py), and trains.
 
@@ -11,7 +12,8 @@ Vocabulary
     finished   a checkpoint with no step left for this command (--steps, or --epochs) to train
 
 Each check fails with one line naming the flag and what is accepted (ValueError, printed by
-gradsync's main with exit status 2), in well under a second: nothing here starts a rank.
+gradsync's main with exit status 2), in well under a second for the built-in tasks (the task check
+calls the factories once: a user's data factory costs what it costs): nothing here starts a rank.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from gradsync import checkpoint
 from gradsync.train.batch_math import DEFAULT_EPOCHS, RunShape, trap_warning
-from gradsync.train.config import PS_STRATEGIES, TrainConfig
+from gradsync.train.config import TrainConfig
 from gradsync.train.resume import CHECKPOINT_NAME, IDENTITY, family
+from gradsync.train.sparse_rows import sparse_modules
+from gradsync.train.strategies import strategy
+from gradsync.train.task import Task, TaskData
 
 DEFAULT_OUT = "runs/latest"
 """--out when none is given (TrainConfig.out)."""
@@ -30,29 +37,32 @@ RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "trace.json", "trace.rank*.json",
 """What a run writes in --out (patterns): what replacing a run removes, and nothing else."""
 
 
-def train_samples(dataset: str) -> int | None:
-    """How many training samples ``dataset`` has, if that is known without building it (None for
-    stdlib-tokens, whose count depends on subsampling the tokenised stdlib)."""
-    if dataset == "digits":
-        return int(0.8 * 1797)   # datasets.digits: scikit-learn's 1,797 images, 80% train
-    if dataset == "synthetic":
-        return int(0.8 * 4096)   # datasets.synthetic's default n
-    if dataset == "stdlib-text":
-        from gradsync.train.datasets import stdlib_text_windows
-
-        return int(0.9 * stdlib_text_windows())
-    return None
+def check_task(cfg: TrainConfig) -> tuple[Task, torch.nn.Module, TaskData]:
+    """The task's factories imported, called and checked (Task.check), its optimizer, and what the strategy
+    asks of the model: one line naming the flag for each failure. Then check_batch, and Task.probe."""
+    task = Task.of(cfg)
+    task.optimizer(cfg)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    declared = strategy(cfg.strategy)
+    if declared.serves:
+        tables = sorted(sparse_modules(model))
+        if tables and cfg.fault_tolerance == "live":
+            raise RuntimeError(f"--strategy {cfg.strategy} --fault-tolerance live does not support sparse tables "
+                               f"({', '.join(tables)} of --model {cfg.model}): their rows in flight are not "
+                               f"recovered; use --fault-tolerance restart")
+        if tables and cfg.device == "cuda":
+            raise RuntimeError(f"--device cuda: the sparse tables {', '.join(tables)} of --model {cfg.model} train on "
+                               f"the CPU under a parameter server (their rows travel as sparse gradients); use "
+                               f"--device cpu or auto")
+    return task, model, task.build_data()
 
 
 def check_device(cfg: TrainConfig) -> None:
     """--device cuda needs a GPU torch can see; with it, each spawned rank takes GPU local rank mod GPU
     count before it meets the others (GRADSYNC_BIND_GPU: device_path.bind_gpu), so that ranks with a
     GPU each settle on NCCL."""
-    if cfg.device == "auto" and cfg.model == "word2vec":
-        return
     if cfg.device == "cuda" or cfg.device == "auto":
-        import torch
-
         if torch.cuda.is_available():
             os.environ["GRADSYNC_BIND_GPU"] = "1"
         elif cfg.device == "cuda":
@@ -60,16 +70,15 @@ def check_device(cfg: TrainConfig) -> None:
                              "False); use --device cpu or auto")
 
 
-def check_batch(cfg: TrainConfig) -> None:
-    """A step must fit in an epoch: per-worker batch x accumulation x data workers <= training samples
-    (ddp, zero1, local, diloco: the global batch; the parameter server: each worker's shard)."""
-    samples = train_samples(cfg.dataset)
-    if samples is None or cfg.resume:   # a resume re-plans the batch from its checkpoint (resume.py)
+def check_batch(cfg: TrainConfig, samples: int) -> None:
+    """A step must fit in an epoch: per-worker batch x accumulation x the workers that train <= the
+    training samples (``samples``)."""
+    if cfg.resume:   # a resume re-plans the batch from its checkpoint (resume.py)
         return
-    workers = cfg.workers - cfg.servers if cfg.strategy in PS_STRATEGIES else cfg.workers
+    workers = data_workers(cfg)
     step = cfg.batch_size * cfg.grad_accum
-    per_worker = -(-samples // workers) if cfg.strategy in PS_STRATEGIES else samples // workers
-    if step * workers > samples if cfg.strategy not in PS_STRATEGIES else step > per_worker:
+    per_worker = samples // workers
+    if step * workers > samples:
         largest = max(per_worker // cfg.grad_accum, 0)
         raise ValueError(
             f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} x {workers} worker(s) = "
@@ -81,14 +90,13 @@ def check_batch(cfg: TrainConfig) -> None:
 def data_workers(cfg: TrainConfig) -> int:
     """The processes that train (a parameter-server job's servers do not); under torchrun, its world."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else cfg.workers
-    return world - cfg.servers if cfg.strategy in PS_STRATEGIES else world
+    return world - cfg.servers if strategy(cfg.strategy).serves else world
 
 
-def batch_trap_warning(cfg: TrainConfig) -> str | None:
+def batch_trap_warning(cfg: TrainConfig, samples: int) -> str | None:
     """A new run in the batch-size trap: one line saying why and what to change (batch_math.py); None
-    when it is not, or cannot be told here (stdlib-tokens' size; DiLoCo, whose workers step alone)."""
-    samples = train_samples(cfg.dataset)
-    if samples is None or cfg.resume or cfg.strategy == "diloco":
+    when it is not, or when the rule does not apply (DiLoCo, whose workers step alone)."""
+    if cfg.resume or not strategy(cfg.strategy).lr_scaled:
         return None
     shape = RunShape(cfg.lr_scaling, cfg.batch_size, cfg.batch_size * cfg.grad_accum * data_workers(cfg), samples,
                      cfg.epochs, cfg.steps, cfg.warmup_steps)

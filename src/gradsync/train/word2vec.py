@@ -49,8 +49,19 @@ class SkipGram(nn.Module):
                 "out_embed.weight": samples[:, 1:].reshape(-1).to(torch.int64)}
 
 
-def negative_sampling_loss(scores: torch.Tensor) -> torch.Tensor:
-    """Mean over the batch of -log sigma(score_o) - sum_k log sigma(-score_k)."""
+def skip_gram(dim: int = 128) -> SkipGram:
+    """The built-in word2vec model (train/tasks.py): over the stdlib-tokens vocabulary, its tables sparse, so
+    that the parameter server moves only the rows a step touches (the other strategies make them dense)."""
+    from gradsync.train import tokens
+
+    model = SkipGram(len(tokens.vocabulary()), dim)
+    model.make_sparse()
+    return model
+
+
+def negative_sampling_loss(scores: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the batch of -log sigma(score_o) - sum_k log sigma(-score_k); ``targets`` (all 0: the
+    context's score comes first) are not needed, and taken so that it serves as a --loss function."""
     return -(nn.functional.logsigmoid(scores[:, 0]) + nn.functional.logsigmoid(-scores[:, 1:]).sum(1)).mean()
 
 
