@@ -33,7 +33,10 @@ Options (rows added to the same interleaved run):
                 through host memory: comm/host_staging.py), and torch's DDP on the "gradsync" backend
                 beside it on gloo (the peer that runs there); a step ends when the GPU is done
 
-The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank.
+The benchmark MLP is 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M parameters), batch 64 per rank. A user's
+model (``--model module:function --data module:function``, as gradsync train takes them) runs on its first
+``batch`` training samples with its loss rule. ``loss`` is each implementation's loss on its batch after the
+run's steps: equal across implementations up to float reassociation (the same seed, batch and SGD).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ TORCH_HOOK = " + torch allreduce_hook"
 
 
 def model_and_batch(name: str, batch: int):
+    """A built-in benchmark model and a batch of ``batch`` random samples for it (cross-entropy, step_loss)."""
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(in_features=1024, hidden=2048, layers=3), torch.randn(batch, 1024, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -73,19 +77,32 @@ def model_and_batch(name: str, batch: int):
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
 
 
+def task_model_and_batch(model: str, data: str, loss: str | None, model_args: dict, data_args: dict, batch: int):
+    """A user's task (train/task.py: --model module:function --data module:function): its model, its first
+    ``batch`` training samples collated, and how that batch becomes a loss (the task's loss rule)."""
+    from gradsync.train.task import Task
+
+    task = Task(model, data, model_args, data_args, loss=loss)
+    built = task.build_data()
+    samples = task.batch(built, built.train, list(range(min(batch, len(built.train)))))
+    return task.build_model(), samples, lambda m: task.loss(m, samples)[0]
+
+
 def step_loss(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def timed_step(model, optimizer, x, y, set_to_none: bool = True) -> float:
-    """One training step after a barrier; seconds of the slowest rank."""
+def timed_step(model, optimizer, x, y, set_to_none: bool = True, loss_of=None) -> float:
+    """One training step after a barrier; seconds of the slowest rank. ``loss_of(model)``: the loss, where it is
+    not step_loss on (x, y) (a user's task)."""
     dist.barrier()
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=set_to_none)
-    step_loss(model(x), y).backward()
+    (loss_of(model) if loss_of is not None else step_loss(model(x), y)).backward()
     optimizer.step()
-    if x.is_cuda:   # the step is over when the GPU has run it
-        torch.cuda.synchronize(x.device)
+    device = next(model.parameters()).device
+    if device.type == "cuda":   # the step is over when the GPU has run it
+        torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
@@ -149,20 +166,26 @@ def _ours(wrapped):
 
 
 def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int, warmup: int,
-                torch_hook: bool = False, compiled: bool = False, device: str = "cpu") -> list[dict]:
+                torch_hook: bool = False, compiled: bool = False, device: str = "cpu",
+                task: tuple | None = None) -> list[dict]:
     torch.set_num_threads(1)
     w = gs.world()
     where = torch.device("cuda:0" if device == "cuda" else device)
     runners = {}
     for label, cap in _labels(bucket_mbs, torch_hook, compiled, where.type == "cuda"):
         torch.manual_seed(0)
-        model, x, y = model_and_batch(model_name, batch)
-        model, x, y = model.to(where), x.to(where), y.to(where)
-        runners[label] = (_wrap(label, model, cap), torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
+        if task is not None:   # a user's model: its own batch and loss rule (x carries the batch, y is unused)
+            model, x, loss_of = task_model_and_batch(model_name, *task, batch)
+            model, y = model.to(where), None
+        else:
+            model, x, y = model_and_batch(model_name, batch)
+            model, x, y, loss_of = model.to(where), x.to(where), y.to(where), None
+        runners[label] = (_wrap(label, model, cap), torch.optim.SGD(model.parameters(), lr=1e-3), x, y, loss_of)
 
     def step(label: str) -> float:
-        wrapped, opt, x, y = runners[label]
-        return timed_step(wrapped, opt, x, y, set_to_none=False)
+        wrapped, opt, x, y, loss_of = runners[label]
+        return timed_step(wrapped, opt, x, y, set_to_none=False,
+                          loss_of=loss_of)
 
     for label in runners:
         for _ in range(warmup):
@@ -185,8 +208,10 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
     ours = carrier()
     rows = []
     for label in runners:
-        wrapped = runners[label][0]
-        rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label,
+        wrapped, _, x, y, loss_of = runners[label]
+        with torch.no_grad():   # after the same steps on the same batch: equal up to float reassociation
+            loss = float(loss_of(wrapped) if loss_of is not None else step_loss(wrapped(x), y))
+        rows.append({"workers": w.world_size, "model": model_name, "params": n_params, "impl": label, "loss": loss,
                      "step_s": statistics.median(times[label]), "times_s": times[label],
                      "buckets": len(_ours(wrapped).buckets) if _ours(wrapped) is not None else None,
                      "overlap": statistics.median(overlaps[label]) if overlaps[label] else None,
@@ -200,16 +225,29 @@ def _bench_rank(model_name: str, batch: int, bucket_mbs: list[float], steps: int
 
 def run(workers: int, model: str, batch: int = 64, bucket_mbs: list[float] | None = None,
         steps: int = 15, warmup: int = 3, torch_hook: bool = False, compiled: bool = False,
-        device: str = "cpu") -> list[dict]:
-    if model not in BENCH_MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}")
+        device: str = "cpu", data: str | None = None, loss: str | None = None, model_args: dict | None = None,
+        data_args: dict | None = None) -> list[dict]:
+    """``model``: a built-in benchmark model, or a user's module:function with ``data`` (and ``loss``: --loss's
+    conventions, train/losses.py) naming its data, as gradsync train takes them."""
+    from gradsync.train.factory import is_spec
+
+    task = None
+    if is_spec(model):
+        if data is None:
+            raise ValueError(f"--model {model} needs --data module:function (the batch is its first training samples)")
+        from gradsync.train.task import Task
+
+        Task(model, data, model_args, data_args, loss=loss)   # a bad name is one line, before any rank starts
+        task = (data, loss, model_args or {}, data_args or {})
+    elif model not in BENCH_MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BENCH_MODELS)}, or module:function")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: this machine has no CUDA GPU that torch can see (torch.cuda.is_available() "
                            "is False); run without --device, or on a machine with a GPU")
     rows = gs.spawn(_bench_rank, nprocs=workers,
-                    args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup, torch_hook, compiled, device))[0]
+                    args=(model, batch, bucket_mbs or [1.0, 25.0], steps, warmup, torch_hook, compiled, device, task))[0]
     baseline = next(r["step_s"] for r in rows if r["impl"] == "torch DDP")
     floor = next(r["step_s"] for r in rows if r["impl"] == NO_COMM)
     for r in rows:

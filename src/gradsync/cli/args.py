@@ -94,3 +94,16 @@ def peers(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r}: choose baselines from {', '.join(PEERS)}, comma-separated, "
                                          f"gloo always among them (it runs in the same processes as ours), e.g. gloo,mpi")
     return chosen
+
+
+def keyword_arguments(flag: str):
+    """--model-args / --data-args: 'depth=4,width=256' -> {"depth": 4, "width": 256} (train/factory.py)."""
+    def parse(text: str) -> dict:
+        from gradsync.train.factory import parse_arguments
+
+        try:
+            return parse_arguments(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    parse.__name__ = flag
+    return parse

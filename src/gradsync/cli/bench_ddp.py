@@ -7,14 +7,22 @@ import json
 
 from rich.table import Table
 
-from gradsync.cli.args import positive_int
+from gradsync.cli.args import keyword_arguments, positive_int
 from gradsync.cli.output import show
 
 
 def add_parser(benches) -> None:
     ddp = benches.add_parser("ddp", help="training step time, ours beside torch DDP (gloo)")
     ddp.add_argument("--workers", type=positive_int, default=2)
-    ddp.add_argument("--model", choices=("mlp", "cnn", "charlm"), default="mlp")
+    ddp.add_argument("--model", default="mlp", metavar="mlp|cnn|charlm|module:function",
+                     help="a benchmark model, or your own as gradsync train takes it (with --data)")
+    ddp.add_argument("--data", metavar="module:function", help="with --model module:function: its data (the batch "
+                     "is its first --batch-size training samples)")
+    ddp.add_argument("--loss", metavar="RULE", help="with --model module:function: gradsync train's --loss")
+    ddp.add_argument("--model-args", type=keyword_arguments("--model-args"), default={}, metavar="K=V,...",
+                     help="with --model module:function: its keyword arguments, as gradsync train takes them")
+    ddp.add_argument("--data-args", type=keyword_arguments("--data-args"), default={}, metavar="K=V,...",
+                     help="with --data module:function: its keyword arguments")
     ddp.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank")
     ddp.add_argument("--bucket-mb", default="1,25", help="comma-separated bucket caps for ours, in MiB")
     ddp.add_argument("--steps", type=positive_int, default=15, help="timed steps per implementation (median)")
@@ -43,19 +51,21 @@ def run(args) -> int:
     except ValueError:
         raise ValueError(f"--bucket-mb {args.bucket_mb!r}: expected comma-separated numbers of MiB, e.g. 1,25") from None
     rows = ddp.run(args.workers, args.model, args.batch_size, caps, args.steps, torch_hook=args.torch_hook,
-                   compiled=args.compile, device=args.device)
+                   compiled=args.compile, device=args.device, data=args.data, loss=args.loss,
+                   model_args=args.model_args, data_args=args.data_args)
     ours = next(r["transport"] for r in rows if r["impl"].startswith("gradsync"))
     table = Table(title=f"DDP step, {args.model} ({rows[0]['params'] / 1e6:.1f}M params), {args.workers} ranks, "
                         f"batch {args.batch_size}/rank, median of {args.steps}; ours over {ours}, torch DDP over gloo"
                         f"{', every rank on cuda:0' if args.device == 'cuda' else ''}")
-    for column in ("implementation", "buckets", "step (ms)", "ours/torch", "vs floor", "overlap", "bytes/rank/step"):
+    for column in ("implementation", "buckets", "step (ms)", "ours/torch", "vs floor", "overlap", "bytes/rank/step",
+                   "loss after"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(r["impl"], "-" if r["buckets"] is None else str(r["buckets"]), f"{r['step_s'] * 1e3:.1f}",
                       "1.00 (baseline)" if r["impl"] == "torch DDP" else f"{r['ratio_vs_torch']:.2f}x",
                       f"{r['ratio_vs_floor']:.2f}x",
                       "-" if r["overlap"] is None else f"{r['overlap']:.0%}",
-                      "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:,}")
+                      "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:,}", f"{r['loss']:.6g}")
     show(table, rows, args.json, 100)
     return 0
 

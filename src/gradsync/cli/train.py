@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from gradsync.cli.args import positive_int
+from gradsync.cli.args import keyword_arguments, positive_int
 
 class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
     """Each flag's help ends with its default, unless the help says it (a flag that is off or unset by
@@ -78,13 +78,13 @@ def add_flags(train, defaults: dict) -> None:
     flag("--model", type=named(MODELS, "model"), metavar="NAME|module:function",
          help=f"what trains: module:function returning a torch.nn.Module (called with --model-args, importable from the "
               f"working directory), or a built-in: {', '.join(MODELS)} (default: the dataset's natural model, cnn)")
-    flag("--model-args", type=_arguments("--model-args"), metavar="K=V,...",
+    flag("--model-args", type=keyword_arguments("--model-args"), metavar="K=V,...",
          help="keyword arguments of the model's factory, e.g. depth=4,width=256 (values are Python literals, else text)")
     flag("--data", "--dataset", dest="dataset", type=named(DATASETS, "data"), metavar="NAME|module:function",
          help=f"the data: module:function returning the training set, (train, test) or {{'train', 'test', 'collate'}} "
               f"(map-style torch Datasets; called with --data-args, and seed=--seed if it takes one), or a built-in: "
               f"{', '.join(DATASETS)} (default: the model's natural dataset)")
-    flag("--data-args", type=_arguments("--data-args"), metavar="K=V,...",
+    flag("--data-args", type=keyword_arguments("--data-args"), metavar="K=V,...",
          help="keyword arguments of the data's factory, e.g. root=/data,download=False")
     flag("--loss", metavar="|".join(LOSSES) + "|module:function",
          help="how a batch becomes a loss: cross_entropy or mse on (inputs, targets); model: the model returns the "
@@ -161,19 +161,6 @@ def add_flags(train, defaults: dict) -> None:
          help="on this signal (to the launcher, any rank or the whole job) stop after the step in flight with a "
               "checkpoint and exit 75 (none: the signal's default action); Ctrl-C does the same and exits 130, a "
               "second Ctrl-C stops at once")
-
-
-def _arguments(flag_name: str):
-    """--model-args / --data-args: name=value,... -> a dict (train/factory.py)."""
-    def parse(text: str) -> dict:
-        from gradsync.train.factory import parse_arguments
-
-        try:
-            return parse_arguments(text, flag_name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
-    parse.__name__ = flag_name
-    return parse
 
 
 def _before_spawning(cfg) -> str | None:
