@@ -31,6 +31,10 @@ import threading
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradsync.comm import cuda_runtime
+
+_NAMES = itertools.count()   # stream names unique in the process: a stream outlives its recorder where
+                             # staging keeps it (a transport's copy streams), and must not pass for a new one
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
           torch.ops.aten.empty_strided.default}
 
@@ -43,7 +47,13 @@ def _merge(into: dict, other: dict) -> None:
 
 class FakeStream:
     def __init__(self, model: "Recorder", name: str) -> None:
-        self.model, self.name, self.clock = model, name, {}
+        self._model, self.name, self.clock = model, name, {}
+
+    @property
+    def model(self) -> "Recorder":
+        """The recorder in use now (a stream kept by staging outlives the one that made it)."""
+        current = cuda_runtime.CUDA
+        return current if isinstance(current, Recorder) else self._model
 
     def wait_event(self, event: "FakeEvent") -> None:
         with self.model.lock:
@@ -84,9 +94,8 @@ class Recorder:
         self.registered: list[str] = []        # "register <nbytes>" / "unregister <nbytes>", in order
         self.register_code = register_code
         self._host: set[int] = set()           # storages that are host memory
-        self._default = FakeStream(self, "default stream")
+        self._default = FakeStream(self, f"default stream {next(_NAMES)}")
         self._streams = [self._default]
-        self._names = itertools.count()
         self._threads = threading.local()
         self._accesses: dict[int, list] = {}  # storage -> [last write or None, reads since]
 
@@ -99,7 +108,7 @@ class Recorder:
         return stack[-1] if stack else self._default
 
     def new_stream(self, device) -> FakeStream:
-        stream = FakeStream(self, f"stream {next(self._names)}")
+        stream = FakeStream(self, f"stream {next(_NAMES)}")
         self._streams.append(stream)
         return stream
 
@@ -110,6 +119,8 @@ class Recorder:
     def use(self, stream: FakeStream):
         stack = self._threads.__dict__.setdefault("streams", [])
         stack.append(stream)
+        if stream not in self._streams:   # one made before this recorder: synchronize() waits for it too
+            self._streams.append(stream)
         try:
             yield
         finally:

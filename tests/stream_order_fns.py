@@ -2,6 +2,7 @@
 tensors are staged (GRADSYNC_HOST_STAGING=cpu), with stream_order.Recorder standing in for CUDA."""
 
 import contextlib
+import time
 from types import SimpleNamespace
 
 import torch
@@ -72,11 +73,16 @@ def backend_operations(wait_elsewhere: bool) -> dict:
         def call(issue, result):
             with recorder.use(issuing):
                 work = issue()
+            while not work.is_completed():   # run by the group's thread, not by this one in wait()
+                time.sleep(0.001)
             with recorder.use(reading if wait_elsewhere else issuing):
                 work.wait()
                 result().sum()
         a, b = torch.empty(10), torch.empty(3, 5)
         call(lambda: (a.fill_(1.0), b.fill_(2.0), group.allreduce([a, b]))[-1], lambda: b)
+        # (each call its own tensors: the caller's stream that issues is not the one that waited)
+        d, c = torch.empty(10), torch.empty(6, dtype=torch.float64)   # flattened together on the group's thread
+        call(lambda: (d.fill_(1.0), c.fill_(3.0), group.allreduce_coalesced([d, c]))[-1], lambda: c)
         pieces, piece = torch.empty(6 * n), torch.empty(6)
         call(lambda: (pieces.fill_(3.0), dist.reduce_scatter_tensor(piece, pieces, group=group, async_op=True))[-1],
              lambda: piece)
@@ -87,6 +93,7 @@ def backend_operations(wait_elsewhere: bool) -> dict:
         call(lambda: (sent.fill_(5.0), dist.broadcast(sent, 0, group=group, async_op=True))[-1], lambda: sent)
         with recorder.use(reading if wait_elsewhere else issuing):   # where the results were waited for
             right = bool(torch.equal(b, torch.full((3, 5), 2.0 * n)) and torch.equal(piece, torch.full((6,), 3.0 * n))
+                         and torch.equal(c, torch.full((6,), 3.0 * n, dtype=torch.float64))
                          and torch.equal(full, torch.full((4 * n,), 4.0)) and torch.equal(sent, torch.full((7,), 5.0)))
     dist.destroy_process_group(group)
     return {**_summary(recorder), "right": right}
