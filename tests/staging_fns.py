@@ -123,15 +123,18 @@ def torch_ddp_on_the_backend(backend: str, steps: int, batch: int, seed: int = 0
 
 
 def nccl_communicators_made() -> bool:
-    """Whether this process made an NCCL communicator (the host path must make none)."""
+    """Whether torch's default group sends this process's CUDA tensors to NCCL (the host path must
+    not: no NCCL communicator can then be made). Its backend for CUDA is asked, not whether it has one:
+    gloo is registered for CUDA tensors too, so a gloo group answers with gloo."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
     try:
-        group._get_backend(torch.device("cuda"))
-        return True
-    except RuntimeError:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:   # no backend at all for CUDA tensors
         return False
+    return nccl is not None and isinstance(backend, nccl)
 
 
 def train_digest(config: dict, out: str) -> tuple[int, float, int]:
