@@ -119,7 +119,8 @@ def test_readable_says_no_where_the_kernel_cannot_read_the_pages():
     assert single_copy.readable(torch.arange(100_000, dtype=torch.float64))
     assert single_copy.readable(torch.empty(0))
     untouchable = mmap.mmap(-1, 1 << 16, prot=0)   # PROT_NONE
-    assert not single_copy.readable(torch.frombuffer(untouchable, dtype=torch.uint8))
+    verdict = single_copy.readable(torch.frombuffer(untouchable, dtype=torch.uint8))
+    assert verdict is False, "readable() said yes to pages the kernel cannot read"   # (no tensor repr: it would read them)
 
 
 @pytest.mark.timeout(300)
