@@ -138,6 +138,18 @@ def test_ddp_and_zero1_through_the_staging_copies_equal_one_process(world_of):
 # -- on a GPU -----------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
+def test_overlapped_staging_equals_synchronous_staging_bit_for_bit(world_of):
+    # GRADSYNC_STAGING_MODE=sync synchronizes the device around every copy (obviously right); the
+    # overlapped default orders them by events alone: every collective, hook and backend operation
+    # must give the same bytes (a copy that raced its producer would not)
+    overlap = world_of(2).run(staging_fns.staged_digests, case_timeout=240)
+    sync = world_of(2, GRADSYNC_STAGING_MODE="sync").run(staging_fns.staged_digests, case_timeout=240)
+    for rank, (ours, reference) in enumerate(zip(overlap, sync)):
+        assert ours == reference, (rank, [i for i, (a, b) in enumerate(zip(ours, reference)) if a != b])
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ranks_sharing_a_gpu_run_every_collective_through_the_host(world_of, world_size):
     pool = world_of(world_size)
