@@ -208,3 +208,23 @@ def staged_digests(steps: int = 4) -> list[int]:
     digests += [_digest(p) for p in module.parameters()]
     dist.destroy_process_group(group)
     return digests
+
+
+def past_nccls_buffers(numel: int) -> list[str]:
+    """On NCCL (a GPU a rank): the algorithms over its point-to-point with messages far past its
+    buffers (where a send and a receive not posted as one group wait for ever), and the bitwise
+    reductions NCCL lacks (staged): the labels whose result differs from the closed form."""
+    w, where = gs.world(), device()
+    wrong = []
+    want = expected_sum(w.world_size, numel, torch.float32)
+    for algorithm in ("ring", "halving_doubling"):
+        t = contribution(w.rank, numel, torch.float32).to(where)
+        if not torch.equal(gs.all_reduce(t, algorithm=algorithm).cpu(), want):
+            wrong.append(f"all_reduce {algorithm}")
+    if not torch.equal(gs.all_gather(gs.reduce_scatter(contribution(w.rank, numel, torch.float32).to(where))).cpu(),
+                       want):
+        wrong.append("reduce_scatter + all_gather")
+    bits = torch.full((1000,), 1 << w.rank, dtype=torch.int64, device=where)
+    if not torch.equal(gs.all_reduce(bits, op="bor").cpu(), torch.full((1000,), (1 << w.world_size) - 1)):
+        wrong.append("all_reduce bor")
+    return wrong

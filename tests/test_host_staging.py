@@ -223,3 +223,12 @@ def test_ranks_with_a_gpu_each_run_on_nccl_with_the_cpu_results(world_of):
     for params in pool.run(staging_fns.ddp_steps, 10, 4):
         for got, want in zip(params, reference):
             assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+def test_nccl_point_to_point_past_its_buffers_and_the_bitwise_reductions(world_of):
+    # 64 MiB messages: each step's send and receive posted as one NCCL group (else both ranks of a pair
+    # wait in their sends); BOR staged through the host, NCCL having none
+    pool = world_of(2, GRADSYNC_BIND_GPU="1")
+    assert pool.run(staging_fns.past_nccls_buffers, 1 << 24, case_timeout=240) == [[], []]
