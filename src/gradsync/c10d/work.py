@@ -36,6 +36,11 @@ class Failure:
     def __init__(self, exception: BaseException) -> None:
         self.exception = exception
 
+    def __reduce__(self):
+        # A CUDA-aware future (an operation on CUDA tensors: comm/host_staging.py, Handoff) finds the
+        # tensors of its value by pickling it; a Failure holds none, and its exception need not pickle.
+        return (Failure, (None,))
+
 
 class Operation:
     """One queued operation and the future its outcome completes (once: the watchdog may fail it
