@@ -151,17 +151,19 @@ def _publishes_gpu(backend: str | None) -> bool:
 
 
 def settle(store, rank: int, world_size: int, timeout: float, backend: str | None, live: bool = False):
-    """Publish this rank's GPU on ``store`` (or NO_GPU), read every rank's, and choose (see ``choose``);
-    a rank without CUDA gets the world's backend and no CUDA path."""
+    """Publish this rank's GPU on ``store`` (or NO_GPU), and choose (see ``choose``). A rank that
+    publishes NO_GPU needs no one else's answer: with it in the world the path is host (no CUDA path
+    where it has no CUDA) and the backend gloo, unless one was given; a rank that asks for NCCL then
+    fails on the others, naming it. A rank that publishes its GPU reads every rank's."""
     key = "gradsync/gpu"   # the store is this init's own (runtime._meet)
-    store.set(f"{key}/{rank}", gpu_identity() if _publishes_gpu(backend) else NO_GPU)
+    if not _publishes_gpu(backend):
+        store.set(f"{key}/{rank}", NO_GPU)
+        return ("host" if torch.cuda.is_available() else None), with_cpu_backend(backend) or "gloo"
+    store.set(f"{key}/{rank}", gpu_identity())
     try:
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
     except Exception as exc:
         raise RuntimeError(f"rank {rank}: not every rank published its GPU within {timeout:.0f} s: {exc}") from exc
     identities = [store.get(f"{key}/{r}").decode() for r in range(world_size)]
-    if all(identity == NO_GPU for identity in identities) and not torch.cuda.is_available():
-        return choose(None, backend, requested(), False)   # no GPU published, none here: gloo, as everywhere
-    path, chosen = choose([None if identity == NO_GPU else identity for identity in identities], backend,
-                          requested(), dist.is_nccl_available(), live or _LIVE[0])
-    return (path if torch.cuda.is_available() else None), chosen
+    return choose([None if identity == NO_GPU else identity for identity in identities], backend, requested(),
+                  dist.is_nccl_available(), live or _LIVE[0])
