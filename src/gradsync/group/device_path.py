@@ -7,21 +7,23 @@
             communicator is ever made on it. Live fault tolerance stays on it (a dead rank needs no
             NCCL abort when the data path is host memory).
     nccl    NCCL, where every rank has a GPU of its own: algorithm="auto" runs NCCL's own collectives
-            (our ring over NCCL stays available by name, algorithm="ring").
+            (our ring over NCCL stays available by name, algorithm="ring"; band, bor and bxor, which
+            NCCL lacks, are staged through host memory: comm/collectives.py).
     None    no CUDA here: CUDA tensors do not exist.
 
 How: before any process group exists, every rank publishes its GPU (the host it is on and the UUID
 of its current device, torch.cuda.current_device(): call torch.cuda.set_device(local_rank) before
-init() where each rank has its own) on the rendezvous store, and every rank reads all of them, so
-all decide alike. GRADSYNC_CUDA_PATH=auto (the default), host or nccl; asking for nccl (or a
+init() where each rank has its own) on the rendezvous store, and every rank that has one reads all
+of them, so all decide alike. GRADSYNC_CUDA_PATH=auto (the default), host or nccl; asking for nccl (or a
 backend string with nccl in it) where ranks share a GPU fails here, naming them, before NCCL runs.
 
 Only a rank that has set CUDA up before init() (torch.cuda.set_device, a CUDA tensor made:
 torch.cuda.is_initialized(); `gradsync train --device cuda|auto` binds each rank to a GPU first,
 GRADSYNC_BIND_GPU) publishes its GPU; any other rank, and one that sees no GPU, publishes "none" and
 touches no CUDA here, so `--device cpu` on a GPU machine opens no CUDA context (which fails where
-the GPUs are in EXCLUSIVE_PROCESS mode) and no rank waits for one that never publishes. A world
-with such a rank takes the host path (always right: CUDA tensors made later are staged as gloo
+the GPUs are in EXCLUSIVE_PROCESS mode) and no rank waits for one that never publishes (nor does
+such a rank wait for the others: its answer does not depend on theirs). A world with such a rank
+takes the host path (always right: CUDA tensors made later are staged as gloo
 stages them); asking for nccl there fails, naming the ranks. The backend "nccl" alone is made
 "cpu:gloo,cuda:nccl": gradsync's own traffic is CPU tensors (the transport between hosts, the
 parameter server's messages) and NCCL takes none.
