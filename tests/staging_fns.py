@@ -123,15 +123,18 @@ def torch_ddp_on_the_backend(backend: str, steps: int, batch: int, seed: int = 0
 
 
 def nccl_communicators_made() -> bool:
-    """Whether this process made an NCCL communicator (the host path must make none)."""
+    """Whether torch's default group sends this process's CUDA tensors to NCCL (the host path must
+    not: no NCCL communicator can then be made). Its backend for CUDA is asked, not whether it has one:
+    gloo is registered for CUDA tensors too, so a gloo group answers with gloo."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
     try:
-        group._get_backend(torch.device("cuda"))
-        return True
-    except RuntimeError:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:   # no backend at all for CUDA tensors
         return False
+    return nccl is not None and isinstance(backend, nccl)
 
 
 def train_digest(config: dict, out: str) -> tuple[int, float, int]:
@@ -144,3 +147,84 @@ def train_digest(config: dict, out: str) -> tuple[int, float, int]:
                                     **config))
     return (result["digest"], result["summary"]["accuracy"] if result.get("summary") else None,
             gs.traffic()["device_to_host_bytes"])
+
+
+def _digest(t: torch.Tensor) -> int:
+    import zlib
+
+    return zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def staged_digests(steps: int = 4) -> list[int]:
+    """What host staging computes on this rank's GPU, as digests of the bytes, for comparing the two
+    staging modes (GRADSYNC_STAGING_MODE) bit for bit. Every input is written by a kernel just before
+    its call, so a copy that did not wait for it would read stale bytes: each collective on 1,000 and
+    4 Mi float32; the DDP wrapper with each hook (the default, fp16, bf16, PowerSGD compressing from
+    the third step, mixed precision in bfloat16) on an MLP of 0.5 M parameters, ``steps`` steps; torch's
+    DDP on the "gradsync" backend, the same."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
+
+    w, where = gs.world(), device()
+    digests = []
+    g = torch.Generator(device=where).manual_seed(w.rank)
+    for numel in (1000, 1 << 22):
+        t = torch.randn(numel, device=where, generator=g).mul_(3)
+        digests.append(_digest(gs.all_reduce(t)))
+        shard = gs.reduce_scatter(torch.randn(numel, device=where, generator=g).add_(1))
+        digests += [_digest(shard), _digest(gs.all_gather(shard.mul(2)))]
+        b = torch.randn(numel, device=where, generator=g).sub_(1)
+        digests.append(_digest(gs.broadcast(b, src=w.world_size - 1)))
+
+    def train(model, parameters):
+        optimizer = torch.optim.SGD(parameters, lr=0.01)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(64, 256, device=where, generator=g)).pow(2).mean().backward()
+            optimizer.step()
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256)).to(where)
+    for hook in ("none", "fp16", "bf16", "powersgd", "mixed"):
+        module = mlp()
+        options = {"bucket_cap_mb": 1}
+        if hook in ("fp16", "bf16"):
+            options["comm_hook"] = hook
+        if hook == "mixed":
+            options["mixed_precision"] = SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                         buffer_dtype=None)
+        model = gs.DistributedDataParallel(module, **options)
+        if hook == "powersgd":
+            model.register_comm_hook(PowerSGDState(rank=2, start_iter=2), powersgd_hook)
+        train(model, model.parameters())
+        digests += [_digest(p) for p in module.parameters()]
+        model.close()
+    group = dist.new_group(backend="gradsync")
+    module = mlp()
+    train(torch.nn.parallel.DistributedDataParallel(module, process_group=group), module.parameters())
+    digests += [_digest(p) for p in module.parameters()]
+    dist.destroy_process_group(group)
+    return digests
+
+
+def past_nccls_buffers(numel: int) -> list[str]:
+    """On NCCL (a GPU a rank): the algorithms over its point-to-point with messages far past its
+    buffers (where a send and a receive not posted as one group wait for ever), and the bitwise
+    reductions NCCL lacks (staged): the labels whose result differs from the closed form."""
+    w, where = gs.world(), device()
+    wrong = []
+    want = expected_sum(w.world_size, numel, torch.float32)
+    for algorithm in ("ring", "halving_doubling"):
+        t = contribution(w.rank, numel, torch.float32).to(where)
+        if not torch.equal(gs.all_reduce(t, algorithm=algorithm).cpu(), want):
+            wrong.append(f"all_reduce {algorithm}")
+    if not torch.equal(gs.all_gather(gs.reduce_scatter(contribution(w.rank, numel, torch.float32).to(where))).cpu(),
+                       want):
+        wrong.append("reduce_scatter + all_gather")
+    bits = torch.full((1000,), 1 << w.rank, dtype=torch.int64, device=where)
+    if not torch.equal(gs.all_reduce(bits, op="bor").cpu(), torch.full((1000,), (1 << w.world_size) - 1)):
+        wrong.append("all_reduce bor")
+    return wrong

@@ -7,6 +7,8 @@ global batch. With a GPU (marker ``cuda``, skipped here): the same with 2, 3 and
 cuda:0, torch's DDP on the "gradsync" backend against gloo's, and no NCCL communicator made.
 """
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -26,8 +28,61 @@ def test_the_path_follows_the_ranks_gpus():
     assert device_path.choose(own, None, "host", True) == ("host", "gloo")
     assert device_path.choose(own, None, "auto", True, live=True) == ("host", "gloo")
     assert device_path.choose(own, "gloo", "auto", True) == ("host", "gloo")         # the program asked for gloo
-    assert device_path.choose(own, "nccl", "auto", True) == ("nccl", "nccl")
+    assert device_path.choose(own, "nccl", "auto", True) == ("nccl", "cpu:gloo,cuda:nccl")   # CPU traffic on gloo
+    assert device_path.choose(own, "cpu:gloo,cuda:nccl", "auto", True) == ("nccl", "cpu:gloo,cuda:nccl")
+    assert device_path.choose(["h#a", None, "h#c"], None, "auto", True) == ("host", "gloo")   # a rank with none
     assert device_path.sharing(shared) == [[0, 2]]
+    assert device_path.sharing(["h#a", None, None, "h#a"]) == [[0, 3]]   # ranks with no GPU share nothing
+
+
+def test_init_with_backend_nccl_keeps_a_cpu_backend(monkeypatch):
+    # gradsync's own traffic (the transport between hosts, the parameter server) is CPU tensors: "nccl"
+    # alone would leave them no backend, so init() asks torch for "cpu:gloo,cuda:nccl"
+    from gradsync.group import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime._resolve_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert runtime._resolve_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert runtime._resolve_backend("gloo") == "gloo"
+
+
+def test_a_rank_without_a_gpu_publishes_and_touches_no_cuda(monkeypatch):
+    # a rank that sees no GPU, or one that set none up before init() (--device cpu on a GPU machine),
+    # publishes "none" without asking CUDA which GPU it has (which opens a context), so the others do
+    # not wait for it; the world then takes the host path, and asking for NCCL names the rank
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=2))
+    store.set("gradsync/gpu/1", "h#gpu-b")   # rank 1 has a GPU of its own
+    assert device_path.settle(store, 0, 2, 5.0, None) == (None, "gloo")
+    assert store.get("gradsync/gpu/0") == b"none"
+
+    def no_context(*_):
+        raise AssertionError("asked CUDA for this rank's GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(device_path, "gpu_identity", no_context)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    store = torch.distributed.HashStore()
+    store.set("gradsync/gpu/1", "h#gpu-b")
+    assert device_path.settle(store, 0, 2, 5.0, None) == ("host", "gloo")
+    assert store.get("gradsync/gpu/0") == b"none"
+    with pytest.raises(RuntimeError, match="rank 0 set up no GPU before init"):
+        device_path.choose([None, "h#gpu-b"], "cpu:gloo,cuda:nccl", "auto", True)
+
+
+def test_a_live_world_stays_on_the_host_path(monkeypatch):
+    # mark_live() (gs.spawn's live ranks; a live program under torchrun calls it before init) makes
+    # init() choose as a rejoin does: the host path, and NCCL refused
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(device_path, "gpu_identity", lambda: "h#gpu-a")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(device_path, "_LIVE", [False])
+    store = torch.distributed.HashStore()
+    store.set("gradsync/gpu/1", "h#gpu-b")
+    assert device_path.settle(store, 0, 2, 5.0, None) == ("nccl", "cpu:gloo,cuda:nccl")
+    device_path.mark_live()
+    assert device_path.settle(store, 0, 2, 5.0, None) == ("host", "gloo")
 
 
 @pytest.mark.parametrize("backend,wanted", [(None, "nccl"), ("nccl", "auto"), ("cpu:gloo,cuda:nccl", "auto")])
@@ -81,6 +136,18 @@ def test_ddp_and_zero1_through_the_staging_copies_equal_one_process(world_of):
 
 
 # -- on a GPU -----------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_overlapped_staging_equals_synchronous_staging_bit_for_bit(world_of):
+    # GRADSYNC_STAGING_MODE=sync synchronizes the device around every copy (obviously right); the
+    # overlapped default orders them by events alone: every collective, hook and backend operation
+    # must give the same bytes (a copy that raced its producer would not)
+    overlap = world_of(2).run(staging_fns.staged_digests, case_timeout=240)
+    sync = world_of(2, GRADSYNC_STAGING_MODE="sync").run(staging_fns.staged_digests, case_timeout=240)
+    for rank, (ours, reference) in enumerate(zip(overlap, sync)):
+        assert ours == reference, (rank, [i for i, (a, b) in enumerate(zip(ours, reference)) if a != b])
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -156,3 +223,12 @@ def test_ranks_with_a_gpu_each_run_on_nccl_with_the_cpu_results(world_of):
     for params in pool.run(staging_fns.ddp_steps, 10, 4):
         for got, want in zip(params, reference):
             assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+def test_nccl_point_to_point_past_its_buffers_and_the_bitwise_reductions(world_of):
+    # 64 MiB messages: each step's send and receive posted as one NCCL group (else both ranks of a pair
+    # wait in their sends); BOR staged through the host, NCCL having none
+    pool = world_of(2, GRADSYNC_BIND_GPU="1")
+    assert pool.run(staging_fns.past_nccls_buffers, 1 << 24, case_timeout=240) == [[], []]

@@ -35,6 +35,19 @@ def test_spawn_returns_values_in_rank_order_with_tensors_intact():
         assert not _alive(r["pid"])
 
 
+def test_a_ranks_cuda_tensors_come_back_on_the_cpu(tmp_path, monkeypatch):
+    # a result saved on a rank's GPU loads onto the CPU: the launcher may have no such GPU (here: none
+    # at all, where torch.load refuses a CUDA location unless told where to put it)
+    from gradsync.group import launch
+
+    with monkeypatch.context() as saving_from_a_gpu:   # torch.save tags each storage with its device
+        saving_from_a_gpu.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+        torch.save({"weight": torch.arange(6.0).view(2, 3), "step": 7}, tmp_path / "1.result")
+    loaded = launch.load_result(tmp_path / "1.result")
+    assert loaded["step"] == 7 and loaded["weight"].device.type == "cpu"
+    assert torch.equal(loaded["weight"], torch.arange(6.0).view(2, 3))
+
+
 @pytest.mark.timeout(120)
 def test_spawn_names_the_rank_that_raised_with_its_traceback():
     started = time.monotonic()

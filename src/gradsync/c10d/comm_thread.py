@@ -37,6 +37,7 @@ inside the callback).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -84,11 +85,12 @@ class CommThread:
         if self._closed:
             raise RuntimeError("this gradsync process group was shut down; create a new one")
 
-    def submit(self, operation: Callable[[], object], what: str, wake: bool = True):
+    def submit(self, operation: Callable[[], object], what: str, wake: bool = True, handoff=None):
         """Queue ``operation()``; a torch Work whose future's value is its return value. ``wake``
         False: the caller is about to wait, so the thread is not woken for it (if the queue is busy
-        the thread still takes it in turn). Issued by the holder: run at once (rule 2)."""
-        queued = Operation(operation, what)
+        the thread still takes it in turn). Issued by the holder: run at once (rule 2). ``handoff``:
+        its CUDA tensors' stream order (work.py, Operation)."""
+        queued = Operation(operation, what, handoff)
         with self._changed:
             self._check_open()
             nested = self._holder == threading.get_ident()
@@ -145,18 +147,24 @@ class CommThread:
         self._progress_at = time.monotonic()
 
     def _execute(self, queued: Operation) -> None:
-        """Run ``queued`` on the holder (this thread), then its future's callbacks."""
+        """Run ``queued`` on the holder (this thread), then its future's callbacks; an operation on
+        CUDA tensors under its hand-off's side streams, settled there too (its CUDA-aware future
+        records its completion on them)."""
         previous = self._enter(f"running {queued.what}", queued)
         try:
-            value = queued.run()
-        except BaseException as exc:  # crosses to the waiting thread as the Work's error
-            value = Failure(exc)
-        finally:
-            stall.left()  # the stall inspector watches the operation in progress
-        self._doing, self._in_operation = f"in a callback chained on {queued.what}'s future", False
-        self._progress_at = time.monotonic()
-        try:
-            queued.settle(value)
+            with queued.handoff.running() if queued.handoff is not None else contextlib.nullcontext():
+                try:
+                    value = queued.run()
+                except BaseException as exc:  # crosses to the waiting thread as the Work's error
+                    value = Failure(exc)
+                finally:
+                    stall.left()  # the stall inspector watches the operation in progress
+                self._doing, self._in_operation = f"in a callback chained on {queued.what}'s future", False
+                self._progress_at = time.monotonic()
+                queued.settle(value)
+        except BaseException as exc:   # the hand-off itself failed (a CUDA error): the Work raises it
+            queued.settle(Failure(exc))
+            raise
         finally:
             self._leave(previous)
 

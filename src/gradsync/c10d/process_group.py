@@ -52,6 +52,7 @@ from gradsync.c10d.comm_thread import CommThread
 from gradsync.c10d.work import TransferWork, run_eagerly
 from gradsync.comm import world_transport
 from gradsync.comm.agree import Fingerprint
+from gradsync.comm.host_staging import Handoff
 from gradsync.comm.collectives import (Place, agree_in, all_gather_in, all_reduce_in, broadcast_in, next_sequence,
                                        reduce_scatter_in)
 from gradsync.comm.allreduce_tree import reduce_tree
@@ -102,6 +103,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._adoption = BucketAdoption(transport, world.world_size)
         self._torch_store = torch_store
         self._nccl = None
+        self._side_streams: dict = {}   # device -> the stream its CUDA operations run on (Handoff)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "gradsync"
@@ -142,10 +144,14 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._nccl
 
     def _run(self, what: str, tensors: list[torch.Tensor], operation, opts=None):
-        """Queue ``operation`` (a closure over CPU tensors); the Work's value is ``tensors``. A
+        """Queue ``operation`` (a closure over ``tensors``); the Work's value is ``tensors``. A
         synchronous call (torch's opts.asyncOp False) runs at once on the caller's thread when
         nothing is queued, and otherwise does not wake the communication thread: the caller waits
-        at once and so runs the operation itself when its turn comes (work.py)."""
+        at once and so runs the operation itself when its turn comes (work.py). CUDA tensors (staged
+        through host memory, as gloo does) are ordered against the caller's stream as gloo orders
+        them: an event on the caller's current stream now, the operation's kernels on a side stream
+        that waits for it, and the caller's current stream waiting for them in wait() and in the
+        Work's future (comm/host_staging.py, Handoff)."""
         for t in tensors:
             if t.is_sparse:
                 raise RuntimeError(f"gradsync backend: {what} got a sparse tensor ({dtype_name(t.dtype)}); "
@@ -158,7 +164,8 @@ class GradsyncProcessGroup(dist.ProcessGroup):
             done = self._thread.run_now(operation, tensors)
             if done is not None:
                 return done
-        return self._thread.submit(run, what, wake=getattr(opts, "asyncOp", True))
+        return self._thread.submit(run, what, wake=getattr(opts, "asyncOp", True),
+                                   handoff=Handoff.of(tensors, self._side_streams))
 
     def _fingerprint(self, kind: str, numel: int, dtype: torch.dtype, algorithm: str, root: int = 0,
                      op: str = "none") -> None:

@@ -36,17 +36,26 @@ class Failure:
     def __init__(self, exception: BaseException) -> None:
         self.exception = exception
 
+    def __reduce__(self):
+        # A CUDA-aware future (an operation on CUDA tensors: comm/host_staging.py, Handoff) finds the
+        # tensors of its value by pickling it; a Failure holds none, and its exception need not pickle.
+        return (Failure, (None,))
+
 
 class Operation:
     """One queued operation and the future its outcome completes (once: the watchdog may fail it
-    first). The communication thread (comm_thread.py) runs it; the Works below wrap its outcome."""
+    first). The communication thread (comm_thread.py) runs it; the Works below wrap its outcome.
+    ``handoff``: where its tensors are on a GPU, the order of its kernels against the caller's
+    (comm/host_staging.py, Handoff): the thread runs it under ``handoff.running()``, its outcome is
+    a CUDA-aware future, and Work.wait() collects it on the caller's thread."""
 
-    __slots__ = ("run", "what", "outcome", "settled")
+    __slots__ = ("run", "what", "outcome", "settled", "handoff")
 
-    def __init__(self, run: Callable[[], object], what: str) -> None:
+    def __init__(self, run: Callable[[], object], what: str, handoff=None) -> None:
         self.run = run
         self.what = what
-        self.outcome = torch.futures.Future()
+        self.handoff = handoff
+        self.outcome = handoff.future() if handoff is not None else torch.futures.Future()
         self.settled = False
 
     def settle(self, value) -> None:
@@ -105,6 +114,8 @@ class FutureWork(dist.Work):
         value = self._outcome.wait()
         if isinstance(value, Failure):
             raise value.exception
+        if self._queued.handoff is not None:   # the caller's current streams wait for the operation's
+            self._queued.handoff.collect()
         return True
 
     def _wake(self) -> None:

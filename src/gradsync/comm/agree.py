@@ -173,14 +173,17 @@ def barrier_staged(transport, mine: Fingerprint | None, op: str, spin: bool = Fa
         compare_published(transport, mine)
 
 
-def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: str, spin: bool = False) -> list[int]:
-    """The staged check for single-copy reads: publish ``mine`` with ``flat``'s address, one barrier,
-    compare every rank's fingerprint; returns every rank's tensor address in rank order."""
-    transport.publish(mine.values() if mine is not None else (), flat.data_ptr())
+def offer_staged(transport, flat: torch.Tensor, mine: Fingerprint | None, op: str, spin: bool = False,
+                 address: int | None = None) -> list[int]:
+    """The staged check for single-copy reads: publish ``mine`` with ``flat``'s address (or
+    ``address``: 0 offers nothing), one barrier, compare every rank's fingerprint; returns every
+    rank's published address in rank order."""
+    address = flat.data_ptr() if address is None else address
+    transport.publish(mine.values() if mine is not None else (), address)
     transport.barrier(op, spin)
     if mine is not None:
         compare_published(transport, mine)
-    return [flat.data_ptr() if other == transport.rank else transport.published_address(other, op)
+    return [address if other == transport.rank else transport.published_address(other, op)
             for other in range(transport.world_size)]
 
 

@@ -34,7 +34,12 @@ from gradsync.comm.transport import Combine, Transport
 def _exchange(transport: Transport, send: torch.Tensor, recv: torch.Tensor, peer: int, op: str,
               staging: torch.Tensor | None = None, combine: Combine = torch.Tensor.add_) -> None:
     """Send ``send`` to ``peer`` while receiving into ``recv`` (reduced into it with ``combine`` when
-    ``staging`` is given)."""
+    ``staging`` is given); over NCCL as one exchange (Transport.pairs_exchanges)."""
+    if transport.pairs_exchanges(send):
+        transport.exchange(send, peer, recv if staging is None else staging, peer, op).wait()
+        if staging is not None:
+            combine(recv, staging)
+        return
     handle_out = transport.isend(send, peer, op)
     if staging is None:
         transport.irecv(recv, peer, op).wait()

@@ -52,6 +52,12 @@ class GroupTransport(Transport):
     def irecv_reduce(self, tensor, src, op, *, staging, combine=torch.Tensor.add_) -> Handle:
         return self.base.irecv_reduce(tensor, self.members[src], op, staging=staging, combine=combine)
 
+    def pairs_exchanges(self, tensor) -> bool:
+        return self.base.pairs_exchanges(tensor)
+
+    def exchange(self, send, dst, recv, src, op) -> Handle:
+        return self.base.exchange(send, self.members[dst], recv, self.members[src], op)
+
 
 def layout_error(hosts: tuple[tuple[int, ...], ...]) -> str | None:
     """None when ``hosts`` suits hierarchical all-reduce, else the reason."""

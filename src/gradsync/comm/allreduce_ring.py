@@ -19,6 +19,10 @@ Phases
                     (r-s-1) mod N straight into its place in the output; received segments are
                     forwarded at once.
 
+Over NCCL's point-to-point (a world on NCCL, CUDA tensors: Transport.pairs_exchanges) each step is
+one exchange instead, the chunk sent and the chunk received posted as one group (transport/tcp.py
+says why), and NCCL pipelines the chunk itself: ``_reduce_scatter_by_steps``, ``_all_gather_by_steps``.
+
 Traffic and time (alpha: latency per message, beta: seconds per byte, gamma: seconds per reduced byte)
     each phase sends (N-1) chunks, so per rank
         bytes_sent = bytes_received = 2 * sum of the N-1 chunks it sends
@@ -103,6 +107,9 @@ def reduce_scatter_ring(flat: torch.Tensor, transport: Transport, op: str,
     chunks = ring_chunks(flat.numel(), n_ranks)
     if n_ranks == 1:
         return chunks
+    if transport.pairs_exchanges(flat):
+        _reduce_scatter_by_steps(flat, chunks, transport, op, combine)
+        return chunks
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
     seg_elems = _segment_elems(flat, transport, segment_bytes)
     # Two staging buffers (used by transports that cannot add in place): step s receives into
@@ -147,6 +154,9 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
     n_ranks, rank = transport.world_size, transport.rank
     if n_ranks == 1:
         return
+    if transport.pairs_exchanges(flat):
+        _all_gather_by_steps(flat, chunks, transport, op)
+        return
     right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
     seg_elems = _segment_elems(flat, transport, segment_bytes)
     # all-gather. Sends are posted before receives: on gloo, a receive posted first and matched by a
@@ -166,6 +176,32 @@ def all_gather_ring(flat: torch.Tensor, chunks: Chunks, transport: Transport, op
         if step < n_ranks - 2:  # forward what arrived; the last step's chunk stops here
             sends.append(transport.isend(segment, right, op))
     wait_all(sends)
+
+
+def _reduce_scatter_by_steps(flat: torch.Tensor, chunks: Chunks, transport: Transport, op: str,
+                             combine: Combine) -> None:
+    """reduce_scatter_ring with each step one exchange: at step s send chunk (r-s-1) mod N (what
+    step s-1 reduced) and receive chunk (r-s-2) mod N, then add it in."""
+    n_ranks, rank = transport.world_size, transport.rank
+    right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
+    incoming = scratch(max(chunks.sizes), flat.dtype, flat.device, 0)
+    # reduce-scatter
+    for step in range(n_ranks - 1):
+        send_chunk, recv_chunk = (rank - step - 1) % n_ranks, (rank - step - 2) % n_ranks
+        received = incoming.narrow(0, 0, chunks.sizes[recv_chunk])
+        transport.exchange(chunks.view(flat, send_chunk), right, received, left, op).wait()
+        combine(chunks.view(flat, recv_chunk), received)
+
+
+def _all_gather_by_steps(flat: torch.Tensor, chunks: Chunks, transport: Transport, op: str) -> None:
+    """all_gather_ring with each step one exchange: at step s send chunk (r-s) mod N and receive chunk
+    (r-s-1) mod N into its place."""
+    n_ranks, rank = transport.world_size, transport.rank
+    right, left = (rank + 1) % n_ranks, (rank - 1) % n_ranks
+    # all-gather
+    for step in range(n_ranks - 1):
+        transport.exchange(chunks.view(flat, (rank - step) % n_ranks), right,
+                           chunks.view(flat, (rank - step - 1) % n_ranks), left, op).wait()
 
 
 def allreduce_ring(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM,

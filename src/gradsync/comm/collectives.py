@@ -106,13 +106,19 @@ def _check_tensor(tensor, what: str, w: runtime.World) -> None:
                            f"has no GPU that torch.distributed was set up with")
 
 
-def _staging(place: Place, tensor) -> host_staging.HostStaging | None:
+NCCL_REFUSES = ("band", "bor", "bxor")
+"""Reductions NCCL has no operation for: a CUDA tensor in a world on NCCL is staged through the
+host for them and reduced by the CPU algorithms (over gloo), which have them."""
+
+
+def _staging(place: Place, tensor, op: str | None = None) -> host_staging.HostStaging | None:
     """Host staging (host_staging.py) for ``tensor`` on ``place``: a CUDA tensor in a world whose CUDA
-    path is "host" (device_path.py), or any CPU tensor under GRADSYNC_HOST_STAGING=cpu; else None."""
+    path is "host" (device_path.py), or reduced by ``op`` where NCCL has none (NCCL_REFUSES), or any
+    CPU tensor under GRADSYNC_HOST_STAGING=cpu; else None."""
     if not isinstance(tensor, torch.Tensor):
         return None
     if tensor.is_cuda:
-        if place.world.cuda_path == "nccl":
+        if place.world.cuda_path == "nccl" and op not in NCCL_REFUSES:
             return None
     elif not getattr(place.transport, "stage_cpu", False):
         return None
@@ -191,7 +197,7 @@ def resolve_algorithm(place: Place, flat: torch.Tensor, algorithm: str = "auto")
 
 def _resolve(w: runtime.World, transport: Transport, flat: torch.Tensor, algorithm: str) -> str:
     if flat.is_cuda and algorithm == "auto":   # each rank on a GPU of its own: NCCL's own all-reduce
-        return "native"
+        return "native"   # (band, bor, bxor never get here: NCCL has none, so they are staged: _staging)
     shared_problem = "the shared-memory all-reduce takes CPU tensors" if flat.is_cuda else shared_layout_error(transport)
     if algorithm == "auto":
         algorithm = select.choose(flat.numel() * flat.element_size(), w.world_size, hosts=w.hosts,
@@ -221,7 +227,7 @@ def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm
                 and (plan.nbytes < IN_PLACE_FROM_BYTES or transport.regions.views_of(tensor) is None)):
             plan.run(tensor, transport)   # held on the rank's core as on_own_core holds
             return tensor
-    staging = _staging(place, tensor)
+    staging = _staging(place, tensor, op)
     if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
         return host_staging.in_place(staging, tensor, lambda host: _all_reduce_in(place, host, op, algorithm))
     return _all_reduce_in(place, tensor, op, algorithm)
@@ -296,7 +302,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 @stall.tracked
 def reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """reduce_scatter on ``place``."""
-    staging = _staging(place, tensor)
+    staging = _staging(place, tensor, op)
     if staging is not None:   # a CUDA tensor through host memory (host_staging.py)
         return host_staging.producing(staging, tensor, lambda host: _reduce_scatter_in(place, host, op))
     return _reduce_scatter_in(place, tensor, op)
@@ -321,8 +327,10 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
         if transport.single_copy and flat.numel() * flat.element_size() >= single_copy.FROM_BYTES:
             # each rank reads its chunk where it lies
             fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory_single_copy")
-            return reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
-                                              spin=spins(transport, fingerprint))
+            shard = reduce_scatter_single_copy(flat, transport, reduction=chosen, fingerprint=fingerprint,
+                                               spin=spins(transport, fingerprint))
+            if shard is not None:
+                return shard   # (None: some rank's input cannot be read where it lies; staged, as on every rank)
         fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory")  # one barrier per staging half
         return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=spins(transport, fingerprint))
@@ -360,8 +368,13 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
         return flat_shard.clone()
     if _shared(transport, shard):
         mine = _entered(transport, "all_gather", flat_shard, "none", "shared_memory")
-        gather = all_gather_single_copy if transport.single_copy else all_gather_shared
-        return gather(flat_shard, transport, mine, spin=spins(transport, mine))
+        if transport.single_copy:
+            full = all_gather_single_copy(flat_shard, transport, mine, spin=spins(transport, mine))
+            if full is not None:
+                return full
+            # a shard that cannot be read where it lies: staged, as on every rank
+            mine = _entered(transport, "all_gather", flat_shard, "none", "shared_memory")
+        return all_gather_shared(flat_shard, transport, mine, spin=spins(transport, mine))
     mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")

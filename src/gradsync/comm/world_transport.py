@@ -59,7 +59,15 @@ def transport_choice() -> str:
 
 
 def build(world: runtime.World) -> Transport:
-    """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS)."""
+    """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS); under
+    GRADSYNC_HOST_STAGING=cpu its CPU tensors go through host staging's copies (device_path.py), the
+    "gradsync" backend's groups as the world's."""
+    transport = _chosen(world)
+    transport.stage_cpu = device_path.stage_cpu_tensors()
+    return transport
+
+
+def _chosen(world: runtime.World) -> Transport:
     choice = transport_choice()
     local = world.host_ranks
     if choice == "tcp" or world.world_size == 1:
@@ -77,9 +85,7 @@ def build(world: runtime.World) -> Transport:
 
 def _connect(world: runtime.World) -> None:
     _disconnect()
-    transport = build(world)
-    transport.stage_cpu = device_path.stage_cpu_tensors()   # CPU tensors through host staging (its tests)
-    _TRANSPORTS[id(world)] = transport
+    _TRANSPORTS[id(world)] = build(world)
 
 
 def _disconnect() -> None:

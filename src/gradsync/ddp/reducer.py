@@ -8,10 +8,14 @@ Per iteration
        thread (one thread, first in first out), so every rank launches buckets in the same order
        whatever order autograd produced them in. There the communication hook (ddp/hooks.py) is
        called with the bucket (ddp/grad_bucket.py) and its Future waited for, at most
-       ``wait_limit`` seconds, before the next bucket's hook is called;
+       ``wait_limit`` seconds, before the next bucket's hook is called. A CUDA bucket's hook runs
+       on a side stream that waits for the stream the bucket's gradients were written on, as they
+       stood when the bucket became ready (comm/host_staging.py, Handoff: the hook's casts, then its
+       staging copies, come after the gradients and not after the rest of backward);
     3. at the end of backward (an autograd engine callback) unready parameters are either an error
        that names them or, with find_unused_parameters, zero gradients; then the reducer waits for
-       every bucket (bounded), so no optimizer step can see a half-reduced gradient. In debug mode
+       every bucket (bounded), and the caller's streams for the hooks' side streams, so no optimizer
+       step can see a half-reduced gradient. In debug mode
        (GRADSYNC_DEBUG=1) the averaged gradients are then checked for NaN and Inf.
 
 Why one bucket's Future completes before the next bucket's hook starts: torch's hooks chain
@@ -38,6 +42,7 @@ State: ``ready`` flags live in the buckets; ``_pending`` counts unready paramete
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,17 +53,11 @@ from torch.autograd import Variable
 
 from gradsync.group import runtime
 from gradsync.observe import trace
-from gradsync.comm.host_staging import produced_by
+from gradsync.comm.host_staging import Handoff
 from gradsync.ddp.buckets import Bucket, build_buckets
 from gradsync.ddp.grad_bucket import GradBucket
 from gradsync.ddp.group import ReplicaGroup
 from gradsync.ddp.hooks import ReduceState
-
-
-def _recorded_event():
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 class Reducer:
@@ -84,6 +83,7 @@ class Reducer:
         self._rebuild_pending = rebuild_buckets
         self._ready_order: list[int] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-comm")
+        self._side_streams: dict = {}       # device -> the stream CUDA buckets' hooks run on (Handoff)
         self._build(None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._reset()
@@ -101,6 +101,7 @@ class Reducer:
             b.ready = [False] * len(b.params)
         self._next_launch = 0
         self._jobs: list[Future] = []
+        self._handoffs: list[Handoff] = []
         self._results: dict[int, torch.Tensor] = {}
         self._comm_spans: list[tuple[float, float]] = []
         self._order_seen: list[int] = []
@@ -144,26 +145,32 @@ class Reducer:
     # -- 2. launch in bucket order, one hook at a time on the communication thread ----------------------
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
-            bucket = self.buckets[self._next_launch]
-            # a CUDA bucket is final once backward's stream has run what is queued now: the event lets its
-            # copy to the host start then, not after what backward queues later (comm/host_staging.py)
-            ready = _recorded_event() if bucket.flat.is_cuda else None
-            self._jobs.append(self._executor.submit(self._communicate, bucket, ready))
+            self._submit(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _communicate(self, bucket: Bucket, ready=None) -> None:
+    def _submit(self, bucket: Bucket) -> None:
+        """Hand ``bucket`` to the communication thread. A CUDA bucket's hook runs there on a side stream
+        that waits for what this thread's stream of the bucket's device has queued now (the bucket's
+        gradients), so its kernels and staging copies come after them and not after what backward
+        queues later; the end of backward waits for that stream (comm/host_staging.py, Handoff)."""
+        handoff = Handoff.of([bucket.flat], self._side_streams)
+        if handoff is not None:
+            self._handoffs.append(handoff)
+        self._jobs.append(self._executor.submit(self._communicate, bucket, handoff))
+
+    def _communicate(self, bucket: Bucket, handoff: Handoff | None = None) -> None:
         start = time.perf_counter()
         tracer = trace.tracer()
         t0 = tracer.now_us() if tracer else 0.0
         if isinstance(self.hook_state, ReduceState):
             self.hook_state.divisor = self.divisor
-        with produced_by(ready):
+        with handoff.running() if handoff is not None else contextlib.nullcontext():
             future = self.hook(self.hook_state, GradBucket(bucket, len(self.buckets)))
-        result, end = self._wait_for(future, bucket)
-        if self.precision is not None:
-            self._results[bucket.index] = result   # full-precision gradients are written at the end
-        elif result.data_ptr() != bucket.flat.data_ptr() or result.dtype != bucket.flat.dtype:
-            bucket.flat.copy_(result.reshape(-1)[:bucket.flat.numel()])
+            result, end = self._wait_for(future, bucket)
+            if self.precision is not None:
+                self._results[bucket.index] = result   # full-precision gradients are written at the end
+            elif result.data_ptr() != bucket.flat.data_ptr() or result.dtype != bucket.flat.dtype:
+                bucket.flat.copy_(result.reshape(-1)[:bucket.flat.numel()])
         self._comm_spans.append((start, end))
         if tracer:
             tracer.add(f"all_reduce bucket {bucket.index}", "comm", t0, tracer.now_us(),
@@ -185,7 +192,7 @@ class Reducer:
         if not done.wait(self.wait_limit):
             raise TimeoutError(f"rank {runtime.world().rank}: communication hook {name} did not complete bucket "
                                f"{bucket.index} ({', '.join(bucket.names)}) within {self.wait_limit:.0f} s")
-        value = future.value()   # raises what the hook raised
+        value = future.wait()   # raises what the hook raised; a CUDA future: this stream waits for its kernels
         tensor = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
         if not isinstance(tensor, torch.Tensor) or tensor.numel() < bucket.flat.numel():
             raise TypeError(f"communication hook {name} gave bucket {bucket.index} a Future of "
@@ -282,6 +289,8 @@ class Reducer:
                                    f"reductions in launch order) did not end within {self.wait_limit + 5.0:.0f} s "
                                    f"of the one before it")
             job.result()   # raises what the job raised
+        for handoff in self._handoffs:   # this thread's streams wait for the hooks' side streams
+            handoff.collect()
 
     # -- rebuilding the buckets once ------------------------------------------------------------------
     def rebuild_if_due(self) -> bool:
@@ -318,7 +327,7 @@ class Reducer:
             for slot, p in enumerate(b.params):
                 if self.precision is None:
                     p.grad = b.grad_view(slot)
-            self._jobs.append(self._executor.submit(self._communicate, b))
+            self._submit(b)
         if self.find_unused_parameters:   # this rank used none of them
             self._count_users([(b, slot) for b in self.buckets for slot in range(len(b.params))])
         try:

@@ -7,14 +7,30 @@
             communicator is ever made on it. Live fault tolerance stays on it (a dead rank needs no
             NCCL abort when the data path is host memory).
     nccl    NCCL, where every rank has a GPU of its own: algorithm="auto" runs NCCL's own collectives
-            (our ring over NCCL stays available by name, algorithm="ring").
+            (our ring over NCCL stays available by name, algorithm="ring"; band, bor and bxor, which
+            NCCL lacks, are staged through host memory: comm/collectives.py).
     None    no CUDA here: CUDA tensors do not exist.
 
 How: before any process group exists, every rank publishes its GPU (the host it is on and the UUID
 of its current device, torch.cuda.current_device(): call torch.cuda.set_device(local_rank) before
-init() where each rank has its own) on the rendezvous store, and every rank reads all of them, so
-all decide alike. GRADSYNC_CUDA_PATH=auto (the default), host or nccl; asking for nccl (or a
+init() where each rank has its own) on the rendezvous store, and every rank that has one reads all
+of them, so all decide alike. GRADSYNC_CUDA_PATH=auto (the default), host or nccl; asking for nccl (or a
 backend string with nccl in it) where ranks share a GPU fails here, naming them, before NCCL runs.
+
+Only a rank that has set CUDA up before init() (torch.cuda.set_device, a CUDA tensor made:
+torch.cuda.is_initialized(); `gradsync train --device cuda|auto` binds each rank to a GPU first,
+GRADSYNC_BIND_GPU) publishes its GPU; any other rank, and one that sees no GPU, publishes "none" and
+touches no CUDA here, so `--device cpu` on a GPU machine opens no CUDA context (which fails where
+the GPUs are in EXCLUSIVE_PROCESS mode) and no rank waits for one that never publishes (nor does
+such a rank wait for the others: its answer does not depend on theirs). A world with such a rank
+takes the host path (always right: CUDA tensors made later are staged as gloo
+stages them); asking for nccl there fails, naming the ranks. The backend "nccl" alone is made
+"cpu:gloo,cuda:nccl": gradsync's own traffic is CPU tensors (the transport between hosts, the
+parameter server's messages) and NCCL takes none.
+
+Live fault tolerance (live/) stays on the host path: a process that will run a live world calls
+``mark_live()`` before init() (gs.spawn does for its live ranks; a program under torchrun does it
+itself), and a rejoin is live by itself.
 
 GRADSYNC_HOST_STAGING=cpu sends CPU tensors through host staging's copies too (to a host buffer and
 back, no streams): a machine without a GPU runs that path's bookkeeping in its tests.
@@ -33,6 +49,23 @@ from gradsync.group.world_info import host_id
 PATHS = ("auto", "host", "nccl")
 """GRADSYNC_CUDA_PATH's values."""
 ENV = "GRADSYNC_CUDA_PATH"
+NO_GPU = "none"
+"""What a rank publishes for its GPU where it has none set up (see the module docstring)."""
+WITH_CPU = "cpu:gloo,cuda:nccl"
+"""What backend="nccl" becomes: NCCL for CUDA tensors and gloo for gradsync's CPU traffic."""
+
+_LIVE = [False]
+
+
+def mark_live() -> None:
+    """This process's next init() makes a live world (live fault tolerance): its CUDA tensors go
+    through host memory, and asking for NCCL is refused there (``choose``). Call it before init()."""
+    _LIVE[0] = True
+
+
+def with_cpu_backend(backend: str | None) -> str | None:
+    """``backend``, with "nccl" alone made WITH_CPU (see the module docstring)."""
+    return WITH_CPU if backend == "nccl" else backend
 
 
 def requested() -> str:
@@ -69,26 +102,34 @@ def gpu_identity() -> str:
     return f"{host_id()}#{uuid if uuid is not None else f'cuda:{device}'}"
 
 
-def sharing(identities: list[str]) -> list[list[int]]:
-    """Groups of two or more ranks with the same GPU, in rank order."""
+def sharing(identities: list[str | None]) -> list[list[int]]:
+    """Groups of two or more ranks with the same GPU, in rank order (ranks with none left out)."""
     by_gpu: dict[str, list[int]] = {}
     for rank, identity in enumerate(identities):
-        by_gpu.setdefault(identity, []).append(rank)
+        if identity is not None:
+            by_gpu.setdefault(identity, []).append(rank)
     return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
-def choose(identities: list[str] | None, backend: str | None, wanted: str, nccl_available: bool,
+def _ranks(groups: list[list[int]]) -> str:
+    return ", ".join(" and ".join(map(str, group)) for group in groups)
+
+
+def choose(identities: list[str | None] | None, backend: str | None, wanted: str, nccl_available: bool,
            live: bool = False) -> tuple[str | None, str]:
-    """(path, backend string) for a world whose ranks have these GPUs (None: no CUDA here), given the
-    backend asked of init() (None: auto) and GRADSYNC_CUDA_PATH. Raises where nccl is asked for and
-    cannot be: ranks share a GPU, NCCL is missing, or the world is live."""
+    """(path, backend string) for a world whose ranks have these GPUs (None for a rank: it has none
+    set up; None for the list: no CUDA here), given the backend asked of init() (None: auto) and
+    GRADSYNC_CUDA_PATH. Raises where nccl is asked for and cannot be: ranks share a GPU or have none,
+    NCCL is missing, or the world is live."""
+    backend = with_cpu_backend(backend)
     if identities is None:
         return None, backend or "gloo"
-    shared = sharing(identities)
+    shared, without = sharing(identities), [r for r, identity in enumerate(identities) if identity is None]
     forced_nccl = wanted == "nccl" or (backend is not None and "nccl" in backend)
     if forced_nccl:
-        why = (f"ranks {', '.join(' and '.join(map(str, group)) for group in shared)} share a GPU "
-               f"(NCCL refuses two ranks on one device)" if shared
+        why = (f"ranks {_ranks(shared)} share a GPU (NCCL refuses two ranks on one device)" if shared
+               else f"rank{'s' if len(without) > 1 else ''} {_ranks([without])} set up no GPU before init() "
+                    f"(or see none)" if without
                else "this torch has no NCCL" if not nccl_available
                else "live fault tolerance runs on host staging (a dead rank needs no NCCL abort there)" if live
                else None)
@@ -96,23 +137,35 @@ def choose(identities: list[str] | None, backend: str | None, wanted: str, nccl_
             asked = f"backend={backend!r}" if backend is not None and "nccl" in backend else f"{ENV}=nccl"
             raise RuntimeError(f"{asked}: {why}; use {ENV}=host (CUDA tensors through host memory, as gloo) or "
                                f"give each rank a GPU of its own (torch.cuda.set_device(local_rank) before init)")
-        return "nccl", backend if backend is not None and "nccl" in backend else "cpu:gloo,cuda:nccl"
-    if wanted == "host" or shared or not nccl_available or live or (backend is not None and "nccl" not in backend):
+        return "nccl", backend if backend is not None and "nccl" in backend else WITH_CPU
+    if (wanted == "host" or shared or without or not nccl_available or live
+            or (backend is not None and "nccl" not in backend)):
         return "host", backend or "gloo"
-    return "nccl", backend or "cpu:gloo,cuda:nccl"
+    return "nccl", backend or WITH_CPU
+
+
+def _publishes_gpu(backend: str | None) -> bool:
+    """Whether this rank publishes its GPU: it has one, and has set CUDA up before init() or asks for
+    NCCL (module docstring). Asking whether a GPU exists opens no context; asking which one may."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.is_initialized() or requested() == "nccl" or (backend is not None and "nccl" in backend)
 
 
 def settle(store, rank: int, world_size: int, timeout: float, backend: str | None, live: bool = False):
-    """Publish this rank's GPU on ``store``, read every rank's, and choose (see ``choose``)."""
-    if not torch.cuda.is_available():
-        if backend is not None and "nccl" in backend:
-            raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False")
-        return choose(None, backend, requested(), False)
+    """Publish this rank's GPU on ``store`` (or NO_GPU), and choose (see ``choose``). A rank that
+    publishes NO_GPU needs no one else's answer: with it in the world the path is host (no CUDA path
+    where it has no CUDA) and the backend gloo, unless one was given; a rank that asks for NCCL then
+    fails on the others, naming it. A rank that publishes its GPU reads every rank's."""
     key = "gradsync/gpu"   # the store is this init's own (runtime._meet)
+    if not _publishes_gpu(backend):
+        store.set(f"{key}/{rank}", NO_GPU)
+        return ("host" if torch.cuda.is_available() else None), with_cpu_backend(backend) or "gloo"
     store.set(f"{key}/{rank}", gpu_identity())
     try:
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
     except Exception as exc:
         raise RuntimeError(f"rank {rank}: not every rank published its GPU within {timeout:.0f} s: {exc}") from exc
     identities = [store.get(f"{key}/{r}").decode() for r in range(world_size)]
-    return choose(identities, backend, requested(), dist.is_nccl_available(), live)
+    return choose([None if identity == NO_GPU else identity for identity in identities], backend, requested(),
+                  dist.is_nccl_available(), live or _LIVE[0])

@@ -8,8 +8,8 @@ Recipe
        kill it if its parent dies (PR_SET_PDEATHSIG: no orphans), runs runtime.init()
        (gradsync.init), then fn(*args);
     3. each rank saves its return value with torch.save into a private temporary directory
-       (tensors and state dicts arrive intact after the rank exits) or, if fn raised, its
-       traceback;
+       (tensors and state dicts arrive intact after the rank exits, on the CPU: load_result) or, if
+       fn raised, its traceback;
     4. the launcher watches all processes; the first failure (an exception or a death by signal)
        stops the others (STOP_SIGNAL, then SIGKILL after a grace period) and raises SpawnError naming
        the rank and carrying its traceback;
@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradsync.group import runtime
+from gradsync.group import device_path, runtime
 from gradsync.group.forkserver import early_output, launcher_state, start_context, take_launcher_state
 from gradsync.group.job_signals import REPEATED_SIGNAL_SECONDS, hold_signals, take_back_job_signals, take_held
 from gradsync.group.spawn_report import SpawnError, spawn_error  # noqa: F401 - launch.SpawnError, as callers know it
@@ -103,7 +103,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(nprocs)})
     if live:   # a live world's CUDA tensors go through host memory: a death needs no NCCL abort (device_path.py)
-        os.environ.setdefault("GRADSYNC_CUDA_PATH", "host")
+        device_path.mark_live()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     # torch read OMP_NUM_THREADS when it was imported, which in a forked rank was in the forkserver
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
@@ -136,6 +136,12 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, out
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def load_result(path: Path) -> Any:
+    """A rank's return value, its tensors on the CPU: a rank's CUDA tensors would otherwise load onto
+    the launcher's GPUs (the same index, which may not exist there, and a CUDA context in the launcher)."""
+    return torch.load(path, weights_only=False, map_location="cpu")
 
 
 def _stop(processes: list) -> None:
@@ -227,7 +233,7 @@ def spawn(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | Non
                 exit_codes = {rank: p.exitcode for rank, p in enumerate(processes)}  # before we stop anyone
                 _stop(processes)
                 raise spawn_error(exit_codes, failed, Path(out_dir), _early_output())
-            return [torch.load(Path(out_dir) / f"{rank}.result", weights_only=False)
+            return [load_result(Path(out_dir) / f"{rank}.result")
                     if processes[rank].exitcode == 0 and (Path(out_dir) / f"{rank}.result").exists() else None
                     for rank in range(len(processes))]
         finally:

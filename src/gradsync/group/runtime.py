@@ -107,14 +107,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _resolve_backend(backend: str | None) -> str:
-    """``backend`` checked; None is "auto", which init() settles from the ranks' GPUs (device_path.py)."""
+    """``backend`` checked; None is "auto", which init() settles from the ranks' GPUs (device_path.py);
+    "nccl" is "cpu:gloo,cuda:nccl" (gradsync's own traffic is CPU tensors, which NCCL does not take)."""
     if backend is None:
         return "auto" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or None (auto)")
     if "nccl" in backend and not torch.cuda.is_available():
         raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False")
-    return backend
+    return device_path.with_cpu_backend(backend)
 
 
 def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,

@@ -2,7 +2,10 @@
 
 What travels (nothing is pickled: a text descriptor, one float64 vector of numbers, raw tensors)
     descriptor   utf-8 lines, as a uint8 tensor after its int64 length:
-                     "state <param index> <key> tensor <dtype> <d0,d1,...>"   optimizer state tensor
+                     "state <param index> <key> tensor <dtype> <d0,d1,...> <where>"
+                                                   optimizer state tensor; where: "param" (on its
+                                                   parameter's device: Adam's moments) or "cpu"
+                                                   (Adam's step count, a CPU scalar beside CUDA moments)
                      "state <param index> <key> number <int|float|bool>"      optimizer state number
                      "state <param index> <key> none"
                      "number <section> <key> <int|float|bool>"                 a number of a section
@@ -15,6 +18,10 @@ What travels (nothing is pickled: a text descriptor, one float64 vector of numbe
 
 Every rank of the world takes part (a broadcast from rank 0); only the ranks that asked for the
 state (``receive=True``) apply it, the others drop what they receive (it equals what they hold).
+Every rank receives each tensor where rank 0 holds it: on its own parameter's device (its own GPU)
+or on the CPU, so that every rank stages the same tensors through host memory (a CUDA broadcast is
+staged, and staging allocates its shared regions collectively: comm/host_staging.py), and the
+receivers' optimizer state lies where their parameters are.
 Cost: one broadcast of the model plus its optimizer state, M bytes each way per receiving rank
 (ring/tree broadcast: comm/broadcast.py).
 """
@@ -34,6 +41,11 @@ def _number_type(value) -> str | None:
     return kind if kind in NUMBER_TYPES else None
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order its state_dict numbers them."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def _describe(optimizer: torch.optim.Optimizer, sections: dict[str, dict]) -> tuple[list[str], list[float],
                                                                                      list[torch.Tensor]]:
     """Rank 0: descriptor lines, numbers, optimizer state tensors (module docstring)."""
@@ -42,7 +54,8 @@ def _describe(optimizer: torch.optim.Optimizer, sections: dict[str, dict]) -> tu
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 shape = ",".join(map(str, value.shape))
-                lines.append(f"state {index} {key} tensor {str(value.dtype).removeprefix('torch.')} {shape}")
+                where = "cpu" if value.device.type == "cpu" else "param"
+                lines.append(f"state {index} {key} tensor {str(value.dtype).removeprefix('torch.')} {shape} {where}")
                 tensors.append(value)
             elif _number_type(value):
                 lines.append(f"state {index} {key} number {_number_type(value)}")
@@ -63,6 +76,15 @@ def _describe(optimizer: torch.optim.Optimizer, sections: dict[str, dict]) -> tu
 def _sections(optimizer: torch.optim.Optimizer, step: int, progress: dict, shared: dict) -> dict[str, dict]:
     groups = {f"group{i}": group for i, group in enumerate(optimizer.param_groups)}
     return {"step": {"step": step}, "progress": progress, "shared": shared, **groups}
+
+
+def state_tensor(words: list[str], params: list[torch.Tensor]) -> torch.Tensor:
+    """An empty tensor for a descriptor line "state <i> <key> tensor <dtype> <dims> <where>", on this
+    rank's parameter i's device ("param") or the CPU ("cpu")."""
+    index, dtype = int(words[1]), getattr(torch, words[4])
+    dims = tuple(int(d) for d in words[5].split(",") if d)
+    device = params[index].device if words[6] == "param" else torch.device("cpu")
+    return torch.empty(dims, dtype=dtype, device=device)
 
 
 def _carries_number(words: list[str]) -> bool:
@@ -102,6 +124,7 @@ def share_state(rank: int, module: nn.Module, optimizer: torch.optim.Optimizer, 
         for t in [*module.parameters(), *module.buffers()]:
             _broadcast_all(t.data if receive or rank == 0 else torch.empty_like(t))
     state: dict[int, dict] = {}
+    params = _params(optimizer)
     received_tensors = iter(state_tensors)
     numbers_left = iter(values.tolist())
     for line in lines:
@@ -109,9 +132,7 @@ def share_state(rank: int, module: nn.Module, optimizer: torch.optim.Optimizer, 
         if words[0] == "state":
             index, key, kind = int(words[1]), words[2], words[3]
             if kind == "tensor":
-                dims = tuple(int(d) for d in words[5].split(",") if d)
-                tensor = (next(received_tensors).contiguous() if rank == 0
-                          else torch.empty(dims, dtype=getattr(torch, words[4])))
+                tensor = next(received_tensors).contiguous() if rank == 0 else state_tensor(words, params)
                 _broadcast_all(tensor)
                 value = tensor
             elif kind == "number":

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import gradsync as gs
+from gradsync.group import device_path
 from gradsync.group.job_signals import hold_signals
 from gradsync.observe import trace
 from gradsync.train.loop import train_rank
@@ -53,6 +54,8 @@ def _run(cfg) -> list[dict]:
             raise RuntimeError("--fault-tolerance live --max-restarts starts replacement ranks from gradsync's own "
                                "launcher (gradsync train --workers N); under torchrun a lost node is not replaced: "
                                "drop --max-restarts (and keep torchrun's own --max-restarts at 0)")
+        if live:   # a live world's CUDA tensors go through host memory: a death needs no NCCL abort
+            device_path.mark_live()
         gs.init(timeout=cfg.timeout)
         try:
             results = [train_rank(cfg)]

@@ -5,6 +5,7 @@ Every collective in gradsync is written against this small interface:
     handle = transport.isend(tensor, dst, op)        # op: a label such as "all_reduce/ring"
     handle = transport.irecv(tensor, src, op)        # src=None: receive from any rank
     peer = handle.wait()                             # blocks at most world.timeout seconds
+    handle = transport.exchange(send, dst, recv, src, op)   # one step's send and receive together
 
 Messages between one pair of ranks are matched in the order they were posted, so two ranks that
 post the same sequence of sends and receives never need tags. A ``tag`` keeps two streams apart
@@ -96,6 +97,33 @@ class Transport:
         Here: receive into ``staging`` (same size, the caller's reusable buffer), combine on wait. A
         transport that can read the incoming bytes in place (shm/transport.py) skips the copy."""
         return _ReduceOnWait(self.irecv(staging, src, op), tensor, staging, combine)
+
+    def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
+        """Whether a send and a receive between two ranks that each post both must travel as one
+        ``exchange`` to be sure to complete: True where messages like ``tensor`` go over NCCL's
+        point-to-point (tcp.py says why); False here, where every posted message progresses."""
+        return False
+
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, op: str) -> Handle:
+        """Send ``send`` to ``dst`` and receive ``recv`` from ``src`` (one step of an algorithm); one
+        handle, done when both are, whose wait() returns ``src``. Here: the send posted, then the
+        receive."""
+        return _Both(self.isend(send, dst, op), self.irecv(recv, src, op))
+
+
+class _Both(Handle):
+    __slots__ = ("_sent", "_received")
+
+    def __init__(self, sent: Handle, received: Handle) -> None:
+        self._sent, self._received = sent, received
+
+    def done(self) -> bool:
+        return self._sent.done() and self._received.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        peer = self._received.wait(timeout)
+        self._sent.wait(timeout)
+        return peer
 
 
 class _ReduceOnWait(Handle):

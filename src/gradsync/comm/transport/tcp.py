@@ -10,6 +10,14 @@ source, so both ends know which group a message is on.
 
 It is the transport between hosts, and the one for every peer under GRADSYNC_TRANSPORT=tcp;
 ShmTransport (shm/transport.py) hands it whatever does not travel through shared memory.
+
+CUDA tensors (a world on NCCL) travel on the world's group itself, whatever the direction: the
+second group is gloo's, which takes CPU tensors only. NCCL runs one rank's sends and receives to one
+peer in the order they were posted, on one stream: two ranks that each post a send to the other
+and then a receive both wait in their send, for ever once a message outgrows NCCL's buffers (the
+ring with two ranks, halving-doubling's exchanges). ``exchange`` posts such a pair as one group
+(torch.distributed.batch_isend_irecv: ncclGroupStart/End), which NCCL progresses together, and the
+algorithms use it where ``pairs_exchanges`` says so.
 """
 
 from __future__ import annotations
@@ -72,6 +80,37 @@ class _TorchHandle(Handle):
         return self._peer
 
 
+class _PairHandle(Handle):
+    """The Works of one exchange posted as a group (NCCL gives one Work for the group)."""
+
+    __slots__ = ("_works", "_transport", "_sizes", "_peers", "_op", "_done")
+
+    def __init__(self, works, transport: "TorchTransport", send, dst, recv, src, op) -> None:
+        self._works, self._transport, self._op, self._done = list(works), transport, op, False
+        self._sizes = (send.numel() * send.element_size(), recv.numel() * recv.element_size())
+        self._peers = (dst, src)
+
+    def done(self) -> bool:
+        return self._done or all(work.is_completed() for work in self._works)
+
+    def wait(self, timeout: float | None = None) -> int:
+        t, (dst, src), (sent, received) = self._transport, self._peers, self._sizes
+        if not self._done:
+            started = time.monotonic()
+            try:
+                for work in self._works:
+                    work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
+            except Exception as exc:
+                raise _peer_error(t, self._op, src, sent + received, False, time.monotonic() - started,
+                                  exc) from exc
+            self._done = True
+            if sent:
+                t.meter.record(peer=dst, nbytes=sent, op=self._op, sent=True)
+            if received:
+                t.meter.record(peer=src, nbytes=received, op=self._op, sent=False)
+        return src
+
+
 class TorchTransport(Transport):
     """Transport over torch.distributed send/recv of the world's process group (runtime.transfer_group;
     CUDA tensors of a joined world over the program's default group, which has NCCL where it was set up)."""
@@ -90,8 +129,8 @@ class TorchTransport(Transport):
                                                   world.world_size, self.wait_timeout)
 
     def _group(self, tensor: torch.Tensor, source: int | None, target: int, tag: int) -> dist.ProcessGroup:
-        if tensor.is_cuda and self.world.joined:
-            return dist.distributed_c10d._get_default_group()
+        if tensor.is_cuda:   # NCCL: the program's default group where gradsync joined it, else the world's
+            return dist.distributed_c10d._get_default_group() if self.world.joined else runtime.transfer_group(self.world)
         if self.downward is not None and tag == 0 and source is not None and source > target:
             return self.downward
         return runtime.transfer_group(self.world)
@@ -117,6 +156,25 @@ class TorchTransport(Transport):
         group = self._group(tensor, src, self.rank, tag)
         return self._posted(lambda: (group.recv_anysource([tensor], tag) if src is None
                                      else group.recv([tensor], src, tag)), tensor, src, op, False, control)
+
+    def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda   # a CUDA tensor here travels on NCCL (_check refuses it otherwise)
+
+    def exchange(self, send, dst, recv, src, op):
+        if not self.pairs_exchanges(send):
+            return super().exchange(send, dst, recv, src, op)
+        self._check(send, dst, op)
+        self._check(recv, src, op)
+        group = self._group(send, self.rank, dst, 0)
+        # an empty tensor is not posted at all: its peer's counterpart is empty too (the same chunk)
+        pair = [dist.P2POp(operation, tensor, group=group, group_peer=peer)
+                for operation, tensor, peer in ((dist.isend, send, dst), (dist.irecv, recv, src)) if tensor.numel()]
+        nbytes = send.numel() * send.element_size() + recv.numel() * recv.element_size()
+        try:
+            works = dist.batch_isend_irecv(pair) if pair else []
+        except RuntimeError as exc:
+            raise _peer_error(self, op, src, nbytes, False, 0.0, exc) from exc
+        return _PairHandle(works, self, send, dst, recv, src, op)
 
     def _posted(self, post, tensor, peer, op, sent, control) -> _TorchHandle:
         """post()'s Work in a handle; gloo refuses to post on a connection a dead peer closed, and that

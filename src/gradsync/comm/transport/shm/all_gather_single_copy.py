@@ -21,6 +21,11 @@ Phases
 Without an address the staging half is reused two collectives later, after a barrier no rank passes
 before every rank has read it (as in all_gather_shared.py).
 
+A shard of T bytes or more that cannot be read where it lies (single_copy.readable: pinned memory a
+driver mapped as device memory) is published with address 0. Every rank knows every size after the
+first barrier, so every rank sees that an owner offered nothing where it had to: all read nothing
+and return None, and the caller runs the staged all-gather instead (collectives.py), every rank alike.
+
 Traffic (bytes read out of another rank's memory): received from j = s_j, sent to j = s_r.
 """
 
@@ -33,18 +38,24 @@ from gradsync.comm.transport.shm import single_copy
 
 
 def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerprint,
-                           spin: bool = False) -> torch.Tensor:
-    """The concatenation of every rank's 1-D contiguous CPU ``shard`` in rank order (a new tensor)."""
+                           spin: bool = False) -> torch.Tensor | None:
+    """The concatenation of every rank's 1-D contiguous CPU ``shard`` in rank order (a new tensor);
+    None, on every rank, where a shard that had to be offered cannot be read (module docstring)."""
     op = "all_gather/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
     esize = shard.element_size()
     half = transport.next_half()
-    offered = shard.numel() * esize >= min(single_copy.FROM_BYTES, transport.stage_bytes)
+    threshold = min(single_copy.FROM_BYTES, transport.stage_bytes)
+    offered = shard.numel() * esize >= threshold
     if not offered:
         transport.stage(rank, half).narrow(0, 0, shard.numel() * esize).view(shard.dtype).copy_(shard)
-    transport.publish(fingerprint.values(), shard.data_ptr() if offered else 0)
+    mine = shard.data_ptr() if offered and single_copy.readable(shard) else 0
+    transport.publish(fingerprint.values(), mine)
     transport.barrier(op, spin)
     sizes = compare_published(transport, fingerprint, sizes_differ=True)
+    addresses = [mine if owner == rank else transport.published_address(owner, op) for owner in range(n_ranks)]
+    if any(size * esize >= threshold and not address for size, address in zip(sizes, addresses)):
+        return None
     full = torch.empty(sum(sizes), dtype=shard.dtype)
     stages = transport.staged_views(half, min(max(sizes) * esize, transport.stage_bytes), shard.dtype)
     anyone_offered, offset = offered, 0
@@ -54,7 +65,7 @@ def all_gather_single_copy(shard: torch.Tensor, transport, fingerprint: Fingerpr
         if owner == rank:
             into.copy_(shard)
             continue
-        address = transport.published_address(owner, op)
+        address = addresses[owner]
         if address:
             anyone_offered = True
             transport.read_from(owner, address, into, op)

@@ -19,6 +19,10 @@ Phases
 
 Same order as the staged reduce-scatter (own first, then rank order), so the same bits.
 
+A rank whose input cannot be read where it lies (single_copy.readable: pinned memory a driver mapped
+as device memory) publishes address 0; every rank sees it after the first barrier, reads nothing and
+returns None, and the caller runs the staged reduce-scatter instead (collectives.py), every rank alike.
+
 Traffic (bytes read out of another rank's memory, metered as the staged one):
     received from j = |chunk r|,  sent to j = |chunk j|
 """
@@ -30,6 +34,7 @@ import torch
 from gradsync.comm.agree import Fingerprint, offer_staged
 from gradsync.comm.allreduce_ring import ring_chunks
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.transport.shm import single_copy
 
 PIECE_BYTES = 512 << 10
 """Bytes read into the scratch buffer at a time: the split all-reduce's region size; 2 MiB was no
@@ -37,11 +42,15 @@ better (docs/studies/staging-or-single-copy.md, "The reduce-scatter's pieces")."
 
 
 def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
-                               fingerprint: Fingerprint | None = None, spin: bool = False) -> torch.Tensor:
-    """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged)."""
+                               fingerprint: Fingerprint | None = None, spin: bool = False) -> torch.Tensor | None:
+    """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged);
+    None, on every rank, where some rank's input cannot be read where it lies (module docstring)."""
     op = "reduce_scatter/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
-    addresses = offer_staged(transport, flat, fingerprint, op, spin)
+    addresses = offer_staged(transport, flat, fingerprint, op, spin,
+                             address=flat.data_ptr() if single_copy.readable(flat) else 0)
+    if 0 in addresses:
+        return None
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
     shard = chunks.view(flat, rank).clone()

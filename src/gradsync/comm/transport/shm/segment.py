@@ -228,6 +228,9 @@ class Segments:
     def close(self) -> None:
         """Unmap every segment (their names are already gone)."""
         with self._lock:
+            staging = getattr(self, "host_staging", None)   # comm/host_staging.py, where CUDA tensors were staged
+            if staging is not None:
+                staging.close()   # CUDA's page-locking of a region goes before the region is unmapped
             if hasattr(self, "regions"):
                 self.regions.close()
             for ring in list(getattr(self, "_in", {}).values()) + list(getattr(self, "_out", {}).values()):

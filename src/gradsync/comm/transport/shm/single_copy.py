@@ -14,6 +14,13 @@ The calls drop the GIL (ctypes), so a communication thread reading does not stal
 thread. ``probe(pid, address, expected)`` tells at set-up whether reads from a peer
 work here (segment.py agrees on the answer across ranks, so every rank takes the same algorithm).
 GRADSYNC_SHM_SINGLE_COPY=0 turns single-copy reads off.
+
+Not every page can be read so: the kernel refuses (EFAULT) memory a driver mapped as device memory
+(VM_IO / VM_PFNMAP), as some NVIDIA drivers map CUDA's pinned host memory (torch's pin_memory, host
+staging's private buffers). ``readable(tensor)`` tells an owner before it offers a tensor: it reads
+the tensor's first and last byte out of its own process the same way. An owner whose tensor is not
+readable publishes no address, and the collective takes its staged twin on every rank
+(reduce_scatter_single_copy.py, all_gather_single_copy.py).
 """
 
 from __future__ import annotations
@@ -81,6 +88,20 @@ def read_bytes(pid: int, address: int, destination: int, nbytes: int) -> None:
 def read(pid: int, address: int, into: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``into`` with the bytes at ``address`` in process ``pid``."""
     read_bytes(pid, address, into.data_ptr(), into.numel() * into.element_size())
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether a local peer could read the CPU ``tensor`` where it lies (see the module docstring)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return True
+    byte = ctypes.create_string_buffer(1)
+    try:
+        for address in (tensor.data_ptr(), tensor.data_ptr() + nbytes - 1):
+            read_bytes(os.getpid(), address, ctypes.addressof(byte), 1)
+    except SingleCopyError:
+        return False
+    return True
 
 
 def probe(pid: int, address: int, expected: bytes) -> str | None:

@@ -140,6 +140,14 @@ class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
             return Delegated(self.tcp.irecv(tensor, src, op, control=control, tag=tag), self, src, op)
         return self._post(tensor, src, op, False, control)
 
+    def pairs_exchanges(self, tensor):
+        return tensor.is_cuda and self.tcp.pairs_exchanges(tensor)
+
+    def exchange(self, send, dst, recv, src, op):
+        if not self.pairs_exchanges(send):
+            return super().exchange(send, dst, recv, src, op)
+        return Delegated(self.tcp.exchange(send, dst, recv, src, op), self, src, op)
+
     def irecv_reduce(self, tensor, src, op, *, staging, combine=torch.Tensor.add_):
         if not self._routed_here(tensor, src, 0):
             return Delegated(self.tcp.irecv_reduce(tensor, src, op, staging=staging, combine=combine), self, src, op)
