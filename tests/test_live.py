@@ -409,7 +409,8 @@ def _check_breaks(results: list, expected: list[tuple[tuple[int, ...], tuple[int
             f"member {r['member']}: committed {len(r['world_sizes'])} steps, rolled back {rolled_back}"
         for got, want, first in zip(r["params"], expected_params, survivors[0]["params"]):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-            assert torch.equal(got, first), f"member {r['member']}'s replica differs from member {survivors[0]['member']}'s"
+            assert torch.equal(got, first), \
+                f"member {r['member']}'s replica differs from member {survivors[0]['member']}'s"
 
 
 @pytest.mark.slow
