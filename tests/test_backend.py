@@ -3,9 +3,9 @@
 backend_script.py runs under torchrun with 4 ranks and compares everything with a gloo group over
 the same ranks in the same run (see its docstring); its collectives run on cases hypothesis draws
 here, served one at a time to the one running world through a TCPStore (a failing case is shrunk
-there too); backend_kill_script.py SIGKILLs a rank of a
-torch DDP job. At the odd world sizes 3 and 5, backend_fns.py compares the collectives that take lists
-of tensors or a root with gloo in worlds of world_of's. The registration tests run fresh interpreters, as a user's script would.
+there too); backend_kill_script.py SIGKILLs a rank of a torch DDP job. At the odd world sizes 3 and
+5, backend_fns.py compares the collectives that take lists of tensors or a root with gloo, in worlds
+of world_of's. The registration tests run fresh interpreters, as a user's script would.
 """
 
 import json
