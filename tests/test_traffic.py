@@ -225,7 +225,8 @@ def _tcp_closed_forms(world_size: int, rank: int, numel: int, src: int) -> dict[
     return forms
 
 
-OPERATION = {"reduce_scatter": "reduce_scatter/ring", "all_gather": "all_gather/ring", "broadcast": "broadcast/binomial"}
+OPERATION = {"reduce_scatter": "reduce_scatter/ring", "all_gather": "all_gather/ring",
+             "broadcast": "broadcast/binomial"}
 """The meter's per-operation label of each collective that is not an all-reduce (those are their own)."""
 
 
