@@ -112,6 +112,25 @@ def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, 
     return {epoch: sorted(ids) for epoch, ids in by_epoch.items()}
 
 
+def samples_by_step(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, tuple[int, list[int]]]:
+    """Per committed step, (its epoch, the sorted sample ids every member trained in it), read from the
+    GRADSYNC_SAMPLE_LOG files as trained_ids() reads them (the last line of a step a member wrote twice;
+    a lost member's steps up to ``resumed_from``)."""
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in Path(ids_dir).glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in lost or step <= resumed_from:
+                last_line[member, step] = (epoch, ids)
+    by_step: dict[int, tuple[int, list[int]]] = {}
+    for (_, step), (epoch, ids) in last_line.items():
+        before = by_step.get(step, (epoch, []))
+        assert before[0] == epoch, f"step {step} logged in epochs {before[0]} and {epoch}"
+        by_step[step] = (epoch, before[1] + ids)
+    return {step: (epoch, sorted(ids)) for step, (epoch, ids) in sorted(by_step.items())}
+
+
 def bytes_of_steps(admit_joiners: bool, steps: int = 3) -> int:
     """Bytes this rank sent in ``steps`` steps of LiveDDP on the recipe's model, full batch, after two
     uncounted steps."""
