@@ -243,8 +243,8 @@ ODD_WORLD_CASES = [(dtype, shape, op) for dtype, op in (("float32", "sum"), ("fl
                                                       ("uint8", "max"), ("int8", "sum"))
                    for shape in ((0,), (1,), (2,), (7,), (3, 5))]
 ODD_WORLD_CASES += [("float32", (70_001,), "sum"), ("int64", (40_003,), "min")]
-"""(dtype, shape, op) for backend_fns.rooted_and_list_collectives: every dtype gloo's list collectives
-take (bool aside: its reduce-scatter refuses it), each with one reduction; shapes of 0 elements, 1,
+"""(dtype, shape, op) for backend_fns.rooted_and_list_collectives: each dtype of FLOATING and INTEGRAL
+above (bool aside: gloo's reduce-scatter refuses it) with one reduction; shapes of 0 elements, 1,
 fewer than N, not a multiple of N, two dimensions; two of over 256 KiB a piece, on the large paths
 (LARGE_SIZES above)."""
 
