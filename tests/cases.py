@@ -62,6 +62,30 @@ def scatter_gather_traffic(numel: int):
     return scattered, gs.traffic()
 
 
+def traffic_of_each_collective(numel: int, src: int) -> dict:
+    """The meter's counts (gs.traffic(), reset before each) for each collective on ``numel`` float64:
+    all_reduce with each of ring, halving_doubling, tree and naive, reduce_scatter, all_gather of its
+    shard, broadcast from ``src``."""
+    w = gs.world()
+    counts = {}
+    for algorithm in ("ring", "halving_doubling", "tree", "naive"):
+        t = contribution(w.rank, numel, torch.float64)
+        gs.traffic_reset()
+        gs.all_reduce(t, algorithm=algorithm)
+        counts[f"all_reduce/{algorithm}"] = gs.traffic()
+    gs.traffic_reset()
+    shard = gs.reduce_scatter(contribution(w.rank, numel, torch.float64))
+    counts["reduce_scatter"] = gs.traffic()
+    gs.traffic_reset()
+    gs.all_gather(shard)
+    counts["all_gather"] = gs.traffic()
+    t = contribution(w.rank, numel, torch.float64)
+    gs.traffic_reset()
+    gs.broadcast(t, src=src)
+    counts["broadcast"] = gs.traffic()
+    return counts
+
+
 def broadcast_case(shape: tuple, src: int, transpose: bool):
     w = gs.world()
     t = torch.full(shape, float(w.rank)) + torch.arange(shape[-1])

@@ -112,6 +112,25 @@ def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, 
     return {epoch: sorted(ids) for epoch, ids in by_epoch.items()}
 
 
+def samples_by_step(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, tuple[int, list[int]]]:
+    """Per committed step, (its epoch, the sorted sample ids every member trained in it), read from the
+    GRADSYNC_SAMPLE_LOG files as trained_ids() reads them (the last line of a step a member wrote twice;
+    a lost member's steps up to ``resumed_from``)."""
+    last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in Path(ids_dir).glob("live.*"):
+        member = int(path.name.rsplit(".m", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if member not in lost or step <= resumed_from:
+                last_line[member, step] = (epoch, ids)
+    by_step: dict[int, tuple[int, list[int]]] = {}
+    for (_, step), (epoch, ids) in last_line.items():
+        before = by_step.get(step, (epoch, []))
+        assert before[0] == epoch, f"step {step} logged in epochs {before[0]} and {epoch}"
+        by_step[step] = (epoch, before[1] + ids)
+    return {step: (epoch, sorted(ids)) for step, (epoch, ids) in sorted(by_step.items())}
+
+
 def bytes_of_steps(admit_joiners: bool, steps: int = 3) -> int:
     """Bytes this rank sent in ``steps`` steps of LiveDDP on the recipe's model, full batch, after two
     uncounted steps."""
@@ -125,3 +144,55 @@ def bytes_of_steps(admit_joiners: bool, steps: int = 3) -> int:
     sent = gs.traffic()["bytes_sent"]
     live.close()
     return sent
+
+
+def train_through_breaks(breaks: dict, epochs: int, quorum_timeout: float) -> dict:
+    """Train ``epochs`` epochs of the keep-global recipe with LiveDDP (no sample log) through the breaks
+    planned in ``breaks``: {step: (what, members, seconds)}, each done once, in step ``step`` (0-based):
+
+        "die"      the members SIGKILL themselves after their forward, before their backward
+        "stall"    the members sleep ``seconds`` after their forward (past the world's timeout: the others'
+                   collectives time out while the sleepers are alive)
+        "declare"  the members, alive and well, end the generation before the step: live.recover()
+
+    Returns this member's id, rank, the recoveries (Recovery fields), the world size of every committed
+    step and the final parameters."""
+    import time
+
+    x, y = dataset()
+    module = model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, quorum_timeout=quorum_timeout,
+                   progress={"epoch": 0, "position": 0})
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    total = epochs * cursor.steps_from(0)
+    pending = {step: plan for step, plan in breaks.items() if live.member in plan[1]}
+
+    def train_step(ddp):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w = live.world
+        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
+        step_size = cursor.step_size(position)
+        out = ddp(x[share])
+        what, _, seconds = pending.pop(live.step, (None, (), 0.0))
+        if what == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if what == "stall":
+            time.sleep(seconds)
+        loss = ((out - y[share]) ** 2).sum() * (w.world_size / step_size)
+        loss.backward()
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    world_sizes = []
+    while live.step < total:
+        if pending.get(live.step, ("",))[0] == "declare":
+            del pending[live.step]
+            live.recover(f"member {live.member} declares generation {live.membership.current.index} broken")
+        if live.run_step(train_step):
+            world_sizes.append(live.world.world_size)
+    live.check_replicas()
+    live.close()
+    return {"member": live.member, "rank": live.world.rank, "world_sizes": world_sizes,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "recoveries": [r.__dict__ for r in live.recoveries]}

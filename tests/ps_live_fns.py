@@ -49,11 +49,13 @@ class _DieBeforePullingFromServer1:
 
 
 def train_with_a_kill(num_servers: int, mode: str, victim: int, kill_step: int, where: str, epochs: int,
-                      log_dir: str) -> dict:
+                      log_dir: str, late_pusher: int | None = None) -> dict:
     """Train ``epochs`` epochs of live_fns' recipe on a LivePS; member ``victim`` dies in step
     ``kill_step`` (0-based): where="forward" after its forward, "pull" in the next pull, after its
     PULL to server 0 (_DieBeforePullingFromServer1), where="server" SIGKILLs a server member after
-    its ``kill_step``-th version. Each worker appends "step id id ..." per committed step to
+    its ``kill_step``-th version. ``late_pusher``: in step ``kill_step``, after its backward, that member
+    waits until server member 0 has torn down its world (it registered as a survivor), then pushes: the
+    push fails with its gradient still on the parameters. Each worker appends "step id id ..." per committed step to
     log_dir/samples.<member> (a step taken back and trained again is written again: the last line of
     a step counts)."""
     x, y = dataset()
@@ -68,7 +70,7 @@ def train_with_a_kill(num_servers: int, mode: str, victim: int, kill_step: int, 
                     lambda *_: _die(log_dir) if live.ps._server.version == kill_step else None)
             live.serve()
         else:
-            _train(live, x, y, cursor, total, victim, kill_step, where, log_dir)
+            _train(live, x, y, cursor, total, victim, kill_step, where, log_dir, late_pusher)
         out["check"] = float(live.collective(lambda: _sum_over_ranks(live)))
     except ServerLostError as exc:
         out.update(error=str(exc), servers_lost=exc.servers, at=time.time())
@@ -80,6 +82,18 @@ def train_with_a_kill(num_servers: int, mode: str, victim: int, kill_step: int, 
     return out
 
 
+def _await_server_teardown(live, timeout: float = 30.0) -> None:
+    """Until server member 0 has registered as a survivor of generation 0 (membership.py: it does so
+    after tearing its world down), at most ``timeout`` seconds."""
+    from gradsync.live.membership import PREFIX
+
+    deadline = time.monotonic() + timeout
+    while not live.membership.store.check([f"{PREFIX}/0/here/0"]):
+        assert time.monotonic() < deadline, f"member {live.member}: server member 0 never tore down"
+        time.sleep(0.01)
+    time.sleep(0.2)   # its connections closed
+
+
 def _sum_over_ranks(live) -> torch.Tensor:
     import gradsync as gs
 
@@ -88,7 +102,7 @@ def _sum_over_ranks(live) -> torch.Tensor:
     return total
 
 
-def _train(live, x, y, cursor, total, victim, kill_step, where, log_dir) -> None:
+def _train(live, x, y, cursor, total, victim, kill_step, where, log_dir, late_pusher=None) -> None:
     live.progress = {"epoch": 0, "position": 0}
     workers_at_start = live.world.world_size - live.num_servers
     log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115 - the victim never closes it
@@ -112,6 +126,8 @@ def _train(live, x, y, cursor, total, victim, kill_step, where, log_dir) -> None
         # sum of per-sample losses x W / G: the workers' average is the step's mean loss
         loss = ((out - y[share]) ** 2).sum() * ((w.world_size - servers) / step_size)
         loss.backward()
+        if live.member == late_pusher and live.step == kill_step and not live.recoveries:
+            _await_server_teardown(live)
         trained[live.step + 1] = share
         position += step_size
         return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}

@@ -3,8 +3,9 @@
 backend_script.py runs under torchrun with 4 ranks and compares everything with a gloo group over
 the same ranks in the same run (see its docstring); its collectives run on cases hypothesis draws
 here, served one at a time to the one running world through a TCPStore (a failing case is shrunk
-there too); backend_kill_script.py SIGKILLs a rank of a
-torch DDP job. The registration tests run fresh interpreters, as a user's script would.
+there too); backend_kill_script.py SIGKILLs a rank of a torch DDP job. At the odd world sizes 3 and
+5, backend_fns.py compares the collectives that take lists of tensors or a root with gloo, in worlds
+of world_of's. The registration tests run fresh interpreters, as a user's script would.
 """
 
 import json
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import backend_fns
 from gradsync.group.runtime import free_port
 
 HERE = Path(__file__).parent
@@ -234,3 +236,25 @@ def test_unsupported_reduce_op_names_the_alternatives():
     with pytest.raises(ValueError, match="not supported on CPU; choose one of SUM, AVG"):
         op_name(premul)
     assert op_name(dist.ReduceOp.BXOR) == "bxor" and op_name(dist.ReduceOp.AVG) == "avg"
+
+
+ODD_WORLD_CASES = [(dtype, shape, op) for dtype, op in (("float32", "sum"), ("float64", "max"), ("float16", "product"),
+                                                      ("bfloat16", "min"), ("int64", "sum"), ("int32", "product"),
+                                                      ("uint8", "max"), ("int8", "sum"))
+                   for shape in ((0,), (1,), (2,), (7,), (3, 5))]
+ODD_WORLD_CASES += [("float32", (70_001,), "sum"), ("int64", (40_003,), "min")]
+"""(dtype, shape, op) for backend_fns.rooted_and_list_collectives: each dtype of FLOATING and INTEGRAL
+above (bool aside: gloo's reduce-scatter refuses it) with one reduction; shapes of 0 elements, 1,
+fewer than N, not a multiple of N, two dimensions; two of over 256 KiB a piece, on the large paths
+(LARGE_SIZES above)."""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_list_and_rooted_collectives_match_gloo_at_odd_world_sizes(world_of, world_size):
+    """dist.reduce_scatter of a list, dist.all_gather into a list, dist.all_to_all, and dist.gather and
+    dist.scatter from every root (0 and the non-zero ones) on the "gradsync" backend give gloo's outputs
+    bit for bit on every rank, each call twice in a row, at world sizes 3 and 5."""
+    compared = world_of(world_size).run(backend_fns.rooted_and_list_collectives, ODD_WORLD_CASES, case_timeout=120)
+    calls = 2 * len(ODD_WORLD_CASES) * (3 + 2 * world_size)   # twice: 3 ops, then gather and scatter per root
+    assert compared == [calls] * world_size, f"calls compared per rank {compared}, expected {calls} on each"

@@ -1,6 +1,8 @@
-"""gradsync doctor on real runs with a planted bad bucket size, and on a run with a planted straggler."""
+"""gradsync doctor on real runs with a planted bad bucket size, and on a run with a planted straggler;
+its loss-spike rule on run logs built here, record for record as `gradsync train` writes them."""
 
 import json
+import re
 
 import pytest
 
@@ -136,3 +138,62 @@ def test_planted_straggler_is_named(runs, tmp_path, compute_s, verdict, words):
 def test_doctor_on_a_directory_without_a_run(tmp_path, capsys):
     assert main(["doctor", str(tmp_path)]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+SPIKED = [2.3, 2.3, 2.3, 1.8, 1.2, 0.8, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 2.0, 2.0, 2.0, 0.3, 0.3, 0.3]
+"""Losses of 18 steps with a spike at steps 13-15. The means of 3 steps, by the step that ends each
+window: 2.30 (3), 2.13, 1.77, 1.27, 0.83, 0.57, 0.40, 0.33, 0.30 (11, the lowest), 0.30, 0.87 (13),
+1.43 (14), 2.00 (15), 1.43 (16), 0.87 (17), 0.30 (18). The doctor's rule: a window that starts after
+the warm-up and climbs more than half-way back from the lowest so far (0.30) to the first (2.30),
+above 1.30, and above 1.5 x the lowest."""
+
+
+def _run_log(run_dir, losses: list[float], warmup_steps: int):
+    """metrics.jsonl of a finished 2-worker run of ``losses`` (one step record each), with every
+    record as `gradsync train` writes it (train/report.py: start, setup, step, epoch, summary), the
+    config in its resolved form (epochs, lr and warm-up decided)."""
+    cfg = TrainConfig(workers=2, epochs=1, lr=0.05, warmup_steps=warmup_steps, out=str(run_dir)).to_dict()
+    steps = len(losses)
+    records = [{"event": "start", "config": cfg, "global_batch": 64, "peak_lr": 0.05 * 2 ** 0.5, "base_lr": 0.05,
+                "steps_per_epoch": steps, "total_steps": steps, "train_samples": 64 * steps},
+               {"event": "setup", "params": 1000, "param_bytes": 4000, "param_dtypes": ["float32"],
+                "bucket_bytes": [1 << 20, 1 << 20], "world_size": 2, "hosts": ["a", "a"], "device": "cpu"}]
+    records += [{"event": "step", "step": i + 1, "epoch": 0, "loss": loss, "samples_per_s": 5000.0, "overlap": 0.5}
+                for i, loss in enumerate(losses)]
+    records += [{"event": "epoch", "epoch": 0, "step": steps, "test_loss": 0.3, "accuracy": 0.9, "wall_s": 2.0},
+                {"event": "summary", "wall_s": 2.0, "steps": steps, "steps_trained": steps, "samples_per_s": 5000.0,
+                 "accuracy": 0.9, "test_loss": 0.3, "bytes_sent_per_rank": [1e6, 1e6], "compute_s": [1.0, 1.0],
+                 "comm_s": [0.2, 0.2], "wait_s": [0.1, 0.1], "overlap": 0.5, "stragglers": [], "staleness": None,
+                 "checkpoints": None, "checkpoint_s": None, "checkpoint_write_s": None}]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return run_dir
+
+
+@pytest.mark.parametrize("warmup_steps, step, mean", [(10, 14, "1.43"), (11, 14, "1.43"), (12, 15, "2.00"),
+                                                     (13, 16, "1.43")])
+def test_a_loss_spike_after_the_warm_up_is_a_warning_naming_its_step(tmp_path, capsys, warmup_steps, step, mean):
+    """SPIKED's first window above 1.30 that starts after the warm-up: with a warm-up of 10 or 11 steps
+    the one ending at step 14 (steps 12-14), with 12 the one ending at 15, with 13 the one ending at 16.
+    The doctor says WARN, from the lowest mean (step 11) to that window's, and `gradsync doctor` prints it."""
+    found = verdicts(_run_log(tmp_path, SPIKED, warmup_steps))
+    assert found["loss spike"].verdict == "WARN", found["loss spike"]
+    assert found["loss spike"].detail.startswith(
+        f"after the warm-up ({warmup_steps} steps) the loss (mean of 3 steps) climbed from 0.30 (step 11) to "
+        f"{mean} (step {step})"), found["loss spike"].detail
+    assert main(["doctor", str(tmp_path)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"loss spike\W+WARN\W", printed) and f"to {mean} (step {step})" in printed, printed
+
+
+@pytest.mark.parametrize("losses, warmup_steps", [
+    (SPIKED, 15),                                                            # the spike inside the warm-up
+    ([2.3, 2.3, 2.3, 1.2, 0.6, 0.4] + [0.3, 0.5, 0.2, 0.4, 0.25, 0.45] * 3, 3),   # noisy, never half-way back
+    ([2.3, 2.3, 2.3, 2.2, 2.3, 2.25, 2.3, 2.2], 0),                          # flat: nothing to climb back to
+])
+def test_a_run_without_a_spike_after_the_warm_up_is_ok(tmp_path, losses, warmup_steps):
+    """With a warm-up of 15 steps SPIKED's one window after it (steps 16-18) is at its lowest; a noisy
+    run whose worst window after the drop (0.42) stays far under half-way back (1.29); a run that never
+    improved (1.5 x its lowest mean is never passed)."""
+    found = verdicts(_run_log(tmp_path, losses, warmup_steps))
+    assert (found["loss spike"].verdict, found["loss spike"].detail) == (
+        "OK", f"none after the warm-up ({warmup_steps} steps)"), found["loss spike"]

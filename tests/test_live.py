@@ -6,7 +6,9 @@ mean loss over the whole global batch: with the keep-global policy, the world sh
 ranks and growing back to 3 changes only how the sum is associated, so every member must end within
 1e-12 (relative, float64) of it, bitwise equal to each other (the replacement too: it received the
 parameters, the momentum buffers and the sampler position from a live peer), having seen every
-sample of the epoch exactly once.
+sample of the epoch exactly once. Two members dying in the same step, a break declared while every
+member lives and a member stalled past the timeout each end in a generation of exactly the members
+alive, agreed as soon as each is accounted for (membership.py's quorum), not when its timeout runs out.
 """
 
 from __future__ import annotations
@@ -321,3 +323,108 @@ def test_train_cli_live_a_death_during_the_evaluation_is_recorded_and_the_batch_
     sizes = [per_step[s] for s in sorted(per_step)]
     assert sizes[:-1] == [smaller] * (len(sizes) - 1) and sizes[-1] == n - smaller * (len(sizes) - 1), sizes
     assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(n)), 1: list(range(n))}
+
+
+
+QUORUM_TIMEOUT = 60.0
+"""The quorum timeout of the break tests: a generation agreed in far less time was agreed by the quorum's
+accounting (every member of the old one registered or known dead), not by the timeout running out."""
+
+
+@pytest.mark.timeout(60)
+def test_quorum_after_two_deaths_at_once_and_after_a_break_with_every_member_alive():
+    """live/membership.py on a store, five members: 1 and 3 are processes that have exited (/proc says
+    so), 0, 2 and 4 register as survivors at once: generation 1 is exactly 0, 2, 4, the same for each,
+    agreed without waiting out the quorum timeout. Then a break with every member alive, member 4 a
+    second late (a stall): generation 2 holds all three, member 4 included, agreed once it registered."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from gradsync.group.world_info import host_id
+    from gradsync.live.membership import PREFIX, Membership
+
+    store = dist.HashStore()
+    for member in (1, 3):   # exited processes: a pid /proc no longer lists
+        gone = subprocess.Popen([sys.executable, "-c", ""])
+        gone.wait(timeout=30)
+        store.set(f"{PREFIX}/member/{member}", f"{host_id()}|{gone.pid}")
+    survivors = {m: Membership(store, m, tuple(range(5)), QUORUM_TIMEOUT) for m in (0, 2, 4)}
+
+    def quorum(late: dict[int, float]) -> dict[int, tuple]:
+        """Every survivor declares the generation broken and agrees on the next one (member m after
+        late[m] seconds); per member (its generation, the seconds from the first registration) or the error."""
+        started = time.monotonic()
+        outcome: dict[int, tuple] = {}
+
+        def survive(member: int) -> None:
+            time.sleep(late.get(member, 0.0))
+            try:
+                survivors[member].declare_broken("a test break")
+                generation = survivors[member].next_generation()
+                outcome[member] = (generation.index, generation.members, time.monotonic() - started)
+            except Exception as exc:   # noqa: BLE001 - reported by the assertion below
+                outcome[member] = (exc,)
+
+        threads = [threading.Thread(target=survive, args=(m,), daemon=True) for m in survivors]
+        for thread in threads:
+            thread.start()
+        for member, thread in zip(survivors, threads):
+            thread.join(timeout=max(0.0, started + QUORUM_TIMEOUT / 4 - time.monotonic()))
+            assert not thread.is_alive(), f"member {member}: no generation agreed within {QUORUM_TIMEOUT / 4:.0f} s " \
+                                          f"(the quorum timeout is {QUORUM_TIMEOUT:.0f} s)"
+        return outcome
+
+    try:
+        after_deaths = quorum({})
+        assert {m: o[:2] for m, o in after_deaths.items()} == {m: (1, (0, 2, 4)) for m in (0, 2, 4)}, after_deaths
+        after_break = quorum({4: 1.0})
+        assert {m: o[:2] for m, o in after_break.items()} == {m: (2, (0, 2, 4)) for m in (0, 2, 4)}, after_break
+        assert all(o[2] >= 1.0 for o in after_break.values()), f"agreed before member 4 registered: {after_break}"
+    finally:
+        for membership in survivors.values():
+            membership.close()
+
+
+def _check_breaks(results: list, expected: list[tuple[tuple[int, ...], tuple[int, ...], int]], epochs: int) -> None:
+    """Every survivor recorded the recoveries ``expected`` ((lost, members, the step the survivors resumed
+    from) each, in order), each agreed well inside QUORUM_TIMEOUT; each committed every step once (a step
+    it rolled back twice) and ends with the oracle's parameters, bitwise equal to the others."""
+    survivors = [r for r in results if r is not None]
+    assert [r["member"] for r in survivors] == list(expected[-1][1]), "a survivor did not finish, or a victim did"
+    assert [r["rank"] for r in survivors] == list(range(len(survivors))), "ranks are not the members renumbered"
+    for r in survivors:
+        got = [(c["lost"], c["members"], c["step"]) for c in r["recoveries"]]
+        assert got == expected, f"member {r['member']}: generations {got}, expected {expected}"
+        slow = [round(c["seconds"], 1) for c in r["recoveries"] if c["seconds"] >= QUORUM_TIMEOUT / 4]
+        assert not slow, f"member {r['member']}: recoveries took {slow} s (the quorum timeout is {QUORUM_TIMEOUT} s)"
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    expected_params = _oracle(epochs * steps_per_epoch)
+    for r in survivors:
+        rolled_back = sum(c["rolled_back"] for c in r["recoveries"])
+        assert len(r["world_sizes"]) == epochs * steps_per_epoch + rolled_back, \
+            f"member {r['member']}: committed {len(r['world_sizes'])} steps, rolled back {rolled_back}"
+        for got, want, first in zip(r["params"], expected_params, survivors[0]["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got, first), \
+                f"member {r['member']}'s replica differs from member {survivors[0]['member']}'s"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_two_members_die_at_once_then_a_declared_break_then_a_stall(transport, monkeypatch):
+    """LiveDDP, 5 members: 1 and 3 die in the same step (3): the next generation is exactly 0, 2, 4,
+    agreed as soon as both deaths are seen, not after the quorum timeout. Member 2, alive, declares a
+    break before step 6, and member 4 stalls in step 12 past the world's 5 s timeout (the others' waits
+    time out while it lives): each time the next generation holds every member of the one before, each
+    having joined it. The run ends at the oracle's parameters, bitwise equal on every survivor."""
+    monkeypatch.setenv("GRADSYNC_TRANSPORT", transport)
+    breaks = {3: ("die", (1, 3), 0.0), 6: ("declare", (2,), 0.0), 12: ("stall", (4,), 7.0)}
+    results = gs.spawn(live_fns.train_through_breaks, nprocs=5, args=(breaks, 2, QUORUM_TIMEOUT), timeout=5,
+                       fault_tolerance="live", join_timeout=150)
+    assert [r is None for r in results] == [False, True, False, True, False], "the victims are members 1 and 3"
+    _check_breaks(results, [((1, 3), (0, 2, 4), 3), ((), (0, 2, 4), 6), ((), (0, 2, 4), 12)], epochs=2)

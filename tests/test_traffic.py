@@ -155,3 +155,112 @@ def test_a_small_all_reduce_run_from_its_plan_is_metered_as_its_first_call(world
                                                                 "received": calls * (world_size - 1) * m_bytes}}
             assert t["control_bytes_received"] == t["control_bytes_sent"] == calls * 64 * (world_size - 1)
         assert again == reads[-1]
+
+
+def _ring_sizes(numel: int, world_size: int) -> list[int]:
+    """The ring's chunks: the first numel mod N one element longer (allreduce_ring.py's docstring)."""
+    return [numel // world_size + (c < numel % world_size) for c in range(world_size)]
+
+
+def _binomial_links(world_size: int, root: int, rank: int) -> tuple[list[int], list[int]]:
+    """(parent, children) of ``rank`` in the binomial tree on ranks relative to ``root`` (broadcast.py's
+    docstring): relative rank v > 0 hangs under v - lowbit(v); its children are v + m for the powers of
+    two m below lowbit(v) (for the root: below N) that stay below N."""
+    v = (rank - root) % world_size
+    lowbit = v & -v
+    below = lowbit if v else world_size
+    children = [(v + m + root) % world_size for m in (1 << k for k in range(world_size.bit_length()))
+                if m < below and v + m < world_size]
+    return ([] if v == 0 else [(v - lowbit + root) % world_size]), children
+
+
+def _tcp_closed_forms(world_size: int, rank: int, numel: int, src: int) -> dict[str, dict]:
+    """Per collective, {peer: (bytes sent to it, bytes received from it)} of float64 ``numel``, from each
+    algorithm's docstring. ``numel`` must be a multiple of the halving-doubling's power of two."""
+    m_bytes, n_ranks = numel * 8, world_size
+    sizes = _ring_sizes(numel, n_ranks)
+    left, right = (rank - 1) % n_ranks, (rank + 1) % n_ranks
+    forms: dict[str, dict] = {}
+
+    def add(name: str, peer: int, sent: int, received: int) -> None:
+        before = forms.setdefault(name, {}).get(peer, (0, 0))
+        forms[name][peer] = (before[0] + sent, before[1] + received)
+
+    # ring: the reduce-scatter sends every chunk but its own and receives every chunk but its left
+    # neighbour's; the all-gather sends every chunk but its right neighbour's and receives every one but its own
+    add("all_reduce/ring", right, (2 * numel - sizes[rank] - sizes[right]) * 8, 0)
+    add("all_reduce/ring", left, 0, (2 * numel - sizes[left] - sizes[rank]) * 8)
+    add("reduce_scatter", right, (numel - sizes[rank]) * 8, 0)
+    add("reduce_scatter", left, 0, (numel - sizes[left]) * 8)
+    add("all_gather", right, (numel - sizes[right]) * 8, 0)
+    add("all_gather", left, 0, (numel - sizes[rank]) * 8)
+    # halving-doubling: p = the largest power of two <= N; ranks 0..2(N-p)-1 pair up, the even one folding
+    # its whole tensor into the odd one and getting the result back; of the p others, partners at
+    # distance m exchange the range of that level (2m/p of the tensor) in the halving and again in the doubling
+    p = 1 << (n_ranks.bit_length() - 1)
+    extra = n_ranks - p
+    if rank < 2 * extra:
+        add("all_reduce/halving_doubling", rank + 1 if rank % 2 == 0 else rank - 1, m_bytes, m_bytes)
+    if rank >= 2 * extra or rank % 2 == 1:
+        newrank = rank // 2 if rank < 2 * extra else rank - extra
+        m = 1
+        while m < p:
+            partner = newrank ^ m
+            peer = 2 * partner + 1 if partner < extra else partner + extra
+            add("all_reduce/halving_doubling", peer, m_bytes * 2 * m // p, m_bytes * 2 * m // p)
+            m <<= 1
+    # tree: the reduce up the binomial tree rooted at 0, the broadcast down it: M each way on every link
+    parent, children = _binomial_links(n_ranks, 0, rank)
+    for peer in parent + children:
+        add("all_reduce/tree", peer, m_bytes, m_bytes)
+    # naive: everything through rank 0
+    for peer in (range(1, n_ranks) if rank == 0 else [0]):
+        add("all_reduce/naive", peer, m_bytes, m_bytes)
+    # broadcast: M from the parent, M to each child
+    parent, children = _binomial_links(n_ranks, src, rank)
+    for peer in parent:
+        add("broadcast", peer, 0, m_bytes)
+    for peer in children:
+        add("broadcast", peer, m_bytes, 0)
+    return forms
+
+
+OPERATION = {"reduce_scatter": "reduce_scatter/ring", "all_gather": "all_gather/ring",
+             "broadcast": "broadcast/binomial"}
+"""The meter's per-operation label of each collective that is not an all-reduce (those are their own)."""
+
+
+def test_the_closed_forms_worked_examples():
+    """The tree and the halving-doubling as drawn in their docstrings, N = 5."""
+    assert [_binomial_links(5, 0, r) for r in range(5)] == [([], [1, 2, 4]), ([0], []), ([0], [3]), ([2], []),
+                                                         ([0], [])]
+    assert _binomial_links(5, 3, 3) == ([], [4, 0, 2]) and _binomial_links(5, 3, 0) == ([3], [1])
+    forms = {r: _tcp_closed_forms(5, r, 8, 0)["all_reduce/halving_doubling"] for r in range(5)}
+    # rank 0 folds into rank 1; ranks 1..4 run on 4: distance 2 the whole 64 bytes, distance 1 half of them
+    assert forms[0] == {1: (64, 64)} and forms[1] == {0: (64, 64), 2: (32, 32), 3: (64, 64)}
+    assert forms[4] == {3: (32, 32), 2: (64, 64)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(5, marks=pytest.mark.slow)])
+def test_tcp_bytes_received_equal_the_closed_forms(world_of, world_size):
+    """Over the TCP transport, for every collective (all-reduce by each algorithm, reduce-scatter,
+    all-gather, broadcast from a non-zero root), every rank's bytes received and sent equal the closed
+    form in total, per peer and per operation. Two sizes: one not a multiple of N (uneven ring chunks),
+    one whose ring chunks span two 4 MiB segments."""
+    pool = world_of(world_size, GRADSYNC_TRANSPORT="tcp")
+    assert pool.run(cases.transport_kind) == ["TorchTransport"] * world_size
+    src = world_size - 1
+    for numel in (1004, (1 << 19) * world_size + 4):
+        for rank, counts in enumerate(pool.run(cases.traffic_of_each_collective, numel, src)):
+            forms = _tcp_closed_forms(world_size, rank, numel, src)
+            assert set(counts) == set(forms)
+            for name, per_peer in forms.items():
+                t, where = counts[name], f"{name}, {numel} float64, rank {rank} of {world_size}"
+                expected = {peer: {"sent": sent, "received": received} for peer, (sent, received) in per_peer.items()
+                            if sent or received}
+                assert t["per_peer"] == expected, where
+                received = sum(c["received"] for c in expected.values())
+                sent = sum(c["sent"] for c in expected.values())
+                assert (t["bytes_received"], t["bytes_sent"]) == (received, sent), where
+                assert t["per_op"] == {OPERATION.get(name, name): {"sent": sent, "received": received}}, where

@@ -29,7 +29,9 @@ of a parameter server):
 
     declare_broken   the generation is over (store)
     tell             the other side, as above
-    tear_down        gradsync.shutdown() closes the transport (a server's outbox thread ended with serve())
+    tear_down        gradsync.shutdown() closes the transport (a server's outbox thread ended with serve());
+                     a worker drops its gradients (a push that failed leaves them on the parameters, and
+                     the step trained again would add its new share's to them)
     agree            the next generation's members (membership.py's quorum); every member alive (a
                      transfer timed out on a stalled rank) ends the job with that error
     end_if_a_server_died  a dead server's shard and optimizer state exist nowhere else: every survivor
@@ -305,6 +307,8 @@ class LivePS:
                 _tell(server.transport, server.channel, server.rank,
                       [w for w in sorted(server.open) if not self.membership.known_dead(before.members[w])])
             runtime.shutdown()
+            if not self.is_server:
+                self.model.zero_grad(set_to_none=True)   # the client clears them only once a push is sent
             gc.collect()   # the caught error's frames hold the old world's process group, mappings and sockets
             generation = self.membership.next_generation()
             lost = tuple(m for m in before.members if m not in generation.members)
