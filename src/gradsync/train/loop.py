@@ -272,6 +272,12 @@ class Run:
 
     def _end(self) -> dict:
         strategy, report = self.strategy, self.report
+        if self.trains and strategy.evaluates_each_epoch and self.evaluated_at != strategy.step:
+            # the run ended inside an epoch (--steps): its end is an epoch's end for the strategy (DiLoCo's outer
+            # step, so the checkpoint and the score see one model), reported as that epoch's (a run that trained
+            # nothing, a finished run resumed, only scores)
+            strategy.end_epoch()
+            self._evaluate(strategy.progress["epoch"] if strategy.step > self.first_step else None)
         if self.checkpoints is not None:
             if self.checkpoints.written[-1:] != [strategy.step]:
                 self.checkpoints.write(final=True)
@@ -281,10 +287,8 @@ class Run:
             if stopped is not None:
                 return stopped
         wall = time.perf_counter() - self.started
-        if self.evaluated_at != strategy.step or not self.evaluation:
-            # a run that ended inside an epoch reports it as that epoch's (one that trained nothing does not)
-            partial = strategy.evaluates_each_epoch and strategy.step > self.first_step
-            self._evaluate(strategy.progress["epoch"] if partial else None)
+        if self.evaluated_at != strategy.step or not self.evaluation:   # a parameter server scores at the end only
+            self._evaluate(None)
         self.collective(strategy.check_replicas)
         stats = self.stats
         mine = torch.tensor([stats["compute_s"], stats["comm_s"], stats["wait_s"], gs.traffic()["bytes_sent"],
