@@ -2,13 +2,17 @@
 PyTorchJob's): gs.init() with no arguments, one all-reduce, and a line `RESULT {json}` saying what the
 world is. The tests start it under srun, in network namespaces and as plain processes."""
 
-import json
-import os
-import sys
+import time
 
-import torch
+STARTED = time.monotonic()
 
-import gradsync as gs
+import json  # noqa: E402 - the clock starts before the imports
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+import gradsync as gs  # noqa: E402
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
@@ -20,6 +24,7 @@ if __name__ == "__main__":
         "local_world_size": w.local_world_size, "master_addr": w.master_addr, "master_port": w.master_port,
         "hosts": [list(h) for h in w.hosts], "sum": float(total), "node": os.environ.get("SLURMD_NODENAME"),
         "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_localid": os.environ.get("SLURM_LOCALID"),
+        "under_torchrun": "TORCHELASTIC_RUN_ID" in os.environ, "seconds": time.monotonic() - STARTED,
     }), flush=True)
     gs.shutdown()
     sys.exit(0)

@@ -54,7 +54,7 @@ from gradsync.train.models import build_model
 from gradsync.train.preempt import PreemptWatch, StepBoundary, resume_command, spawned_rank, stop_signals
 from gradsync.train.report import Reporter
 from gradsync.train.resume import CHECKPOINT_NAME
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 
 
 class _Unwrapped:
@@ -268,6 +268,7 @@ def _preempted(cfg, report, watch, save, wrapped, step: int, epoch: int, positio
     save(step, epoch, position)
     command = resume_command(cfg)
     report.preempted(step, command, signal_at=watch.first_at)
+    requeue.after_checkpoint(cfg, gs.world().rank, reason)
     wrapped.close()
     return {"summary": None, "preempted": {"step": step, "epoch": epoch, "position": position, "command": command,
                                            "signals": watch.received, "reason": reason},

@@ -67,7 +67,7 @@ from gradsync import checkpoint
 from gradsync.group import runtime
 from gradsync.data import EpochCursor
 from gradsync.live import LiveDDP, resized
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 from gradsync.train.resume import CHECKPOINT_NAME
 from gradsync.train.common import build_optimizer, evaluate, loss_of, lr_at, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
@@ -298,6 +298,7 @@ def _train_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
             checkpoints.after_step(live, batch, final=True)
             command = resume_command(cfg)
             report.preempted(live.step, command, signal_at=watch.first_at)
+            requeue.after_checkpoint(cfg, live.world.rank, reason)
             live.close()
             return {"summary": None, "preempted": {"step": live.step, "command": command, "reason": reason,
                                                    "signals": watch.received},

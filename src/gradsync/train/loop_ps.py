@@ -49,7 +49,7 @@ from gradsync.train.datasets import build_dataset
 from gradsync.train.models import build_model
 from gradsync.train.preempt import STOP_REASONS, PreemptWatch, resume_command, spawned_rank
 from gradsync.train.report import Reporter
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 
 MODE_OF = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}
 
@@ -179,6 +179,7 @@ def _train_ps_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
     if bool(stopped[0]):
         first_worker = state["clocks"][0]
         report.preempted(first_worker, resume_command(cfg), signal_at=watch.first_at)
+        requeue.after_checkpoint(cfg, w.rank, STOP_REASONS[int(stopped[1])] or "preempted")
         return {"summary": None, "preempted": {"step": first_worker, "clocks": state["clocks"],
                                                "signals": watch.received,
                                                "reason": STOP_REASONS[int(stopped[1])] or "preempted"},

@@ -50,7 +50,7 @@ import torch
 import gradsync as gs
 from gradsync.data import EpochCursor
 from gradsync.live.ps import LivePS
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 from gradsync.train.common import evaluate, loss_of, on, param_digest, train_device
 from gradsync.train.config import TrainConfig
 from gradsync.train.datasets import build_dataset
@@ -109,6 +109,7 @@ def _train_ps_live_rank(cfg: TrainConfig, watch: PreemptWatch) -> dict:
         report.enabled = live.world.rank == cfg.servers
         first_worker = state["clocks"][0]
         report.preempted(first_worker, resume_command(cfg), signal_at=watch.first_at)
+        requeue.after_checkpoint(cfg, live.world.rank, STOP_REASONS[int(stopped[1])] or "preempted")
         live.close()
         return {"summary": None, "preempted": {"step": first_worker, "clocks": state["clocks"],
                                                "signals": watch.received,
