@@ -17,7 +17,9 @@
 
 Every process is started here with its pid kept (stop() ends them by pid, then whatever is left in
 the namespaces, which only this cluster's jobs can be in), and every namespace, veth pair and file is
-removed by stop(), also when a test fails (the fixture's finally, and atexit).
+removed by stop(), also when a test fails (the fixture's finally, and atexit). The names carry the
+test process's pid (gsslurm<pid>n<i>, /tmp/gs-slurm-<pid>-*): what a process killed outright left
+behind is removed by the next cluster's start (sweep_stale).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 
 def unavailable() -> str | None:
     """Why a cluster cannot be started here (None when it can)."""
-    missing = [tool for tool in (*DAEMONS, "sbatch", "srun", "scontrol", "sacct", "ip") if shutil.which(tool) is None]
+    missing = [tool for tool in (*DAEMONS, "sbatch", "srun", "scontrol", "sacct", "ip", "nsenter", "unshare")
+               if shutil.which(tool) is None]
     if missing:
         return (f"Slurm is not installed ({', '.join(missing)} not found; `apt-get install slurm-wlm munge` "
                 f"installs it: .ci/run does)")
@@ -98,18 +101,63 @@ InactiveLimit=0
 JobRequeue=0
 NodeName={node0} NodeAddr={addr0} CPUs={cpus} State=UNKNOWN
 NodeName={node1} NodeAddr={addr1} CPUs={cpus} State=UNKNOWN
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2
 """
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def sweep_stale() -> None:
+    """Remove the namespaces, daemons and directories of clusters whose test process is gone."""
+    listed = _run("ip", "netns", "list", check=False).stdout.split("\n")
+    for name in (line.split()[0] for line in listed if line.strip()):
+        match = re.fullmatch(r"gsslurm(\d+)n\d", name)
+        if match and not _alive(int(match[1])):
+            for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+                _kill(int(pid))
+            _run("ip", "netns", "del", name, check=False)
+    for directory in Path(tempfile.gettempdir()).glob("gs-slurm-*-*"):
+        match = re.fullmatch(r"gs-slurm-(\d+)-.*", directory.name)
+        if not match or _alive(int(match[1])):
+            continue
+        for pid_file in directory.glob("*.pid"):   # munged runs outside the namespaces
+            try:
+                pid = int(pid_file.read_text().split()[0])
+                owned = str(directory) in Path(f"/proc/{pid}/cmdline").read_text()
+            except (OSError, ValueError, IndexError):
+                continue
+            if owned:
+                _kill(pid)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class SlurmCluster:
     """Two Slurm nodes in network namespaces; start() brings them up, stop() removes every trace."""
 
     def __init__(self) -> None:
-        tag = os.getpid() % 100000
+        sweep_stale()
+        tag = os.getpid()
         self.namespaces = [f"gsslurm{tag}n{i}" for i in range(2)]
         self.links = [f"gssl{tag}{side}" for side in "ab"]
-        self.dir = Path(tempfile.mkdtemp(prefix="gs-slurm-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"gs-slurm-{tag}-"))
         self.conf = self.dir / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopped = False
@@ -271,11 +319,8 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(timeout=10)
         for namespace in self.namespaces:   # slurmstepd and job tasks: only this cluster's run in them
-            for pid in [int(p) for p in _run("ip", "netns", "pids", namespace, check=False).stdout.split()]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
+                _kill(int(pid))
             _run("ip", "netns", "del", namespace, check=False)
         if not os.environ.get("GRADSYNC_KEEP_SLURM_DIR"):
             shutil.rmtree(self.dir, ignore_errors=True)

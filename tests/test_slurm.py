@@ -61,9 +61,13 @@ def _finished(cluster, tmp_path: Path, job: int, timeout: float, state: str = "C
     return fields
 
 
-def _results(text: str) -> list[dict]:
-    return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line),
-                  key=lambda r: r["rank"])
+RESULTS_TO = "ENV_WORLD_RESULTS=."
+"""sbatch --export: env_world_script.py writes each rank's result in the job's directory."""
+
+
+def _results(tmp_path: Path, launcher: str) -> list[dict]:
+    """What env_world_script.py's ranks under ``launcher`` (task, torchrun) wrote, by rank."""
+    return sorted((json.loads(p.read_text()) for p in tmp_path.glob(f"{launcher}.*.json")), key=lambda r: r["rank"])
 
 
 def _records(out: Path) -> list[dict]:
@@ -92,40 +96,28 @@ def _model(out: Path) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_init_in_srun_tasks_and_under_srun_torchrun_on_two_nodes(cluster, tmp_path):
-    """One job on two nodes: step 0 runs gs.init() in each of 4 srun tasks; step 1 runs one torchrun per node
-    (c10d rendezvous on the first node), 2 workers each. Both make one world of 4 over both nodes."""
-    body = f"""
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+def test_init_in_srun_tasks_on_two_nodes(cluster, tmp_path):
+    """gs.init() in each of 4 srun tasks on 2 nodes: one world of 4, ranks as Slurm numbers its tasks, the
+    rendezvous on the first node `scontrol show hostnames` names, local ranks as the host exchange finds them."""
+    body = f"""head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 echo "HEAD $head"
-date +"STEP0 %s.%N"
-srun {PYTHON} {TESTS / 'env_world_script.py'}
-date +"STEP1 %s.%N"
-srun --ntasks=2 --ntasks-per-node=1 {PYTHON} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
-    --rdzv-endpoint "$head:29400" --rdzv-id "$SLURM_JOB_ID" {TESTS / 'env_world_script.py'}
-date +"END %s.%N"
-"""
-    job = _submit(cluster, tmp_path, body, "--nodes", "2", "--ntasks-per-node", "2")
+srun {PYTHON} {TESTS / 'env_world_script.py'}"""
+    job = _submit(cluster, tmp_path, body, "--nodes", "2", "--ntasks-per-node", "2", "--export", f"ALL,{RESULTS_TO}")
     _finished(cluster, tmp_path, job, 180)
     text = _output(tmp_path, job)
     head = next(line.split()[1] for line in text.splitlines() if line.startswith("HEAD "))
-    results = _results(text)
-    assert len(results) == 8, text
-    srun_tasks = [r for r in results if not r["under_torchrun"]]
-    torchrun_workers = [r for r in results if r["under_torchrun"]]
-    for r in srun_tasks:
+    tasks = _results(tmp_path, "task")
+    assert [r["rank"] for r in tasks] == [0, 1, 2, 3], text
+    for r in tasks:
         assert (r["world_size"], r["sum"], r["master_addr"]) == (4, 1 + 2 + 3 + 4, head), r
         assert r["rank"] == int(r["slurm_procid"]) and r["local_rank"] == int(r["slurm_localid"]), r
     # where each rank runs, as the host exchange found it, is what Slurm says (SLURMD_NODENAME)
     on_node = {}
-    for r in srun_tasks:
+    for r in tasks:
         on_node.setdefault(r["node"], []).append(r["rank"])
-    assert sorted(on_node.values()) == srun_tasks[0]["hosts"] == [[0, 1], [2, 3]], srun_tasks
-    for r in srun_tasks:
+    assert sorted(on_node.values()) == tasks[0]["hosts"] == [[0, 1], [2, 3]], tasks
+    for r in tasks:
         assert r["local_world_size"] == 2 and on_node[r["node"]].index(r["rank"]) == r["local_rank"], r
-    # under srun torchrun, torchrun's variables win: 4 ranks from 2 agents (Slurm's tasks 0 and 1)
-    assert [(r["rank"], r["world_size"], r["sum"]) for r in torchrun_workers] == [(k, 4, 10.0) for k in range(4)]
-    assert sorted(r["slurm_procid"] for r in torchrun_workers) == ["0", "0", "1", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +153,11 @@ def test_srun_gradsync_train_matches_gradsync_train(uninterrupted, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_scancel_signal_term_checkpoints_and_exits_75(cluster, tmp_path):
-    """`scancel --signal=TERM` reaches every task; they stop after the same step, rank 0 writes the
-    checkpoint, the job exits 75: FAILED 75:0 in sacct (and ExitCode=75:0 in scontrol show job)."""
+    """`scancel --signal=TERM` reaches every task (one on each node); they stop after the same step, rank 0
+    writes the checkpoint, the job exits 75: FAILED 75:0 in sacct (and ExitCode=75:0 in scontrol show job)."""
     out = tmp_path / "run"
     job = _submit(cluster, tmp_path, f"srun {PYTHON} -m gradsync.train {' '.join(TRAIN)} --steps 100000 --out {out}",
-                  "--nodes", "2", "--ntasks-per-node", "2")
+                  "--nodes", "2", "--ntasks-per-node", "1")
     try:
         _wait_for_steps(cluster, tmp_path, job, out, 5)
         cluster.client("scancel", "--signal=TERM", str(job))
@@ -176,8 +168,8 @@ def test_scancel_signal_term_checkpoints_and_exits_75(cluster, tmp_path):
     assert [(row["JobID"], row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [(str(job), "FAILED", "75:0")]
     (preempted,) = [r for r in _records(out) if r["event"] == "preempted"]
     saved = checkpoint.load(out / "checkpoint.pt")
-    assert saved["step"] == preempted["step"] >= 5 and saved["world_size"] == 4
-    assert _output(tmp_path, job).count(f"preempted at step {preempted['step']};") == 1
+    assert saved["step"] == preempted["step"] >= 5 and saved["world_size"] == 2
+    assert _output(tmp_path, job).count(f"preempted at step {preempted['step']}; resume with: srun ") == 1
 
 
 @pytest.mark.timeout(300)
@@ -200,6 +192,8 @@ def test_a_requeued_job_resumes_and_ends_bit_identical(cluster, uninterrupted, t
         cluster.client("scancel", str(job), check=False)
     text = _output(tmp_path, job)
     assert fields["Restarts"] == "1" and "RESTART 0" in text and "RESTART 1" in text, fields
+    # the job completion log: the requeue (the job already pending again), then the requeued run's end
+    assert [(row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [("PENDING", "0:0"), ("COMPLETED", "0:0")]
     assert f"requeued Slurm job {job}" in text and "--resume auto: continuing the run" in text, text[-4000:]
     records = _records(out)
     (preempted,) = [r for r in records if r["event"] == "preempted"]
@@ -238,8 +232,10 @@ def test_live_mode_a_nodes_tasks_killed_the_others_train_on(cluster, tmp_path):
     start = next(r for r in records if r["event"] == "start")
     steps_per_epoch = -(-1437 // start["global_batch"])   # digits' 1,437 training images; keep-global batch
     assert len(summary["bytes_sent_per_rank"]) == 2 and summary["steps"] == epochs * steps_per_epoch, summary
-    # the step's exit status is the killed tasks' (srun: the highest of its tasks), the survivors' lines are there
-    assert "task 2: Killed" in text or "task 2-3: Killed" in text or fields["JobState"] == "FAILED", text[-3000:]
+    # srun reports the killed tasks, and the job's exit status is theirs: FAILED whatever the survivors did
+    assert "tasks 2-3: Killed" in text, text[-3000:]
+    assert fields["JobState"] == "FAILED" and [row["State"] for row in cluster.sacct(job)] == ["FAILED"], fields
+    print("live mode under srun, a node's tasks killed: sacct", cluster.sacct(job))
 
 
 def _kill_training_tasks(cluster, node: int) -> list[int]:
@@ -254,3 +250,102 @@ def _kill_training_tasks(cluster, node: int) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
+
+
+def _stopped_with_a_checkpoint(out: Path) -> dict:
+    """The run in ``out`` stopped after some step, with the checkpoint of that step."""
+    (preempted,) = [r for r in _records(out) if r["event"] == "preempted"]
+    saved = checkpoint.load(out / "checkpoint.pt")
+    assert saved["step"] == preempted["step"] >= 1, (saved["step"], preempted)
+    return preempted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_preempted_by_a_higher_priority_job(cluster, tmp_path):
+    """Partition urgent outranks main (PreemptType=preempt/partition_prio, PreemptMode=CANCEL, GraceTime=30 on
+    main): a job there that needs node09 whole preempts the training job on it. Slurm sends SIGTERM to its
+    tasks as the grace time starts; they stop after the step in flight, checkpoint and exit 75 within it."""
+    out = tmp_path / "run"
+    job = _submit(cluster, tmp_path, f"srun {PYTHON} -m gradsync.train {' '.join(TRAIN)} --steps 100000 --out {out}",
+                  "--nodes", "1", "--ntasks-per-node", "2", "--nodelist", slurm_cluster.NODE_NAMES[0])
+    urgent = None
+    try:
+        _wait_for_steps(cluster, tmp_path, job, out, 5)
+        urgent = _submit(cluster, tmp_path, "true", "--partition", "urgent", "--exclusive",
+                         "--nodelist", slurm_cluster.NODE_NAMES[0])
+        fields = _finished(cluster, tmp_path, job, 120, state="FAILED")
+        _finished(cluster, tmp_path, urgent, 120)
+    finally:
+        cluster.client("scancel", *[str(j) for j in (job, urgent) if j], check=False)
+    assert fields["ExitCode"] == "75:0", fields
+    assert [(row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [("FAILED", "75:0")]
+    _stopped_with_a_checkpoint(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_signal_usr1_before_the_time_limit(cluster, tmp_path):
+    """`sbatch --time=3 --signal=USR1@90`, `gradsync train --preempt-signal SIGUSR1`: Slurm sends SIGUSR1 to the
+    tasks 90 s before the limit, or up to 60 s earlier (its timer's resolution): between 30 and 90 s after the
+    start, once the ranks are up. They checkpoint and exit 75, before the limit: FAILED 75:0."""
+    out = tmp_path / "run"
+    job = _submit(cluster, tmp_path, f"srun {PYTHON} -m gradsync.train {' '.join(TRAIN)} --steps 1000000 "
+                                     f"--preempt-signal SIGUSR1 --out {out}",
+                  "--nodes", "2", "--ntasks-per-node", "2", "--time", "3", "--signal", "USR1@90")
+    try:
+        fields = _finished(cluster, tmp_path, job, 200, state="FAILED")
+    finally:
+        cluster.client("scancel", str(job), check=False)
+    assert fields["ExitCode"] == "75:0", fields
+    assert [(row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [("FAILED", "75:0")]
+    _stopped_with_a_checkpoint(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_time_limits_sigterm_checkpoints(cluster, tmp_path):
+    """`sbatch --time=1`: at the limit Slurm sends SIGTERM to the job (and SIGKILL KillWait seconds later, 10
+    here): the ranks stop after the step in flight with a checkpoint, in time. sacct says TIMEOUT: the batch
+    script was signalled too, and a job that reached its limit is TIMEOUT whatever its tasks' exit status."""
+    out = tmp_path / "run"
+    job = _submit(cluster, tmp_path, f"srun {PYTHON} -m gradsync.train {' '.join(TRAIN)} --steps 1000000 --out {out}",
+                  "--nodes", "2", "--ntasks-per-node", "2", "--time", "1")
+    try:
+        _finished(cluster, tmp_path, job, 200, state="TIMEOUT")
+    finally:
+        cluster.client("scancel", str(job), check=False)
+    assert [(row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [("TIMEOUT", "0:0")]
+    _stopped_with_a_checkpoint(out)
+    assert "tasks 0-1: Exited with exit code 75" in _output(tmp_path, job) or \
+        "task 0: Exited with exit code 75" in _output(tmp_path, job), _output(tmp_path, job)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_srun_torchrun_one_agent_per_node(cluster, tmp_path):
+    """One torchrun per node under srun, c10d rendezvous on the first node. Step 0: gs.init() in its 4 workers
+    makes one world of 4 (torchrun's variables win over the agents' SLURM_PROCID 0 and 1). Step 1: gradsync
+    train; `scancel --signal=TERM` reaches the agents and their workers: the workers checkpoint and exit 75,
+    each agent exits 1 (torchrun's SignalException), so sacct says FAILED 1:0."""
+    out = tmp_path / "run"
+    torchrun = (f'srun {PYTHON} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d '
+                f'--rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID"')
+    body = f"""head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+{torchrun} {TESTS / 'env_world_script.py'}
+{torchrun} -m gradsync.train {' '.join(TRAIN)} --steps 100000 --out {out}"""
+    job = _submit(cluster, tmp_path, body, "--nodes", "2", "--ntasks-per-node", "1", "--export", f"ALL,{RESULTS_TO}")
+    try:
+        _wait_for_steps(cluster, tmp_path, job, out, 5)
+        cluster.client("scancel", "--signal=TERM", str(job))
+        fields = _finished(cluster, tmp_path, job, 120, state="FAILED")
+    finally:
+        cluster.client("scancel", str(job), check=False)
+    workers = _results(tmp_path, "torchrun")
+    assert [(r["rank"], r["world_size"], r["sum"]) for r in workers] == [(k, 4, 10.0) for k in range(4)], workers
+    assert sorted(r["slurm_procid"] for r in workers) == ["0", "0", "1", "1"] and workers[0]["hosts"] == [[0, 1], [2, 3]]
+    assert fields["ExitCode"] == "1:0" and [(r["State"], r["ExitCode"]) for r in cluster.sacct(job)] == [
+        ("FAILED", "1:0")], fields
+    preempted = _stopped_with_a_checkpoint(out)
+    assert checkpoint.load(out / "checkpoint.pt")["world_size"] == 4
+    assert "torch.distributed.run --nnodes 2" in preempted["command"], preempted
