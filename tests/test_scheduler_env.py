@@ -161,7 +161,9 @@ def test_a_step_of_one_task_and_no_slurm_are_no_world():
 
 @pytest.mark.parametrize("env, message", [
     (SALLOC_SHELL, r"Slurm job 2 has SLURM_NTASKS=4 but this process has no SLURM_PROCID"),
-    (BATCH_SCRIPT, r"Slurm job 1's batch script \(SLURM_PROCID=0, no SLURM_STEP_ID\).*SLURM_NTASKS=4 tasks"),
+    (BATCH_SCRIPT, r"Slurm job 1's batch script or shell \(SLURM_PROCID=0, no SLURM_STEP_ID\).*SLURM_NTASKS=4 tasks"),
+    ({**BATCH_SCRIPT, "SLURM_STEP_ID": "4294967290"},   # salloc's interactive step (LaunchParameters)
+     r"SLURM_STEP_ID=4294967290, one of Slurm's own steps"),
     ({k: v for k, v in step_task(1, 1, 0).items() if k not in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
                                                                 "SLURM_NPROCS")},
      r"SLURM_PROCID=1 is set but not SLURM_NTASKS"),
@@ -192,6 +194,7 @@ def test_step_torchrun_env_for_gradsync_train():
     assert step_torchrun_env({**step_task(3, 1, 1), "RANK": "0", "WORLD_SIZE": "2"}) == {}   # srun torchrun
     # the batch script and an salloc shell run gradsync's own launcher (--workers), as any machine does
     assert step_torchrun_env(BATCH_SCRIPT) == {} and step_torchrun_env(SALLOC_SHELL) == {}
+    assert step_torchrun_env({**BATCH_SCRIPT, "SLURM_STEP_ID": "4294967290"}) == {}
 
 
 # -- gs.init() on these environments ----------------------------------------------------------------

@@ -156,7 +156,7 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
         raise ValueError(f"need 0 <= local_rank < local_world_size <= world_size, got "
                          f"local_rank={local_rank}, local_world_size={local_world_size}, world_size={world_size}")
 
-    master_addr = master_addr or os.environ.get("MASTER_ADDR") or (scheduled and scheduled.master_addr) or "127.0.0.1"
+    master_addr = master_addr or os.environ.get("MASTER_ADDR") or (scheduled.master_addr if scheduled else "127.0.0.1")
     master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
     if master_port is None and scheduled is not None:
         master_port = scheduled.master_port

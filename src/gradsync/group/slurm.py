@@ -38,6 +38,9 @@ from typing import Mapping
 PORT_BASE = 15000
 """Lowest port port_for() gives. Its 16,384 ports (15000-31383) lie below Linux's ephemeral range
 (32768-60999), so no outgoing connection holds one by chance."""
+SPECIAL_STEPS = 0xFFFFFFF0
+"""Step ids from here up are Slurm's own steps, not an srun's (slurm.h: the batch script 0xFFFFFFFB, the
+extern step 0xFFFFFFFC, salloc's interactive step 0xFFFFFFFA): their one process is no rank of a world."""
 MAX_HOSTS_IN_RANGE = 65536
 """The most hosts one bracket range may name; Slurm's hostlist.c refuses more (MAX_RANGE)."""
 
@@ -215,13 +218,14 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> SlurmWorld | Non
                              f"it is not one of the job's tasks (an salloc shell?); start one rank per task with srun")
         return None
     step_name = next((n for n in ("SLURM_STEP_ID", "SLURM_STEPID") if n in env), None)
-    if step_name is None:
+    step_id = _int(env, step_name) if step_name else None
+    if step_id is None or step_id >= SPECIAL_STEPS:
         if world_size > 1:
-            raise ValueError(f"this process is Slurm job {job}'s batch script (SLURM_PROCID={procid}, no SLURM_STEP_ID): "
+            where = "no SLURM_STEP_ID" if step_id is None else f"{step_name}={step_id}, one of Slurm's own steps"
+            raise ValueError(f"this process is Slurm job {job}'s batch script or shell (SLURM_PROCID={procid}, {where}): "
                              f"one process of a job of {tasks_name}={world_size} tasks; start one rank per task with "
                              f"srun (srun python ... / srun gradsync train ...)")
         return None
-    step_id = _int(env, step_name)
     if world_size < 1 or not 0 <= procid < world_size:
         raise ValueError(f"Slurm step {job}.{step_id}: SLURM_PROCID={procid} is not in 0..{world_size - 1} "
                          f"({tasks_name}={world_size})")
@@ -246,7 +250,7 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> SlurmWorld | Non
     if len(hosts) != len(counts):
         raise ValueError(f"Slurm step {job}.{step_id}: {nodes[0]}={nodes[1]!r} names {len(hosts)} node(s) but "
                          f"{layout[0]}={layout[1]!r} gives tasks for {len(counts)}")
-    number = _int({"SLURM_JOB_ID": job}, "SLURM_JOB_ID")
+    number = _int(env, "SLURM_JOB_ID" if env.get("SLURM_JOB_ID") else "SLURM_JOBID")
     return SlurmWorld(rank=procid, world_size=world_size, local_rank=local_rank, local_world_size=counts[node_id],
                       master_addr=hosts[0], master_port=port_for(number, step_id), job_id=number, step_id=step_id)
 
@@ -257,7 +261,8 @@ def step_torchrun_env(environ: Mapping[str, str] | None = None) -> dict[str, str
     outside an srun step of several tasks: the batch script and an salloc shell start gradsync's own
     launcher there, as on any machine)."""
     env = os.environ if environ is None else environ
-    if "RANK" in env or "WORLD_SIZE" in env or ("SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env):
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    if "RANK" in env or "WORLD_SIZE" in env or not step.isdigit() or int(step) >= SPECIAL_STEPS:
         return {}
     world = world_from_env(env)
     if world is None:
