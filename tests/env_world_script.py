@@ -1,6 +1,7 @@
 """One rank of a world the environment describes (Slurm's srun variables, torchrun's, Kubernetes'
 PyTorchJob's): gs.init() with no arguments, one all-reduce, and a line `RESULT {json}` saying what the
-world is (also in ENV_WORLD_RESULTS/{task|torchrun}.{rank}.json where that directory is given). The tests start it under srun, in network namespaces and as plain processes."""
+world is (also in ENV_WORLD_RESULTS/{task|torchrun}.{rank}.json where that directory is given). The
+tests start it under srun, in network namespaces and as plain processes."""
 
 import time
 

@@ -167,7 +167,8 @@ def test_scancel_signal_term_checkpoints_and_exits_75(cluster, tmp_path):
     finally:
         cluster.client("scancel", str(job), check=False)
     assert fields["ExitCode"] == "75:0", fields
-    assert [(row["JobID"], row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [(str(job), "FAILED", "75:0")]
+    assert [(row["JobID"], row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [
+        (str(job), "FAILED", "75:0")]
     (preempted,) = [r for r in _records(out) if r["event"] == "preempted"]
     saved = checkpoint.load(out / "checkpoint.pt")
     assert saved["step"] == preempted["step"] >= 5 and saved["world_size"] == 2
@@ -345,7 +346,8 @@ def test_srun_torchrun_one_agent_per_node(cluster, tmp_path):
         cluster.client("scancel", str(job), check=False)
     workers = _results(tmp_path, "torchrun")
     assert [(r["rank"], r["world_size"], r["sum"]) for r in workers] == [(k, 4, 10.0) for k in range(4)], workers
-    assert sorted(r["slurm_procid"] for r in workers) == ["0", "0", "1", "1"] and workers[0]["hosts"] == [[0, 1], [2, 3]]
+    assert sorted(r["slurm_procid"] for r in workers) == ["0", "0", "1", "1"]
+    assert workers[0]["hosts"] == [[0, 1], [2, 3]]
     assert fields["ExitCode"] == "1:0" and [(r["State"], r["ExitCode"]) for r in cluster.sacct(job)] == [
         ("FAILED", "1:0")], fields
     preempted = _stopped_with_a_checkpoint(out)

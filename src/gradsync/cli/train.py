@@ -130,8 +130,8 @@ def add_parser(commands) -> None:
 def _auto(text: str) -> str:
     """--resume's one value."""
     if text != "auto":
-        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto' (continue a checkpoint in --out if there "
-                                         f"is one, else start), got {text!r}")
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto' (continue a checkpoint in --out if "
+                                         f"there is one, else start), got {text!r}")
     return text
 
 

@@ -156,7 +156,8 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
         raise ValueError(f"need 0 <= local_rank < local_world_size <= world_size, got "
                          f"local_rank={local_rank}, local_world_size={local_world_size}, world_size={world_size}")
 
-    master_addr = master_addr or os.environ.get("MASTER_ADDR") or (scheduled.master_addr if scheduled else "127.0.0.1")
+    slurm_addr = scheduled.master_addr if scheduled is not None else None
+    master_addr = master_addr or os.environ.get("MASTER_ADDR") or slurm_addr or "127.0.0.1"
     master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
     if master_port is None and scheduled is not None:
         master_port = scheduled.master_port
@@ -201,7 +202,8 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
         if wanted.backend == "auto":   # settled at the first init() from the ranks' GPUs
             wanted = dataclasses.replace(wanted, backend=_WORLD.backend)
         if wanted.local_from_hosts:   # settled at the first init()'s host exchange
-            wanted = dataclasses.replace(wanted, local_rank=_WORLD.local_rank, local_world_size=_WORLD.local_world_size)
+            wanted = dataclasses.replace(wanted, local_rank=_WORLD.local_rank,
+                                         local_world_size=_WORLD.local_world_size)
         explicit_port = master_port is not None or "MASTER_PORT" in os.environ
         same = wanted.settings() == _WORLD.settings() or (
             not explicit_port and wanted.settings()[:-2] == _WORLD.settings()[:-2]

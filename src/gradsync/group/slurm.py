@@ -222,8 +222,8 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> SlurmWorld | Non
     if step_id is None or step_id >= SPECIAL_STEPS:
         if world_size > 1:
             where = "no SLURM_STEP_ID" if step_id is None else f"{step_name}={step_id}, one of Slurm's own steps"
-            raise ValueError(f"this process is Slurm job {job}'s batch script or shell (SLURM_PROCID={procid}, {where}): "
-                             f"one process of a job of {tasks_name}={world_size} tasks; start one rank per task with "
+            raise ValueError(f"this process is Slurm job {job}'s batch script or shell (SLURM_PROCID={procid}, "
+                             f"{where}): one process of a job of {tasks_name}={world_size} tasks; start one rank per task with "
                              f"srun (srun python ... / srun gradsync train ...)")
         return None
     if world_size < 1 or not 0 <= procid < world_size:

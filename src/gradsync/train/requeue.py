@@ -54,9 +54,9 @@ def settle_resume(cfg: TrainConfig, say=print) -> TrainConfig:
             step = checkpoint.load(path).get("step")
         except checkpoint.CheckpointError as exc:
             raise ValueError(f"--resume auto: {path} cannot be read ({exc}); move it away to start a new run") from None
+        restart = os.environ.get("SLURM_RESTART_COUNT")
         say(f"gradsync train: --resume auto: continuing the run in {cfg.out} from step {step}"
-            + (f" (Slurm restart {os.environ['SLURM_RESTART_COUNT']})" if os.environ.get("SLURM_RESTART_COUNT") else ""),
-            flush=True)
+            + (f" (Slurm restart {restart})" if restart else ""), flush=True)
     else:
         say(f"gradsync train: --resume auto: {cfg.out} holds no checkpoint; starting a new run", flush=True)
     return dataclasses.replace(cfg, resume=found)
