@@ -25,6 +25,7 @@ LEVELS = {
     "gradsync.group": 1.0, "gradsync.group.world_info": 1.0, "gradsync.group.device_path": 1.05,
     "gradsync.group.join": 1.1, "gradsync.group.runtime": 1.2, "gradsync.group.job_signals": 1.0,
     "gradsync.group.spawn_report": 1.0, "gradsync.group.forkserver": 1.25, "gradsync.group.launch": 1.3,
+    "gradsync.group.slurm": 1.0,
     # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
     "gradsync.data": 1.5,
     # collectives: the Transport interface and what needs only it, then the implementations and the

@@ -294,3 +294,34 @@ def test_live_torchrun_a_node_lost_the_other_trains_on(two_hosts, tmp_path):
     assert len(summary["bytes_sent_per_rank"]) == 2 and summary["steps"] == epochs * steps_per_epoch, summary
     assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {
         epoch: list(range(n)) for epoch in range(epochs)}, "samples lost or repeated"
+
+
+@pytest.mark.timeout(180)
+def test_pytorchjob_environment_one_process_per_pod(two_hosts):
+    """Kubernetes' PyTorchJob: each pod (here a namespace) runs one process with MASTER_ADDR, MASTER_PORT,
+    RANK and WORLD_SIZE set and no LOCAL_RANK. gs.init() reads them; each rank is local rank 0 of 1 (the
+    host exchange finds it alone on its host), and the all-reduce spans both pods: 1 + 2."""
+    import json
+
+    script = os.path.join(os.path.dirname(__file__), "env_world_script.py")
+    procs = []
+    for rank, (namespace, link) in enumerate(two_hosts):
+        env = {**{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")},
+               "GLOO_SOCKET_IFNAME": link, "MASTER_ADDR": HOST_ADDRESSES[0], "MASTER_PORT": "29500",
+               "RANK": str(rank), "WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, script], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    results = []
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"pod {rank} failed:\n{out[-3000:]}"
+        results += [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert sorted((r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["sum"]) for r in results) == [
+        (0, 2, 0, 1, 3.0), (1, 2, 0, 1, 3.0)]
+    assert all(r["hosts"] == [[0], [1]] for r in results)

@@ -99,6 +99,27 @@ def test_out_the_finished_run_and_the_default_directory(no_ranks, tmp_path, caps
     assert not (default / "checkpoint.pt").exists() and not (default / "metrics.jsonl").exists()
 
 
+@pytest.mark.timeout(60)
+def test_resume_auto_continues_a_checkpoint_or_starts_a_run(no_ranks, monkeypatch, tmp_path, capsys):
+    """--resume auto (one sbatch script for a job and its requeues: docs/slurm.md): a checkpoint in --out is
+    continued as --resume continues it (here a finished run: one line, exit 0, no rank), a checkpoint of
+    another run is refused as --resume refuses it, and an --out without one starts a new run."""
+    run = _a_run(tmp_path / "run")
+    assert _train(["--resume", "auto", "--steps", "3", "--out", str(run)])[0] == 0
+    out = capsys.readouterr().out
+    assert f"--resume auto: continuing the run in {run} from step 3" in out and f"the run in {run} is finished" in out
+    code, _ = _train(["--resume", "auto", "--strategy", "ps-sync", "--workers", "3", "--out", str(run)])
+    assert code == 2 and "the checkpoint in" in capsys.readouterr().err
+    reached: list = []
+    monkeypatch.setattr(gs, "spawn", lambda fn, nprocs=None, args=(), **kwargs: reached.append(args[0]) or [])
+    assert _train(["--resume", "auto", "--steps", "3", "--out", str(tmp_path / "new")])[0] == 0
+    assert [cfg.resume for cfg in reached] == [False], reached
+    assert f"--resume auto: {tmp_path / 'new'} holds no checkpoint; starting a new run" in capsys.readouterr().out
+    # the ranks' own decision (a TrainConfig made without the command line)
+    assert resume.wanted(TrainConfig(resume="auto", out=str(run)))
+    assert not resume.wanted(TrainConfig(resume="auto", out=str(tmp_path / "new")))
+
+
 def _tour_train_commands() -> list[tuple[str | None, list[str]]]:
     """The README tour's `gradsync train` commands in order (after `timeout N`, between && and ;), each with
     the folder a `cd DIR` before it on its line moved to (None: where the tour starts)."""

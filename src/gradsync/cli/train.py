@@ -138,7 +138,12 @@ def add_flags(train, defaults: dict) -> None:
     flag("--out", help="directory for metrics.jsonl, checkpoint.pt and trace.json; a run already in a directory you "
                        "name is refused unless --resume or --overwrite, while the default one is replaced, saying so "
                        f"(default: {DEFAULT_OUT})")
-    flag("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
+    flag("--resume", nargs="?", const=True, type=_auto, metavar="auto",
+         help="continue the run whose checkpoint is in --out; --resume auto: continue it when --out holds a "
+              "checkpoint, else start a new run (one sbatch script for a job and its requeues)")
+    flag("--requeue", action="store_true",
+         help="under Slurm: after a preemption's checkpoint, rank 0 runs scontrol requeue $SLURM_JOB_ID and the job "
+              "runs again (submit with sbatch --requeue; train with --resume auto)")
     flag("--overwrite", action="store_true", help="replace the run already in --out (default: refuse to start)")
     flag("--trace", action="store_true", help="also write a Chrome trace timeline, trace.json (open it in Perfetto)")
     flag("--timeout", type=float, help="seconds any wait between ranks may take before it is an error")
@@ -161,6 +166,14 @@ def add_flags(train, defaults: dict) -> None:
          help="on this signal (to the launcher, any rank or the whole job) stop after the step in flight with a "
               "checkpoint and exit 75 (none: the signal's default action); Ctrl-C does the same and exits 130, a "
               "second Ctrl-C stops at once")
+
+
+def _auto(text: str) -> str:
+    """--resume's one value."""
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto' (continue a checkpoint in --out if "
+                                         f"there is one, else start), got {text!r}")
+    return text
 
 
 def _before_spawning(cfg) -> str | None:
@@ -219,6 +232,7 @@ RUNBOOK = """N local workers train a model on its data, and one summary says wha
   gradsync train --workers 4 --strategy zero1     4 workers, optimizer state sharded
   gradsync train --out runs/a --steps 80 --resume continue the run in runs/a to step 80
   torchrun --nproc-per-node 2 -m gradsync.train   the same flags under torchrun
+  srun gradsync train                             one rank per Slurm task (docs/slurm.md)
 
 A signal stops the job cleanly: SIGTERM (to the launcher, a rank or the whole job: timeout, Slurm) after the
 step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130."""
@@ -228,8 +242,13 @@ def run(args) -> int:
     from gradsync.train import config_file, tasks
     from gradsync.train.launcher import run
     from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
+    from gradsync.group import slurm
+    from gradsync.train import requeue
 
+    os.environ.update(slurm.step_torchrun_env())   # under srun each task is one rank, as under torchrun
     cfg = config_of(args)
+    requeue.check(cfg)
+    cfg = requeue.settle_resume(cfg, say=print if _first_rank() else lambda *_, **__: None)
     default_steps = tasks.model_defaults(cfg.model).steps
     if default_steps and cfg.epochs is None and cfg.steps is None and not cfg.resume:
         cfg = dataclasses.replace(cfg, steps=default_steps)

@@ -11,8 +11,13 @@ Vocabulary
 Where the values come from, first match wins:
     1. explicit arguments to ``init()``;
     2. torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-       MASTER_PORT;
-    3. nothing set at all: a world of one (rank 0 of 1) on a free loopback port.
+       MASTER_PORT (Kubernetes' PyTorchJob sets the same, without LOCAL_RANK);
+    3. Slurm's, where RANK and WORLD_SIZE are unset: a task of an srun step of several tasks is one
+       rank (SLURM_PROCID, the step's task count, SLURM_LOCALID, the step's first node and a port
+       from the job id: slurm.py); a world Slurm describes partly is an error saying what was found;
+    4. nothing set at all: a world of one (rank 0 of 1) on a free loopback port.
+Without LOCAL_RANK (and without Slurm's), local_rank and local_world_size are this rank's place
+among the ranks the host exchange finds on its host (one process per pod in a PyTorchJob: 0 of 1).
 
 Joining a world the program already made: when torch.distributed is initialised before init() (a
 script's own init_process_group, torchrun + Lightning, Accelerate), init() joins that world
@@ -40,7 +45,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gradsync.group import device_path, join
+from gradsync.group import device_path, join, slurm
 from gradsync.observe import stall
 from gradsync.group.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
 from gradsync.group.world_info import transfer_group  # noqa: F401 - runtime.transfer_group, as callers know it
@@ -120,6 +125,10 @@ def _resolve_backend(backend: str | None) -> str:
 
 def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
              master_addr, master_port, debug) -> World:
+    told = rank is not None or world_size is not None or "RANK" in os.environ or "WORLD_SIZE" in os.environ
+    scheduled = None if told else slurm.world_from_env()
+    if scheduled is not None:
+        rank, world_size = scheduled.rank, scheduled.world_size
     env_world_size = _env_int("WORLD_SIZE")
     world_size = world_size if world_size is not None else env_world_size
     rank = rank if rank is not None else _env_int("RANK")
@@ -136,6 +145,10 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
 
     local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK")
     local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE")
+    if scheduled is not None:
+        local_rank = scheduled.local_rank if local_rank is None else local_rank
+        local_world_size = scheduled.local_world_size if local_world_size is None else local_world_size
+    local_from_hosts = local_rank is None   # settled at the host exchange (_meet)
     if local_rank is None:
         local_rank = rank
     if local_world_size is None:
@@ -144,8 +157,11 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
         raise ValueError(f"need 0 <= local_rank < local_world_size <= world_size, got "
                          f"local_rank={local_rank}, local_world_size={local_world_size}, world_size={world_size}")
 
-    master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    slurm_addr = scheduled.master_addr if scheduled is not None else None
+    master_addr = master_addr or os.environ.get("MASTER_ADDR") or slurm_addr or "127.0.0.1"
     master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
+    if master_port is None and scheduled is not None:
+        master_port = scheduled.master_port
     if master_port is None:
         if world_size > 1:
             raise ValueError(f"world_size={world_size} needs MASTER_PORT (or master_port=) so the ranks can meet")
@@ -155,7 +171,7 @@ def _resolve(backend, timeout, rank, world_size, local_rank, local_world_size,
     return World(rank=rank, world_size=world_size, local_rank=local_rank,
                  local_world_size=local_world_size, backend=_resolve_backend(backend),
                  timeout=float(timeout), master_addr=master_addr, master_port=int(master_port),
-                 debug=bool(debug))
+                 debug=bool(debug), local_from_hosts=local_from_hosts)
 
 
 def init(backend: str | None = None, timeout: float | None = None, *, rank: int | None = None,
@@ -186,6 +202,9 @@ def init(backend: str | None = None, timeout: float | None = None, *, rank: int 
     if _WORLD is not None:
         if wanted.backend == "auto":   # settled at the first init() from the ranks' GPUs
             wanted = dataclasses.replace(wanted, backend=_WORLD.backend)
+        if wanted.local_from_hosts:   # settled at the first init()'s host exchange
+            wanted = dataclasses.replace(wanted, local_rank=_WORLD.local_rank,
+                                         local_world_size=_WORLD.local_world_size)
         explicit_port = master_port is not None or "MASTER_PORT" in os.environ
         same = wanted.settings() == _WORLD.settings() or (
             not explicit_port and wanted.settings()[:-2] == _WORLD.settings()[:-2]
@@ -231,9 +250,18 @@ def _meet(wanted: World, store, prefix: str, generation: int, live: bool = False
     except BaseException:
         dist.destroy_process_group()
         raise
-    _WORLD = World(**{**wanted.__dict__, "store": store, "hosts": hosts, "generation": generation})
+    _WORLD = World(**{**wanted.__dict__, **_place_on_host(wanted, hosts), "store": store, "hosts": hosts,
+                      "generation": generation})
     _connect_or_undo(_WORLD)
     return _WORLD
+
+
+def _place_on_host(wanted: World, hosts: tuple[tuple[int, ...], ...]) -> dict:
+    """local_rank and local_world_size from the host exchange, where nothing gave them (no LOCAL_RANK)."""
+    if not wanted.local_from_hosts:
+        return {}
+    host = next(group for group in hosts if wanted.rank in group)
+    return {"local_rank": host.index(wanted.rank), "local_world_size": len(host)}
 
 
 def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: int, local_world_size: int,
@@ -250,7 +278,8 @@ def rejoin(previous: World, job_store, rank: int, world_size: int, local_rank: i
         raise RuntimeError("live fault tolerance needs a world of gradsync's own (gradsync.init(), gs.spawn, "
                            "torchrun), not one joined from the program's torch.distributed.init_process_group()")
     wanted = dataclasses.replace(previous, rank=rank, world_size=world_size, local_rank=local_rank,
-                                 local_world_size=local_world_size, store=None, hosts=(), group_key=None)
+                                 local_world_size=local_world_size, store=None, hosts=(), group_key=None,
+                                 local_from_hosts=False)
     return _meet(wanted, job_store, prefix, previous.generation if generation is None else generation, live=True)
 
 

@@ -61,6 +61,9 @@ class World:
     joined: bool = field(default=False, compare=False, repr=False)
     """True when the program made torch's default group and gradsync joined it (shutdown() then
     leaves that group alone)."""
+    local_from_hosts: bool = field(default=False, compare=False, repr=False)
+    """True when nothing said where this rank is on its host (no LOCAL_RANK, no Slurm task): init()
+    takes local_rank and local_world_size from the host exchange."""
 
     @property
     def host_ranks(self) -> tuple[int, ...]:

@@ -111,8 +111,9 @@ class TrainConfig:
     """Seed for model initialisation, data split and shuffling."""
     out: str = "runs/latest"
     """Directory for metrics.jsonl, trace.json and checkpoints."""
-    resume: bool = False
-    """Continue from the checkpoint in ``out``."""
+    resume: bool | Literal["auto"] = False
+    """Continue from the checkpoint in ``out``; "auto": continue when ``out`` holds one, else start a new
+    run (the same Slurm batch script for a job and its requeues: train/requeue.py)."""
     overwrite: bool = False
     """Replace the run already in ``out`` (its checkpoint, metrics, traces: train/runs.py) instead of
     refusing to start; the default ``out`` is replaced without it."""
@@ -139,6 +140,10 @@ class TrainConfig:
     live_batch: Literal["keep-global", "keep-per-rank"] = "keep-global"
     """--fault-tolerance live, after ranks die: keep the global batch (the survivors' shares grow) or keep
     each rank's batch and scale the learning rate by the new world size over the old (live/policy.py)."""
+
+    requeue: bool = False
+    """Under Slurm: after a preemption's checkpoint is on disk, rank 0 runs `scontrol requeue $SLURM_JOB_ID`,
+    so the job runs again (train/requeue.py; submit with sbatch --requeue, train with --resume auto)."""
 
     preempt_signal: Literal["SIGTERM", "SIGUSR1", "none"] = "SIGTERM"
     """The signal that stops the job at the next step boundary with a checkpoint, exit status 75
@@ -214,6 +219,8 @@ class TrainConfig:
                              f"ahead of the slowest), got {self.staleness}")
         if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
             raise ValueError(f"--warmup-steps must be an integer >= 0 (0: no warm-up), got {self.warmup_steps}")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"--resume takes no value or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out and --overwrite replaces it: give one of them")
         for name in ("lr", "weight_decay", "momentum", "min_lr"):

@@ -44,7 +44,7 @@ from gradsync.data import EpochCursor
 from gradsync.group import runtime
 from gradsync.observe import trace
 from gradsync.replicas import gather_strings
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 from gradsync.train.checkpoints import RunCheckpoints
 from gradsync.train.device import device_record, param_digest, train_device
 from gradsync.train.evaluation import evaluate
@@ -265,6 +265,7 @@ class Run:
         self.checkpoints.write(final=True)
         command = resume_command(self.cfg)
         self.report.preempted(strategy.step, command, signal_at=self.watch.first_at)
+        requeue.after_checkpoint(self.cfg, gs.world().rank, reason)
         strategy.close()
         return self._result(None, preempted={"step": strategy.step, "epoch": strategy.progress["epoch"],
                                              "position": strategy.progress["position"], "command": command,
@@ -323,12 +324,12 @@ class Run:
         if not bool(stopped[0]):
             return None
         self.report.enabled = strategy.reporting()
-        first_worker = state["clocks"][0]
+        first_worker, reason = state["clocks"][0], STOP_REASONS[int(stopped[1])] or "preempted"
         self.report.preempted(first_worker, resume_command(self.cfg), signal_at=self.watch.first_at)
+        requeue.after_checkpoint(self.cfg, gs.world().rank, reason)
         strategy.close()
         return self._result(None, preempted={"step": first_worker, "clocks": state["clocks"],
-                                             "signals": self.watch.received,
-                                             "reason": STOP_REASONS[int(stopped[1])] or "preempted"})
+                                             "signals": self.watch.received, "reason": reason})
 
     def _result(self, summary: dict | None, preempted: dict | None = None) -> dict:
         strategy = self.strategy

@@ -178,10 +178,15 @@ def _launcher_command() -> list[str] | None:
 
 def resume_command(cfg: TrainConfig) -> str:
     """The exact command that continues this job: under torchrun the agent's own command line with
-    --resume; otherwise `gradsync train` with every flag that differs from its default, and --resume."""
+    --resume; in an srun task that is a rank, srun and the task's own command line with --resume;
+    otherwise `gradsync train` with every flag that differs from its default, and --resume."""
     torchrun = _launcher_command()
     if torchrun is not None:
         return shlex.join(torchrun + ([] if "--resume" in torchrun else ["--resume"]))
+    if "SLURM_STEP_ID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ and not spawned_rank():
+        # this process is the srun task itself
+        argv = [a.decode(errors="replace") for a in Path("/proc/self/cmdline").read_bytes().split(b"\0") if a]
+        return shlex.join(["srun", *argv] + ([] if "--resume" in argv else ["--resume"]))
     argv = ["gradsync", "train"]
     defaults = TrainConfig.defaults()
     for field in dataclasses.fields(TrainConfig):

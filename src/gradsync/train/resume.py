@@ -171,7 +171,10 @@ def wanted(cfg: TrainConfig) -> bool:
     """Resume? With --resume; and when a torchrun agent has restarted the workers
     (TORCHELASTIC_RESTART_COUNT >= 1: --max-restarts, or an elastic --nnodes MIN:MAX membership change)
     and finds a checkpoint in --out written since the agent started: the agent reruns the same command,
-    which must continue the job, not start it over (an older checkpoint, from another job, is left alone)."""
+    which must continue the job, not start it over (an older checkpoint, from another job, is left alone).
+    --resume auto (gradsync train settles it before the ranks start: train/requeue.py): when --out holds one."""
+    if cfg.resume == "auto":
+        return (Path(cfg.out) / CHECKPOINT_NAME).exists()
     if cfg.resume:
         return True
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:
