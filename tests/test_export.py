@@ -49,8 +49,8 @@ def _load(path: Path, fmt: str) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [
-    dict(strategy="zero1", workers=2, steps=20),                           # ddp, zero1, local: one family
-    dict(strategy="ps-sync", workers=3, servers=2, steps=20),              # two servers' shards in one model
+    dict(strategy="zero1", workers=2, steps=20, warmup_steps=0),          # ddp, zero1, local: one family
+    dict(strategy="ps-sync", workers=3, servers=2, steps=20, warmup_steps=0),   # two servers' shards in one model
     dict(strategy="diloco", workers=2, epochs=1, batch_size=64, sync_every=4),   # ends on an outer step
 ], ids=["zero1", "ps-sync", "diloco"])
 def test_the_exported_weights_score_the_runs_final_accuracy(flags, tmp_path, capsys):

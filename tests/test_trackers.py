@@ -100,6 +100,7 @@ def _holds_jsonl(name: str, pairs: list[tuple[int, float]], jsonl: dict, rel: fl
         assert value == pytest.approx(jsonl[name][step], rel=rel), (name, step, value, jsonl[name][step])
 
 
+@pytest.mark.slow   # the preempted run's resume below makes the same checks of a run that also stopped once
 @pytest.mark.timeout(300)
 def test_a_clean_run_is_read_back_by_each_trackers_own_reader(tmp_path):
     """30 steps of 2 workers, logged every 10 to all three trackers: each holds the loss at steps 10, 20, 30
@@ -154,9 +155,11 @@ def _signal_after(args: list[str], out: Path, steps: int) -> subprocess.Popen:
 @pytest.mark.timeout(400)
 def test_a_preempted_run_resumes_into_the_same_tracker_run(tmp_path):
     """SIGTERM to the launcher after 15 steps of a 60-step run (exit 75, a checkpoint at step S), then
-    --resume: TensorBoard and MLflow hold the loss at 10, 20, ..., 60 once each and the test accuracy
-    at the epoch's end (45) and the run's (60), in one MLflow run; W&B holds two offline parts of one
-    run id (the checkpoint's key), the first ending at or before S, the second starting after it."""
+    --resume: TensorBoard and MLflow hold the loss and each rank's timings at 10, 20, ..., 60 once each
+    and the test accuracy at the epoch's end (45) and the run's (60), as metrics.jsonl has them
+    (TensorBoard keeps float32: within 1e-6), in one MLflow run, finished; W&B holds two offline parts
+    of one run id (the checkpoint's key), the first ending at or before S, the second starting after
+    it, with the same figures."""
     out = tmp_path / "run"
     args = [*JOB, "--steps", "60", "--log", "tensorboard,wandb,mlflow"]
     first = _signal_after(args, out, steps=15)
@@ -170,17 +173,22 @@ def test_a_preempted_run_resumes_into_the_same_tracker_run(tmp_path):
     every = list(range(10, 61, 10))
     jsonl = _as_jsonl(out)
 
+    assert jsonl["test/accuracy"][60] == _records(out, "summary")[-1]["accuracy"]
+
     board = tensorboard_scalars(out)
-    assert _steps_once(board["loss"]) == every
-    _holds_jsonl("loss", board["loss"], jsonl, rel=1e-6)
-    assert _steps_once(board["rank1/step_s"]) == every
+    for name in ("loss", "rank0/step_s", "rank1/step_s", "rank0/wait_s", "rank1/wait_s"):
+        assert _steps_once(board[name]) == every, (name, board[name])
+        _holds_jsonl(name, board[name], jsonl, rel=1e-6)
     assert _steps_once(board["test/accuracy"]) == [45, 60]
+    _holds_jsonl("test/accuracy", board["test/accuracy"], jsonl, rel=1e-6)
+    assert {"lr", "samples_per_s", "rank0/compute_s", "rank1/comm_s", "rank1/bytes_sent"} <= set(board)
 
     (run, metrics), = mlflow_runs(out)
     assert run.data.tags["gradsync.run"] == key and run.info.status == "FINISHED"
     assert _steps_once(metrics["loss"]) == every and _steps_once(metrics["rank0/wait_s"]) == every
     assert _steps_once(metrics["test/accuracy"]) == [45, 60]
-    _holds_jsonl("loss", metrics["loss"], jsonl, rel=1e-12)
+    for name in ("loss", "rank1/step_s", "rank0/wait_s", "test/accuracy"):
+        _holds_jsonl(name, metrics[name], jsonl, rel=1e-12)
 
     parts = wandb_runs(out)
     assert [run_id for run_id, _ in parts] == [key, key], parts
@@ -188,6 +196,11 @@ def test_a_preempted_run_resumes_into_the_same_tracker_run(tmp_path):
     assert steps[0] and steps[1] and max(steps[0]) <= at < min(steps[1]), (steps, at)
     assert sorted(s for part in steps for s in part if s % 10 == 0) == every
     assert [s for part in steps for s in part] == sorted({s for part in steps for s in part}), steps
+    for _, history in parts:
+        for item in history:
+            for name in ("loss", "rank0/step_s", "rank1/wait_s", "test/accuracy"):
+                if name in item:
+                    assert item[name] == pytest.approx(jsonl[name][item["_step"]], rel=1e-12), (name, item)
 
 
 @pytest.mark.timeout(300)
