@@ -197,3 +197,40 @@ def test_a_run_without_a_spike_after_the_warm_up_is_ok(tmp_path, losses, warmup_
     found = verdicts(_run_log(tmp_path, losses, warmup_steps))
     assert (found["loss spike"].verdict, found["loss spike"].detail) == (
         "OK", f"none after the warm-up ({warmup_steps} steps)"), found["loss spike"]
+
+
+def _train_cli(out, env=None):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "2", "--batch-size", "16",
+                           "--steps", "70", "--log-every", "10", "--quiet", "--timeout", "30", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_slowed_from_step_30_is_named_with_that_step(tmp_path, capsys):
+    """GRADSYNC_SLOW_RANK=1:30:80: rank 1 sleeps 80 ms at the start of every step after its 30th (train/
+    slow_rank.py). metrics.jsonl's per-rank records show it as the knob makes it, whatever else the
+    machine does: from the record of steps 31-40 on, rank 1's compute (step - exposed wait) holds the
+    80 ms and rank 0 waits for it in the all-reduce; doctor names rank 1 and step 31. The same run
+    without the knob: no slowdown."""
+    slowed, plain = tmp_path / "slowed", tmp_path / "plain"
+    for out, env in ((slowed, {"GRADSYNC_SLOW_RANK": "1:30:80"}), (plain, None)):
+        job = _train_cli(out, env)
+        assert job.returncode == 0, job.stderr[-3000:]
+    records = [json.loads(line) for line in (slowed / "metrics.jsonl").read_text().splitlines()]
+    ranks = [r for r in records if r["event"] == "ranks"]
+    assert [r["step"] for r in ranks] == list(range(10, 71, 10)) and all(r["ranks"] == [0, 1] for r in ranks)
+    for record in ranks[3:]:   # steps 31-70: every step of rank 1 sleeps 80 ms before it computes
+        assert record["step_s"][1] - record["wait_s"][1] >= 0.080, record
+        assert record["wait_s"][0] >= 0.040, record   # rank 0 waits for rank 1's gradients
+    found = verdicts(slowed)["slowdown"]
+    assert found.verdict == "WARN" and found.detail.startswith("rank 1 became slow at step 31: compute "), found
+    assert "(the records of steps 40-70)" in found.detail, found
+    assert main(["doctor", str(slowed)]) == 0
+    assert "rank 1 became slow at step 31" in capsys.readouterr().out
+    quiet = verdicts(plain)["slowdown"]
+    assert (quiet.verdict, quiet.detail) == (
+        "OK", "no rank became slow partway through (7 records of each rank's timings, every 10 steps)"), quiet

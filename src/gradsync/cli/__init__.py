@@ -10,12 +10,13 @@
     gradsync simulate --params 7e9 --dtype bf16 --workers 64 --bandwidth 200Gbit --compute 250ms
     gradsync figures --out figs/ [--measured check.json]
     gradsync doctor RUN_DIR
+    gradsync export RUN_DIR [--format safetensors|pt] [--out FILE]
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
     gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cluster/sweep.py)
 
     train.py, bench.py (bench_collectives.py, bench_ddp.py, bench_ps.py, bench_zero1.py, bench_slowlinks.py,
     bench_faults.py),
-    simulate.py, figures.py, doctor.py, memory.py, cluster.py: the commands
+    simulate.py, figures.py, doctor.py, export.py, memory.py, cluster.py: the commands
     args.py: the flags' types; output.py: tables and JSON
 """
 
@@ -24,10 +25,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradsync.cli import bench, cluster, doctor, figures, memory, simulate, train
+from gradsync.cli import bench, cluster, doctor, export, figures, memory, simulate, train
 
 COMMANDS = {"bench": bench, "simulate": simulate, "figures": figures, "doctor": doctor, "memory": memory,
-            "cluster": cluster, "train": train}
+            "cluster": cluster, "train": train, "export": export}
 """Each command's module, in the order `gradsync --help` lists them."""
 
 

@@ -42,6 +42,7 @@ def add_flags(train, defaults: dict) -> None:
     from gradsync.train.runs import DEFAULT_OUT
     from gradsync.train.strategies import STRATEGIES
     from gradsync.train.tasks import DATASETS, MODELS
+    from gradsync.train.trackers import TRACKERS
 
     def flag(*names: str, **options) -> None:
         field = options.get("dest") or names[0].removeprefix("--").replace("-", "_")
@@ -159,6 +160,16 @@ def add_flags(train, defaults: dict) -> None:
     flag("--live-batch", choices=LIVE_BATCH,
          help="--fault-tolerance live, after ranks die: keep the global batch, or keep each rank's batch and scale the "
               "learning rate with the new global batch as --lr-scaling says")
+    flag("--log", metavar="|".join(TRACKERS),
+         help="also record to these experiment trackers, comma-separated: tensorboard (RUN_DIR/tensorboard), wandb "
+              "(offline, RUN_DIR/wandb), mlflow (a file store, RUN_DIR/mlruns); each an extra: pip install "
+              "\"gradsync[tensorboard]\"; a resume records to the same tracker run (default: metrics.jsonl only)")
+    flag("--log-every", type=positive_int, metavar="N",
+         help="record every N steps: each rank's step, wait and communication time (metrics.jsonl, gradsync doctor) "
+              "and, with --log, the loss, lr, throughput and those timings to the trackers")
+    flag("--log-run", metavar="ID",
+         help="the tracker run to record to: W&B's run id, the MLflow run tagged gradsync.run=ID (default: a new one, "
+              "or the checkpoint's with --resume)")
     flag("--checkpoint-every", metavar="N|TIME",
          help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h); default: at each epoch's "
               "end only")
@@ -182,6 +193,7 @@ def _before_spawning(cfg) -> str | None:
     batch-size trap (train/batch_math.py). Returns the line saying a resumed run is finished, if it is."""
     from gradsync.train import runs
 
+    runs.check_trackers(cfg)
     task, model, data = runs.check_task(cfg)
     runs.check_batch(cfg, len(data.train))
     task.probe(model, data)

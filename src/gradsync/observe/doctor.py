@@ -17,6 +17,10 @@ practitioners use when data-parallel training underperforms.
     unused params  the reducer raises on them unless find_unused_parameters is set (so a finished run
                    had none, or paid the extra used-count all-reduce)
     stragglers     ranks whose compute time is > 20% above the median (they make everyone wait)
+    slowdown       a rank that became slow partway through: from some step on, in every record of each
+                   rank's timings after it (metrics.jsonl's "ranks", every --log-every steps; two records
+                   at least), its compute (step time - exposed wait) is > 20% and SLOWDOWN_FLOOR_S above
+                   the other ranks' median and > 20% above its own before; named with that step
     placement      ranks per host (uneven hosts leave the ring's slowest link on the crowded host)
     precision      parameter dtype and what travels on the wire (--compress fp16/bf16 halves the
                    bytes but rounds each gradient to 2^-11 / 2^-8 relative)
@@ -35,6 +39,9 @@ from gradsync.train.batch_math import RunShape, advice, default_epochs, default_
 
 STRAGGLER_FACTOR = 1.2
 SMALL_BUCKET_BYTES = 256 << 10
+SLOWDOWN_FLOOR_S = 0.010
+"""Seconds a step a rank's compute must exceed the others' by to count as slow in a record: on a busy
+2-core machine two healthy digits ranks differ by up to a few milliseconds a step from window to window."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,46 @@ def loss_spike(steps: list[dict], warmup_steps: int) -> str | None:
     return None
 
 
+def _compute_of(record: dict) -> dict[int, float]:
+    """rank -> its mean compute seconds a step (step time - exposed wait) in a "ranks" record."""
+    return {rank: step - wait for rank, step, wait in zip(record["ranks"], record["step_s"], record["wait_s"])}
+
+
+def slowdowns(records: list[dict]) -> list[str]:
+    """The ranks that became slow partway through (module docstring), in words, from the "ranks" records in
+    the order they were written. Records of another set of ranks (a live world that changed) start afresh."""
+    found = []
+    segments: list[list[dict]] = []
+    for record in records:
+        if len(record["ranks"]) < 2:
+            continue
+        if not segments or segments[-1][-1]["ranks"] != record["ranks"] or segments[-1][-1]["step"] >= record["step"]:
+            segments.append([])
+        segments[-1].append(record)
+    for segment in segments:
+        computes = [_compute_of(r) for r in segment]
+        for rank in segment[0]["ranks"]:
+            def others(c: dict) -> float:
+                return statistics.median(t for r, t in c.items() if r != rank)
+
+            slow = [c[rank] > STRAGGLER_FACTOR * others(c) and c[rank] - others(c) > SLOWDOWN_FLOOR_S
+                    for c in computes]
+            first = len(slow)
+            while first > 0 and slow[first - 1]:
+                first -= 1
+            if first == 0 or len(slow) - first < 2:   # slow from the start (stragglers), or not for long enough
+                continue
+            before = statistics.mean(c[rank] for c in computes[:first])
+            after = statistics.mean(c[rank] for c in computes[first:])
+            if after <= STRAGGLER_FACTOR * before:
+                continue
+            ratio = statistics.mean(c[rank] / others(c) for c in computes[first:] if others(c) > 0)
+            found.append(f"rank {rank} became slow at step {segment[first - 1]['step'] + 1}: compute "
+                         f"{after * 1e3:.1f} ms a step from then on (the records of steps {segment[first]['step']}-"
+                         f"{segment[-1]['step']}), {ratio:.1f}x the other ranks' median, {before * 1e3:.1f} ms before")
+    return found
+
+
 def examine(run_dir: str | Path) -> list[Finding]:
     run_dir = Path(run_dir)
     events = _read_run(run_dir)
@@ -212,6 +259,15 @@ def examine(run_dir: str | Path) -> list[Finding]:
             or f"every rank within 20% of the median compute ({median:.2f} s)"))
     else:
         findings.append(Finding("stragglers", "INFO", "no summary: the run did not finish"))
+    ranks = events.get("ranks", [])
+    if any(len(r["ranks"]) > 1 for r in ranks):
+        slow = slowdowns(ranks)
+        findings.append(Finding("slowdown", "WARN" if slow else "OK", "; ".join(slow) or (
+            f"no rank became slow partway through ({len(ranks)} records of each rank's timings, every "
+            f"{ranks[0]['steps']} steps)")))
+    else:
+        findings.append(Finding("slowdown", "INFO", "no records of each rank's timings (metrics.jsonl's \"ranks\", "
+                                                    "every --log-every steps): a run of one rank, or an older run"))
 
     hosts = setup.get("hosts")
     if hosts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
@@ -150,6 +151,16 @@ class TrainConfig:
     (train/preempt.py, train/strategies/ps.py); sent to the launcher or to any rank. 'none': the signal's
     default action."""
 
+    log: str = ""
+    """Experiment trackers the reporting rank records to, comma-separated: tensorboard | wandb (offline) |
+    mlflow (a local file store), each an optional extra (train/trackers/); empty: metrics.jsonl only."""
+    log_every: int = 10
+    """Steps between records of each rank's step, wait and communication time (one small all-gather on
+    those steps only) to metrics.jsonl and, with --log, of the training figures to the trackers."""
+    log_run: str | None = None
+    """The trackers' run to record to (W&B's run id, the MLflow run tagged with it); None: a new one, or on
+    --resume the checkpoint's, so that a resumed run goes on in the same tracker run (train/tracking.py)."""
+
     def checkpoint_interval(self) -> tuple[int | None, float | None]:
         """(steps, seconds) from ``checkpoint_every``; at most one is set."""
         text = self.checkpoint_every.strip().lower()
@@ -243,6 +254,7 @@ class TrainConfig:
         if self.max_restarts and declared.restarts:
             raise RuntimeError(f"--max-restarts is not supported with --strategy {self.strategy}: {declared.restarts}")
         self.checkpoint_interval()
+        self._check_log()
         if self.checkpoint_every and declared.periodic_checkpoints:
             raise RuntimeError(f"--checkpoint-every is not supported with --strategy {self.strategy}: "
                                f"{declared.periodic_checkpoints}; use ddp, zero1 or local")
@@ -265,6 +277,17 @@ class TrainConfig:
         if declared.one_process and self.workers != 1:
             raise ValueError(f"--strategy {self.strategy} trains in one process; use --workers 1 (got {self.workers})")
         self._check_out_dir()
+
+    def _check_log(self) -> None:
+        """--log names known trackers (whether each is installed is the launcher's check: train/runs.py),
+        --log-every is a number of steps, --log-run a name every tracker takes as a run's."""
+        from gradsync.train.trackers import tracker_names
+
+        tracker_names(self.log)
+        if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 1:
+            raise ValueError(f"--log-every must be an integer >= 1 (steps between records), got {self.log_every!r}")
+        if self.log_run is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.log_run)):
+            raise ValueError(f"--log-run {self.log_run!r}: give 1 to 64 letters, digits, '-' or '_' (a W&B run id)")
 
     def _check_task(self) -> None:
         """--model and --data: a built-in name or module:function (what they return is checked in the launcher,

@@ -52,10 +52,12 @@ from gradsync.train.live_knobs import die, planted_kill
 from gradsync.train.optimizers import lr_at
 from gradsync.train.preempt import STOP_REASONS, PreemptWatch, StepBoundary, resume_command, spawned_rank
 from gradsync.train.report import Reporter
+from gradsync.train.slow_rank import planted_delay
 from gradsync.train.sparse_rows import make_dense, sparse_modules
 from gradsync.train.step import StepWork, on
 from gradsync.train.strategies import strategy as declared_strategy
 from gradsync.train.task import Task
+from gradsync.train.tracking import run_key
 
 
 def train_rank(cfg) -> dict:
@@ -96,7 +98,9 @@ class Run:
                 f"has {trainers} (--workers {world_size} - --servers {cfg.servers}): each worker's data shard and "
                 f"clock are its own, so resume with {self.saved['batch']['workers']} workers; the number of servers "
                 f"may change")
-        cfg = dataclasses.replace(cfg, batch_size=self.plan.batch_size, grad_accum=self.plan.grad_accum)
+        # the tracker run every rank records to, and every checkpoint names (train/tracking.py)
+        cfg = dataclasses.replace(cfg, batch_size=self.plan.batch_size, grad_accum=self.plan.grad_accum,
+                                  log_run=run_key(cfg, self.saved, joining))
         if self.plan.global_batch > len(self.data.train):
             raise ValueError(f"each worker sees {len(self.data.train) // trainers} training samples per epoch, fewer "
                              f"than one step of --batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}; use "
@@ -117,6 +121,7 @@ class Run:
             self.model.to(self.device)
         self.optimizer_spec = spec.with_lr(self.plan.peak_lr)
         self.kill = None
+        self.delay = planted_delay(self.rank)   # the slow-rank test knob (train/slow_rank.py)
         # the strategy's object: wraps the model, builds the optimizer, loads the checkpoint
         self.strategy = self.declared.load(self.live)(self)
         if self.live:
@@ -164,15 +169,22 @@ class Run:
             report.setup(**self.collective(self._layout), **device_record(self.device))
         gs.traffic_reset()
         self.started = time.perf_counter()
+        self.window = {"steps": 0, "step_s": 0.0, "wait_s": 0.0, "comm_s": 0.0, "samples": 0}
         if strategy.serves:
-            strategy.serve(stop=lambda: self.watch.requested)
-            return self._end()
+            try:
+                strategy.serve(stop=lambda: self.watch.requested)
+                return self._end()
+            finally:
+                report.close()
         work = StepWork(self)
         try:
-            stopped = self._steps(work)
+            try:
+                stopped = self._steps(work)
+            finally:
+                work.close()
+            return stopped if stopped is not None else self._end()
         finally:
-            work.close()
-        return stopped if stopped is not None else self._end()
+            report.close()   # after an error: the tracker runs still open are closed
 
     def _steps(self, work: StepWork) -> dict | None:
         """Step until the run is done; the preempted result if a verdict stopped it."""
@@ -185,6 +197,8 @@ class Run:
                 self.on_world_change()
                 continue
             started = time.perf_counter()
+            if self.delay is not None and strategy.step >= self.delay[0]:
+                time.sleep(self.delay[1])
             if not strategy.run_step(work, stop=watch.requested):
                 if not strategy.stopping:   # the world changed: the step is trained in the new one
                     self.on_world_change()
@@ -195,6 +209,9 @@ class Run:
             report.step(strategy.step, chosen.epoch, work.loss_sum, chosen.step_size / elapsed, strategy.last_overlap,
                         strategy.grad_norm, lr=self.lr_at(strategy.step - 1, strategy.peak_lr),
                         bytes_sent=gs.traffic()["bytes_sent"] if self.rank == 0 and not self.live else None)
+            self._add_to_window(elapsed, chosen.step_size)
+            if strategy.step % cfg.log_every == 0:
+                self._record_ranks()
             epoch_ended = strategy.progress["epoch"] != chosen.epoch
             if epoch_ended and strategy.evaluates_each_epoch:
                 strategy.end_epoch()
@@ -217,6 +234,32 @@ class Run:
         if strategy.last_overlap is not None:   # bucket all-reduce seconds before backward ended, and in all
             stats["hidden_s"] += strategy.last_overlap * strategy.comm_seconds
             stats["bucket_s"] += strategy.comm_seconds
+
+    def _add_to_window(self, elapsed: float, samples: int) -> None:
+        window, strategy = self.window, self.strategy
+        window["steps"] += 1
+        window["step_s"] += elapsed
+        window["wait_s"] += strategy.wait_seconds
+        window["comm_s"] += strategy.comm_seconds
+        window["samples"] += samples
+
+    def _record_ranks(self) -> None:
+        """A logged step: every rank's mean step, wait and communication seconds over the window since the
+        last one, and its bytes sent, all-gathered (one small all-gather, through the strategy's collective
+        so that a live world's change survives it) for the reporting rank to record (train/report.py). A
+        parameter server's workers keep their own clocks while the servers serve: each has only its own."""
+        window = self.window
+        steps = max(window["steps"], 1)
+        mine = torch.tensor([window["step_s"] / steps, window["wait_s"] / steps, window["comm_s"] / steps,
+                             gs.traffic()["bytes_sent"]], dtype=torch.float64)
+        samples_per_s = window["samples"] / window["step_s"] if window["step_s"] > 0 else 0.0
+        self.window = dict.fromkeys(window, 0)
+        if self.declared.serves:
+            ranks, per_rank = [gs.world().rank], mine.view(1, -1)
+        else:
+            per_rank = self.collective(lambda: gs.all_gather(mine).view(gs.world().world_size, -1))
+            ranks = list(range(per_rank.shape[0]))
+        self.report.ranks(self.strategy.step, steps, ranks, per_rank, samples_per_s)
 
     def _evaluate(self, epoch: int | None) -> None:
         """Score the test set (every rank, or the strategy's); ``epoch``: report it as that epoch's."""

@@ -192,7 +192,8 @@ def resume_command(cfg: TrainConfig) -> str:
     for field in dataclasses.fields(TrainConfig):
         value = getattr(cfg, field.name)
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("resume", "overwrite", "workers", "out") or value == defaults[field.name]:
+        # the tracker run's key (--log-run) is the checkpoint's: the resume reads it there
+        if field.name in ("resume", "overwrite", "workers", "out", "log_run") or value == defaults[field.name]:
             continue
         if isinstance(value, dict):   # --model-args, --data-args
             value = ",".join(f"{k}={v!r}" for k, v in value.items())

@@ -5,6 +5,18 @@ minus time spent waiting for buckets), communication seconds (time the communica
 reducing, overlapped or not), exposed wait (time from backward's end until its reductions were done:
 queued buckets and the slowest rank included, so it may exceed the communication seconds), bytes sent.
 A rank whose compute time is more than 20% above the median is named as a straggler.
+
+Every --log-every steps (a logged step) a "ranks" record holds each rank's step, exposed wait and
+communication seconds (means over the steps since the record before) and bytes sent so far, which
+`gradsync doctor` reads to find a rank that became slow partway through; with --log the same figures,
+the loss, the lr, the throughput and, at each evaluation, the test figures go to the experiment
+trackers (train/tracking.py), named:
+
+    loss, lr, samples_per_s                      the logged step's loss and lr; samples/s over the window
+    test/loss, test/accuracy                     at each evaluation's step
+    rank{r}/step_s, rank{r}/compute_s,           rank r's mean step time over the window, its compute
+    rank{r}/wait_s, rank{r}/comm_s,              (step - exposed wait), exposed wait and communication
+    rank{r}/bytes_sent                           seconds; the payload bytes it sent since training started
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from gradsync.observe import display
 from gradsync.comm.world_transport import carrier
 from gradsync.train.config import TrainConfig
 from gradsync.train.strategies import strategy
+from gradsync.train.tracking import Tracking
 
 STRAGGLER_FACTOR = 1.2
 
@@ -57,6 +70,7 @@ class Reporter:
         self.progress = None
         self.task = None
         self.started = time.perf_counter()
+        self.tracking = Tracking(cfg)
 
     def _record(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
@@ -81,6 +95,7 @@ class Reporter:
                            + (f"; clip grad 2-norm to {c.clip_grad:g} ({c.clip_site()})" if c.clip_grad else ""))
         if resumed_at is not None:
             self.console.print(f"resumed from {self.metrics_path.parent / 'checkpoint.pt'} at step {resumed_at}")
+        self.tracking.open(purge_after=resumed_at)
         self._record({"event": "start", "config": c.to_dict(), "global_batch": global_batch, "peak_lr": peak_lr,
                       "base_lr": base_lr, "steps_per_epoch": steps_per_epoch, "total_steps": self.total_steps,
                       "train_samples": train_samples})
@@ -103,6 +118,7 @@ class Reporter:
         if self.enabled:
             self._record({"event": "preempted", "step": step, "signal_at": signal_at, "checkpoint_at": time.time(),
                           "command": command})
+            self.tracking.finish(done=False)   # the resume goes on with the same tracker run
             print(f"preempted at step {step}; resume with: {command}", flush=True)
 
     def live(self, record: dict) -> None:
@@ -131,15 +147,36 @@ class Reporter:
                       "samples_per_s": samples_per_s, "overlap": overlap,
                       **({"grad_norm": grad_norm} if grad_norm is not None else {}),
                       **({"bytes_sent": bytes_sent} if bytes_sent is not None else {})})
+        if step % self.cfg.log_every == 0:
+            self.tracking.log(step, {"loss": loss, **({"lr": lr} if lr is not None else {}),
+                                     **({"grad_norm": grad_norm} if grad_norm is not None else {})})
         if self.progress:
             self.progress.update(self.task, completed=step,
                                  description=f"epoch {epoch} loss {loss:.4f} {samples_per_s:,.0f} samples/s")
+
+    def ranks(self, step: int, steps: int, ranks: list[int], per_rank: torch.Tensor, samples_per_s: float) -> None:
+        """A logged step's record of every rank (module docstring): ``per_rank`` rows, in ``ranks``' order:
+        mean step s, mean exposed wait s, mean communication s over the last ``steps`` steps, bytes sent so
+        far; ``samples_per_s``: the window's throughput (samples trained / its seconds)."""
+        if not self.enabled:
+            return
+        step_s, wait_s, comm_s, sent = (per_rank[:, i].tolist() for i in range(4))
+        self._record({"event": "ranks", "step": step, "steps": steps, "ranks": list(ranks), "step_s": step_s,
+                      "wait_s": wait_s, "comm_s": comm_s, "bytes_sent": sent})
+        values = {"samples_per_s": samples_per_s}
+        for r, rank in enumerate(ranks):
+            values.update({f"rank{rank}/step_s": step_s[r], f"rank{rank}/compute_s": step_s[r] - wait_s[r],
+                           f"rank{rank}/wait_s": wait_s[r], f"rank{rank}/comm_s": comm_s[r],
+                           f"rank{rank}/bytes_sent": sent[r]})
+        self.tracking.log(step, values)
 
     def epoch(self, epoch: int, step: int, evaluation: dict) -> None:
         if not self.enabled:
             return
         self._record({"event": "epoch", "epoch": epoch, "step": step, **evaluation,
                       "wall_s": time.perf_counter() - self.started})   # since training started, evaluations included
+        self.tracking.log(step, {f"test/{k.removeprefix('test_')}": v for k, v in evaluation.items()
+                                 if k in ("test_loss", "accuracy") and v is not None})
         if not evaluation:
             return
         line = f"epoch {epoch}: test loss {evaluation['test_loss']:.4f}" + (
@@ -179,6 +216,7 @@ class Reporter:
                    "checkpoint_s": checkpoints[1] if checkpoints else None,
                    "checkpoint_write_s": checkpoints[2] if checkpoints else None}
         self._record({"event": "summary", **summary})
+        self.tracking.finish(done=True)
         table = Table(title="gradsync train: summary")
         table.add_column("")
         table.add_column("value", justify="right")
@@ -208,3 +246,7 @@ class Reporter:
                                               for r in stragglers) or "none")
         self.console.print(table)
         return summary
+
+    def close(self) -> None:
+        """After an error: the tracker runs still open are closed, marked as not finished."""
+        self.tracking.finish(done=False)

@@ -239,13 +239,15 @@ def state_of(cfg: TrainConfig, plan: BatchPlan, model, optimizer, step: int, epo
 
 
 def run_record(cfg: TrainConfig, plan: BatchPlan) -> dict:
-    """What every checkpoint says about its run: the batch it trained with, and its identity."""
+    """What every checkpoint says about its run: the batch it trained with, its identity, and the run key
+    of the tracker run it records to (train/tracking.py), which a resume goes on with."""
     return {"batch": {"batch_size": plan.batch_size, "grad_accum": plan.grad_accum, "workers": plan.workers,
                       "base_lr": plan.base_lr, "peak_lr": plan.peak_lr, "epochs": plan.epochs,
                       "warmup_steps": plan.warmup_steps, "schedule": plan.schedule,
                       "schedule_steps": plan.schedule_steps, "min_lr": plan.min_lr},
             "identity": {**{k: getattr(cfg, k) for k in IDENTITY}, "batch_size": plan.batch_size,
-                         "grad_accum": plan.grad_accum}}
+                         "grad_accum": plan.grad_accum},
+            "tracking": {"run_key": cfg.log_run}}
 
 
 def apply(state: dict, model, optimizer) -> tuple[int, int, int]:

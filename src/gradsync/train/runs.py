@@ -19,6 +19,7 @@ calls the factories once: a user's data factory costs what it costs): nothing he
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,11 +31,14 @@ from gradsync.train.resume import CHECKPOINT_NAME, IDENTITY, family
 from gradsync.train.sparse_rows import sparse_modules
 from gradsync.train.strategies import strategy
 from gradsync.train.task import Task, TaskData
+from gradsync.train.trackers import check_installed, tracker_names
 
 DEFAULT_OUT = "runs/latest"
 """--out when none is given (TrainConfig.out)."""
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "trace.json", "trace.rank*.json", "replica*.pt", "train.log")
 """What a run writes in --out (patterns): what replacing a run removes, and nothing else."""
+RUN_FOLDERS = ("tensorboard", "wandb", "mlruns")
+"""The folders --log's trackers write in --out (train/trackers/): replacing a run removes them too."""
 
 
 def check_task(cfg: TrainConfig) -> tuple[Task, torch.nn.Module, TaskData]:
@@ -68,6 +72,11 @@ def check_device(cfg: TrainConfig) -> None:
         elif cfg.device == "cuda":
             raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
                              "False); use --device cpu or auto")
+
+
+def check_trackers(cfg: TrainConfig) -> None:
+    """--log's trackers are installed: one line naming the install command for the first that is not."""
+    check_installed(tracker_names(cfg.log))
 
 
 def check_batch(cfg: TrainConfig, samples: int) -> None:
@@ -125,6 +134,9 @@ def _remove_run(out: Path) -> None:
     for pattern in RUN_FILES:
         for path in out.glob(pattern):
             path.unlink(missing_ok=True)
+    for folder in RUN_FOLDERS:
+        if (out / folder).is_dir() and not (out / folder).is_symlink():
+            shutil.rmtree(out / folder)
 
 
 def claim_out(cfg: TrainConfig, overwrite: bool, say=print) -> None:
