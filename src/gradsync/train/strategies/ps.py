@@ -103,9 +103,9 @@ class ParameterServerStrategy(StrategyObject):
         run.model.to(torch.device("cpu") if self.serves else run.device)
         self.rows = RowsFinder(run.model) if not self.serves else None
         self._first_workers = list(range(self.servers, self.servers + run.plan.workers))
-        if saved and not self.serves:
-            clock, per_epoch = saved["ps"]["clocks"][self.trainers()[0]], run.steps_per_epoch
-            self.start_at(clock, {"epoch": clock // per_epoch, "position": clock % per_epoch * run.plan.global_batch})
+        clock = saved["ps"]["clocks"][self.trainers()[0]] if saved and not self.serves else 0
+        per_epoch = run.steps_per_epoch
+        self.start_at(clock, {"epoch": clock // per_epoch, "position": clock % per_epoch * run.plan.global_batch})
 
     def _make(self, run):
         return gs.ParameterServer(run.model, optimizer_fn(run, 1 if self.mode == "sync" else run.plan.workers),
