@@ -92,8 +92,11 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return False
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        inverse = 1.0 / self.scale   # a power of two: exact, as GradScaler's
+        for grad in grads:
+            grad.mul_(inverse)
+        values = [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]   # a sparse table's rows
+        finite = torch.stack([torch.isfinite(value).all() for value in values]).all()
         return not bool(finite)
 
     def update(self, found_inf: bool) -> None:

@@ -118,7 +118,9 @@ static int narrow_half_sums = 0;
 
 void set_narrow_half_sums(int narrow) { narrow_half_sums = narrow; }
 
-/* float16 and bfloat16 sums in float32: acc = in[0] + in[1], acc += in[k], out = round(acc [/ N]) */
+/* float16 and bfloat16 sums in float32: acc = in[0] + in[1], acc += in[k] for the middle inputs, and the
+ * last input added as the result is rounded: out = round((acc + in[N-1]) [/ N]); two inputs in one pass,
+ * out = round((in[0] + in[1]) [/ N]). The float32 operations are the Python path's, in its order. */
 #define WIDE_KERNELS(suffix, from, to)                                                              \
     TARGETS static void widen_##suffix(float *acc, const void *a_, const void *b_, size_t n) {     \
         const uint16_t *a = a_, *b = b_;                                                            \
@@ -128,9 +130,24 @@ void set_narrow_half_sums(int narrow) { narrow_half_sums = narrow; }
         const uint16_t *x = x_;                                                                     \
         _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) acc[i] += from(x[i]);                  \
     }                                                                                               \
-    TARGETS static void narrow_##suffix(void *out_, const float *acc, size_t n) {                  \
+    TARGETS static void last_sum_##suffix(void *out_, const float *acc, const void *x_, size_t n) { \
         uint16_t *out = out_;                                                                       \
-        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) out[i] = to(acc[i]);                   \
+        const uint16_t *x = x_;                                                                     \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) out[i] = to(acc[i] + from(x[i]));      \
+    }                                                                                               \
+    TARGETS static void last_avg_##suffix(void *out_, const float *acc, const void *x_, size_t n,  \
+                                          float divisor) {                                          \
+        uint16_t *out = out_;                                                                       \
+        const uint16_t *x = x_;                                                                     \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++)                                         \
+            out[i] = to((acc[i] + from(x[i])) / divisor);                                           \
+    }                                                                                               \
+    TARGETS static void pair_avg_##suffix(void *out_, const void *a_, const void *b_, size_t n,    \
+                                          float divisor) {                                          \
+        uint16_t *out = out_;                                                                       \
+        const uint16_t *a = a_, *b = b_;                                                            \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++)                                         \
+            out[i] = to((from(a[i]) + from(b[i])) / divisor);                                       \
     }
 
 WIDE_KERNELS(f16, from_f16, to_f16)
@@ -141,15 +158,23 @@ static void reduce_wide(int dtype, int op, void *out, const void *const *inputs,
     int half = dtype == F16;
     float acc[BLOCK], divisor = (float)n_ranks;
     char *to = out;
+    const char *const *in = (const char *const *)inputs;
     for (size_t start = 0; start < n; start += BLOCK) {
         size_t length = n - start < BLOCK ? n - start : BLOCK, at = start * 2;
-        (half ? widen_f16 : widen_bf16)(acc, (const char *)inputs[0] + at, (const char *)inputs[1] + at, length);
-        for (int k = 2; k < n_inputs; k++)
-            (half ? accumulate_f16 : accumulate_bf16)(acc, (const char *)inputs[k] + at, length);
+        if (n_inputs == 2) {   /* a sum of two: the narrow kernel's add, which rounds once too */
+            if (op == AVG)
+                (half ? pair_avg_f16 : pair_avg_bf16)(to + at, in[0] + at, in[1] + at, length, divisor);
+            else
+                (half ? sum_f16 : sum_bf16)(to + at, in[0] + at, in[1] + at, length);
+            continue;
+        }
+        (half ? widen_f16 : widen_bf16)(acc, in[0] + at, in[1] + at, length);
+        for (int k = 2; k < n_inputs - 1; k++)
+            (half ? accumulate_f16 : accumulate_bf16)(acc, in[k] + at, length);
         if (op == AVG)
-            for (size_t i = 0; i < length; i++)
-                acc[i] = acc[i] / divisor;
-        (half ? narrow_f16 : narrow_bf16)(to + at, acc, length);
+            (half ? last_avg_f16 : last_avg_bf16)(to + at, acc, in[n_inputs - 1] + at, length, divisor);
+        else
+            (half ? last_sum_f16 : last_sum_bf16)(to + at, acc, in[n_inputs - 1] + at, length);
     }
 }
 
