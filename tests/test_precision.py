@@ -191,7 +191,7 @@ def test_fp16_mixed_resume_keeps_the_scaler_bit_identical_to_an_uninterrupted_ru
 def test_a_precision_this_torch_cannot_autocast_is_refused_naming_the_device_that_can(monkeypatch):
     from gradsync.train import precision
 
-    monkeypatch.setattr(precision, "_autocasts", lambda device_type, dtype: dtype != torch.float16)
+    monkeypatch.setattr(precision, "_autocasts", lambda device, dtype: dtype != torch.float16)
     with pytest.raises(RuntimeError, match=r"--precision fp16-mixed: torch .* has no torch.float16 autocast on cpu; "
                                            r"use a CUDA GPU \(--device cuda\)"):
         precision.check("fp16-mixed", "cpu")

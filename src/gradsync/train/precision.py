@@ -41,28 +41,31 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def check(precision: str, device_type: str) -> None:
-    """Refuse a --precision this torch cannot run on ``device_type`` ("cpu" or "cuda"), naming the one that can."""
+def check(precision: str, device_type: str, device: torch.device | None = None) -> None:
+    """Refuse a --precision this torch cannot run on ``device_type`` ("cpu" or "cuda"), naming the one that
+    can; ``device``: try it there (a rank's own device). The launcher checks CUDA by name only: a matrix
+    product there would make a CUDA context before the ranks bind their GPUs (group/device_path.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r} is not one of: {', '.join(PRECISIONS)}")
     dtype = AUTOCAST_DTYPES.get(precision)
-    if dtype is None or _autocasts(device_type, dtype):
+    if dtype is None or (device_type == "cuda" and device is None):
+        return
+    if _autocasts(device or torch.device("cpu"), dtype):
         return
     other = "a CUDA GPU (--device cuda)" if device_type == "cpu" else "the CPU (--device cpu)"
     raise RuntimeError(f"--precision {precision}: torch {torch.__version__} has no {dtype} autocast on "
                        f"{device_type}; use {other} for it, or --precision bf16-mixed / fp32")
 
 
-def _autocasts(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a matrix product under torch.autocast(device_type, dtype) computes in ``dtype`` here (torch
-    turns an autocast it cannot run into a warning and float32)."""
+def _autocasts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matrix product on ``device`` under torch.autocast computes in ``dtype`` here (torch turns
+    an autocast it cannot run into a warning and float32)."""
     import warnings
 
-    device = torch.device("cuda" if device_type == "cuda" else "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with torch.autocast(device_type, dtype=dtype):
+            with torch.autocast(device.type, dtype=dtype):
                 product = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
         except (RuntimeError, ValueError):
             return False
@@ -117,7 +120,7 @@ class Precision:
     fp16-mixed, the scaler the strategies step through (module docstring)."""
 
     def __init__(self, precision: str, device: torch.device) -> None:
-        check(precision, device.type)
+        check(precision, device.type, device)
         self.name = precision
         self.device_type = device.type
         self.dtype = AUTOCAST_DTYPES.get(precision)
