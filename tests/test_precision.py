@@ -200,11 +200,11 @@ def test_a_precision_this_torch_cannot_autocast_is_refused_naming_the_device_tha
         precision.check("fp8", "cpu")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_mixed_on_the_default_digits_run_ends_within_half_a_point_of_fp32(world_of, tmp_path):
     """gradsync train's default run (cnn on digits, 2 ranks, ddp) with --precision bf16-mixed against fp32, the
-    same seed: the final test accuracy within 0.5 points (measured: 98.61% fp32, 98.89% bf16-mixed)."""
+    same seed: the final test accuracy within 0.5 points (measured: 98.61% fp32, 98.89% bf16-mixed; 276 steps
+    each, 3-6 s in a warm world)."""
     accuracy = {}
     for name in ("fp32", "bf16-mixed"):
         results = world_of(2).run(precision_fns.train_recording, {"precision": name, "quiet": True,
