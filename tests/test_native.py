@@ -4,8 +4,9 @@ Python path it stands in for.
 The oracle: every element of a shared-memory all-reduce is computed by a known fold in a known
 order (allreduce_shared*.py): below the one-shot bound, in[0] (op) in[1] (op) ... in rank order;
 above it, and in place, slice j of each piece (ring_chunks) by its owner j, its own first, then the
-others in rank order. ``expected`` computes that with torch's own add / maximum / minimum / div, so
-float16 and bfloat16 round after every add as the core must. Both paths must equal it bit for bit
+others in rank order. ``expected`` computes that with torch's own add / maximum / minimum / div; float16
+and bfloat16 sums are added in float32 in that order and rounded once (avg: divided first), as the core
+must. Both paths must equal it bit for bit
 (NaN where it is NaN: NaN's payload bits are the one thing torch itself does not fix), every rank
 must hold the same bits, and a second call must give the first's.
 
@@ -52,6 +53,9 @@ def combine(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def fold(inputs: list[torch.Tensor], order: list[int], op: str) -> torch.Tensor:
+    if op in ("sum", "avg") and inputs[0].dtype in (torch.float16, torch.bfloat16):
+        wide = sum((inputs[k].double().float() for k in order[1:]), inputs[order[0]].float())
+        return (wide / len(inputs) if op == "avg" else wide).to(inputs[0].dtype)
     acc = combine(inputs[order[0]], inputs[order[1]], op)
     for k in order[2:]:
         acc = combine(acc, inputs[k], op)

@@ -25,8 +25,16 @@ def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
         for rank, t in enumerate(pool.run(cases.traffic_case, numel, dtype, "ring")):
             assert t["bytes_sent"] == 2 * (world_size - 1) * m_bytes // world_size
             assert t["bytes_received"] == t["bytes_sent"]
-            assert set(t["per_peer"]) == {(rank + 1) % world_size, (rank - 1) % world_size}
-            assert t["per_peer"][(rank + 1) % world_size]["sent"] == t["bytes_sent"]
+            right = (rank + 1) % world_size
+            if dtype == torch.float32:
+                assert set(t["per_peer"]) == {right, (rank - 1) % world_size}
+                assert t["per_peer"][right]["sent"] == t["bytes_sent"]
+            else:   # a float16 sum reduce-scatters straight to each chunk's owner (reduce_scatter_direct.py):
+                # one chunk to every peer, then the all-gather's N-1 chunks to the right neighbour
+                chunk = m_bytes // world_size
+                others = [peer for peer in range(world_size) if peer != rank]
+                assert {peer: v["sent"] for peer, v in t["per_peer"].items()} == {
+                    peer: chunk + (world_size - 1) * chunk * (peer == right) for peer in others}
             assert t["per_op"]["all_reduce/ring"]["sent"] == t["bytes_sent"]
             assert t["control_bytes_sent"] > 0  # the agreement fingerprint, kept apart from payload
 

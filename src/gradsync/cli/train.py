@@ -39,6 +39,7 @@ def add_flags(train, defaults: dict) -> None:
     from gradsync.comm.collectives import ALGORITHMS
     from gradsync.train.losses import LOSSES
     from gradsync.train.optimizers import OPTIMIZERS, SCHEDULES
+    from gradsync.train.precision import PRECISIONS
     from gradsync.train.runs import DEFAULT_OUT
     from gradsync.train.strategies import STRATEGIES
     from gradsync.train.tasks import DATASETS, MODELS
@@ -123,6 +124,9 @@ def add_flags(train, defaults: dict) -> None:
     flag("--bucket-mb", type=float, help="DDP bucket cap in MiB")
     flag("--compress", choices=COMPRESSION,
          help="gradient compression on the wire (ddp): fp16, bf16, or powersgd (rank-r factors)")
+    flag("--precision", choices=PRECISIONS,
+         help="what forward and loss compute in: fp32; bf16-mixed or fp16-mixed under torch.autocast, weights and "
+              "optimizer state in float32 (fp16-mixed with a gradient scaler; every rank skips the same steps)")
     flag("--powersgd-rank", type=positive_int, metavar="R", help="PowerSGD's approximation rank (--compress powersgd)")
     flag("--sync-every", type=positive_int, metavar="H",
          help="--strategy diloco: inner steps each worker takes alone between outer steps")

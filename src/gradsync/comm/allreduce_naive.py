@@ -5,7 +5,8 @@ tested against and as the picture of the bottleneck:
     rank 0 receives (N-1)*M and sends (N-1)*M bytes; every other rank sends M and receives M.
     T = 2(N-1)*(alpha + M*beta) + (N-1)*M*gamma   (rank 0's link serialises everything)
 
-Rank 0 adds contributions in rank order, so the result does not depend on arrival order.
+Rank 0 adds contributions in rank order, so the result does not depend on arrival order; float16 and
+bfloat16 sums are added in float32 and rounded once (reduce_ops.py).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ def allreduce_naive(flat: torch.Tensor, transport: Transport, *, reduction: Redu
     # gather: one buffer per contributor, all receives in flight at once
     incoming = {peer: scratch(flat.numel(), flat.dtype, flat.device, slot=peer) for peer in range(1, n_ranks)}
     handles = {peer: transport.irecv(buf, peer, op) for peer, buf in incoming.items()}
-    # reduce, in rank order
+    # reduce, in rank order (float16/bfloat16 sums in float32, rounded once: reduce_ops.py)
+    acc = reduction.accumulator(flat)
     for peer in range(1, n_ranks):
         handles[peer].wait()
-        reduction.combine(flat, incoming[peer])
-    reduction.finish(flat, n_ranks)
+        reduction.combine(acc, incoming[peer])
+    reduction.settle(flat, acc, n_ranks)
     # broadcast, one copy per rank
     wait_all([transport.isend(flat, peer, op) for peer in range(1, n_ranks)])

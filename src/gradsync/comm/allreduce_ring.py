@@ -31,6 +31,11 @@ Traffic and time (alpha: latency per message, beta: seconds per byte, gamma: sec
     chunk except chunk (r+1) mod N, so
         bytes_sent(r) = (2n - size[r] - size[(r+1) mod N]) * element_size
     T = 2(N-1)*alpha + 2(N-1)/N*M*beta + (N-1)/N*M*gamma        (Patarasuk & Yuan, JPDC 2009)
+
+float16 and bfloat16 sums (reduce_ops.Reduction.widens) reduce-scatter directly instead
+(reduce_scatter_direct.py): a forwarded partial sum would be rounded at every hop. Same bytes per rank
+(rank r sends every chunk but its own in each phase: (2n - 2 size[r]) elements), sent to every peer in
+the reduce-scatter rather than the right neighbour alone.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 
 from gradsync.comm.scratch import scratch
 from gradsync.comm.reduce_ops import SUM, Reduction
+from gradsync.comm.reduce_scatter_direct import reduce_scatter_direct
 from gradsync.comm.transport import Combine, Transport, wait_all
 
 DEFAULT_SEGMENT_BYTES = 4 << 20
@@ -207,7 +213,14 @@ def _all_gather_by_steps(flat: torch.Tensor, chunks: Chunks, transport: Transpor
 def allreduce_ring(flat: torch.Tensor, transport: Transport, *, reduction: Reduction = SUM,
                    segment_bytes: int | None = None, op: str = "all_reduce/ring") -> None:
     """In-place all-reduce of a 1-D contiguous tensor; the owner of each chunk finishes it (avg:
-    divides by N) before the all-gather, so every rank ends with bit-identical values."""
-    chunks = reduce_scatter_ring(flat, transport, op, segment_bytes, reduction.combine)
-    reduction.finish(chunks.view(flat, transport.rank), transport.world_size)
+    divides by N) before the all-gather, so every rank ends with bit-identical values. A float16 or
+    bfloat16 sum reduce-scatters directly (reduce_scatter_direct.py: each owner adds its chunk's N
+    inputs in float32 and rounds once; the same bytes), except over NCCL's exchanges, whose steps
+    forward partial sums."""
+    if reduction.widens(flat.dtype) and not transport.pairs_exchanges(flat):
+        chunks = ring_chunks(flat.numel(), transport.world_size)
+        reduce_scatter_direct(flat, chunks, transport, op, reduction)
+    else:
+        chunks = reduce_scatter_ring(flat, transport, op, segment_bytes, reduction.combine)
+        reduction.finish(chunks.view(flat, transport.rank), transport.world_size)
     all_gather_ring(flat, chunks, transport, op, segment_bytes)

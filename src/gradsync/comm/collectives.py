@@ -16,7 +16,9 @@ Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8,
 including 0 elements; non-contiguous tensors (reduced through a contiguous copy written back).
 op: "sum" | "avg" | "product" | "max" | "min" | "band" | "bor" | "bxor" (reduce_ops.py: "avg" needs
 a floating dtype, the bitwise ones an integer or bool dtype). Reductions run in the tensor's own
-dtype with torch's elementwise semantics, as torch.distributed's gloo does, and every rank ends with
+dtype with torch's elementwise semantics, as torch.distributed's gloo does, except float16 and bfloat16
+sums: added in float32 and rounded once wherever one rank holds every input of an element (the
+shared-memory algorithms, naive, the ring's direct reduce-scatter; reduce_ops.py); every rank ends with
 bit-identical values.
 
 Each public function runs on gradsync's world (runtime.world(), joined on first use where the
@@ -38,7 +40,8 @@ from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neig
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_hierarchical import allreduce_hierarchical, layout_error
 from gradsync.comm.allreduce_naive import allreduce_naive
-from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring
+from gradsync.comm.allreduce_ring import Chunks, all_gather_ring, allreduce_ring, reduce_scatter_ring, ring_chunks
+from gradsync.comm.reduce_scatter_direct import reduce_scatter_direct
 from gradsync.comm.allreduce_tree import allreduce_tree
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.reduce_ops import OPS, Reduction, dtype_name, reduction
@@ -336,6 +339,10 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
                                      spin=spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
     _agree(w, transport, Fingerprint("reduce_scatter", next_sequence_of(transport), work.numel(), work.dtype, op, "ring"))
+    if chosen.widens(work.dtype) and not transport.pairs_exchanges(work):   # no partial sum on the wire
+        chunks = ring_chunks(work.numel(), w.world_size)
+        reduce_scatter_direct(work, chunks, transport, "reduce_scatter/ring", chosen)
+        return chunks.view(work, w.rank).clone()
     chunks = reduce_scatter_ring(work, transport, "reduce_scatter/ring", combine=chosen.combine)
     shard = chunks.view(work, w.rank)
     chosen.finish(shard, w.world_size)

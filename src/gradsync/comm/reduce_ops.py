@@ -22,6 +22,16 @@ The operators, with torch's own elementwise semantics (so results equal torch.di
     bor       acc |= incoming                integer and bool dtypes
     bxor      acc ^= incoming                integer and bool dtypes
 
+float16 and bfloat16 sums (sum, avg) travel in their own dtype but are added in float32: where one rank
+holds every input of an element (``reduce``: the shared-memory all-reduces and reduce-scatters, the
+naive all-reduce), the N inputs are added in float32 in a fixed order and the result is rounded to the
+narrow dtype once (avg: divided first, then rounded), so its error is one rounding of the result
+(DeepSpeed's and Megatron's fp32 accumulation; gloo and NCCL round after every add, an error that
+grows with N: docs/benchmarks.md, "Reduced precision on the wire"). The algorithms that forward partial
+sums between ranks (ring, halving-doubling, tree over TCP) send each partial in the narrow dtype, so
+they round once per hop. GRADSYNC_HALF_SUM=narrow rounds after every add everywhere, as gloo does (to
+measure what float32 accumulation buys; HALF_SUM_ENV).
+
 Every algorithm computes each element of the result on exactly one rank (the owner of its chunk,
 or the root) and then copies it to the others, so all ranks hold bit-identical values even where
 the operator is not associative in floating point (sum, product): the order only decides the last
@@ -32,14 +42,41 @@ same rank order, which gives the same bits on every rank just as well.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
           torch.bool, torch.uint8, torch.int8)
 """Every dtype the collectives take: those torch.distributed's gloo reduces."""
+
+
+HALF_SUM_ENV = "GRADSYNC_HALF_SUM"
+"""GRADSYNC_HALF_SUM=float32 (the default) adds float16 and bfloat16 sums in float32 and rounds once;
+=narrow rounds after every add (gloo's and NCCL's running sum, kept to measure against: the native
+core reads the same setting, native/reduce.c)."""
+HALF_SUM_CHOICES = ("float32", "narrow")
+NARROW = (torch.float16, torch.bfloat16)
+"""The dtypes whose sums are accumulated in float32."""
+_HALF_SUM: list[str] = []
+
+
+def half_sum() -> str:
+    """GRADSYNC_HALF_SUM, read once per process ("float32" or "narrow"); forget_half_sum() reads it again."""
+    if not _HALF_SUM:
+        setting = os.environ.get(HALF_SUM_ENV, "").strip() or "float32"
+        if setting not in HALF_SUM_CHOICES:
+            raise ValueError(f"{HALF_SUM_ENV}={setting!r}: give float32 (add float16/bfloat16 sums in float32, the "
+                             f"default) or narrow (round after every add, as gloo does)")
+        _HALF_SUM.append(setting)
+    return _HALF_SUM[0]
+
+
+def forget_half_sum() -> None:
+    """Read GRADSYNC_HALF_SUM again at the next half_sum() (tests switch within one process)."""
+    _HALF_SUM.clear()
 
 
 def _maximum(acc: torch.Tensor, incoming: torch.Tensor) -> None:
@@ -69,6 +106,42 @@ class Reduction:
         """out <- first (op) second; ``out`` may be one of the inputs itself (the same tensor, as an
         in-place operation), but must not overlap either in part."""
         self.out_of_place(first, second, out=out)
+
+    def widens(self, dtype: torch.dtype) -> bool:
+        """Whether ``reduce`` adds ``dtype`` in float32 (sum and avg of float16 and bfloat16; module docstring)."""
+        return dtype in NARROW and self.out_of_place is torch.add and half_sum() == "float32"
+
+    def accumulator(self, first: torch.Tensor) -> torch.Tensor:
+        """What the inputs are combined into, starting from ``first``: a float32 copy of it where this
+        reduction widens ``first``'s dtype, else ``first`` itself (which it then changes)."""
+        return first.float() if self.widens(first.dtype) else first
+
+    def settle(self, out: torch.Tensor, acc: torch.Tensor, n_ranks: int) -> None:
+        """finish ``acc`` (avg: divided by N) and write it into ``out`` (one rounding where ``acc`` is wider);
+        ``acc`` may be ``out`` itself."""
+        self.finish(acc, n_ranks)
+        if acc is not out:
+            out.copy_(acc)
+
+    def reduce(self, out: torch.Tensor, inputs: Sequence[torch.Tensor], n_ranks: int) -> None:
+        """out <- inputs[0] (op) inputs[1] (op) ... in that order, finished: what the owner of an element
+        computes from every rank's input (float16/bfloat16 sums in float32, rounded once). ``out`` may be
+        ``inputs[0]`` or ``inputs[1]`` itself (the one-pass fold of the first two), and must not overlap
+        any input in part."""
+        if self.widens(out.dtype):
+            acc = inputs[0].float()
+            for incoming in inputs[1:]:
+                acc.add_(incoming)
+            self.settle(out, acc, n_ranks)
+            return
+        if len(inputs) == 1:
+            if out is not inputs[0]:
+                out.copy_(inputs[0])
+        else:
+            self.fold(out, inputs[0], inputs[1])
+            for incoming in inputs[2:]:
+                self.combine(out, incoming)
+        self.finish(out, n_ranks)
 
     def finish(self, owned: torch.Tensor, n_ranks: int) -> None:
         """Called once on each finished piece by the rank that computed it, before it is shared. For

@@ -23,22 +23,27 @@ wrapper's subgroup, ddp/group.py) with the wrapper's ``algorithm``; their Future
 complete when they return, because the collective ran on the communication thread itself:
 
     allreduce_average   the default (comm_hook=None): the average, in the gradients' own dtype
-    fp16_compress       comm_hook="fp16": each rank divides by the divisor, casts to float16,
-                        the sum is taken in float16, cast back
+    fp16_compress       comm_hook="fp16": each rank divides by the divisor and casts to float16 (what
+                        crosses the wire); the N values are added in float32 and the sum rounded
+                        to float16 once (comm/reduce_ops.py), then cast back
     bf16_compress       comm_hook="bf16": the same in bfloat16
     powersgd_hook       comm_hook="powersgd": rank-2 factors with error feedback (ddp/powersgd.py; other
                         ranks: register_comm_hook(PowerSGDState(rank=R), powersgd_hook))
     reduce_in_dtype     mixed precision's reduction (ddp/mixed_precision.py): cast to reduce_dtype,
-                        sum, divide; the Future holds the reduce_dtype result
+                        average (float16/bfloat16: added and divided in float32, rounded once); the
+                        Future holds the reduce_dtype result
 
 Division: by ``state.divisor``, the number of replicas, except under Join with
 divide_by_initial_world_size=False, where it is the number of ranks that have not joined (as
 torch's reducer divides). With divisor == replicas the average is the collective's own "avg".
 
 Stated error of the compression hooks: each value is rounded once to the compressed type before
-the reduction and the sum is accumulated in it; for N ranks the relative error is at most about
-(N+1) * 2^-11 for fp16 and (N+1) * 2^-8 for bf16 (unit roundoff 2^-11 and 2^-8), tested against
-the exact average.
+the reduction (u |x / N|, u the unit roundoff: 2^-11 for fp16, 2^-8 for bf16) and the sum of those N
+values is rounded once (u |result|), whatever N, so the result is within u (max |x| + |average|)
+of the exact average. The all-reduce adds them in float32 where one rank holds every input of an
+element: the shared-memory algorithms and "naive" on one host, "ring" (its direct reduce-scatter)
+anywhere (reduce_ops.py). "halving_doubling", "tree" and "hierarchical" forward partial sums, which
+are rounded at every hop (hierarchical: once per level); "auto" picks them only across hosts (comm/select.py).
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ def reduce_in_dtype(state: ReduceState, bucket) -> torch.futures.Future:
     reduce_dtype tensor, from which the reducer writes full-precision gradients."""
     flat = bucket.buffer()
     reduced = flat.to(state.reduce_dtype) if state.reduce_dtype not in (None, flat.dtype) else flat
-    state.group.all_reduce(reduced, op="sum", algorithm=state.algorithm).div_(_divisor(state))
+    _average_in_place(state, reduced)   # avg: float16/bfloat16 added and divided in float32, rounded once
     return _done(reduced)
 
 

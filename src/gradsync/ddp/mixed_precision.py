@@ -13,8 +13,8 @@ DDP ignores and so does this):
 One step, for a parameter p of full dtype F (torch's ``_reducer_allreduce_and_upcast_hook``):
     forward      p.data <- p_F.to(param_dtype)
     backward     g (param_dtype) into its bucket (buckets are param_dtype)
-    reduce       r = sum over ranks of g.to(reduce_dtype), then r /= divisor, in reduce_dtype
-                 (ddp/hooks.py reduce_in_dtype, the reducer's hook)
+    reduce       r = (sum over ranks of g.to(reduce_dtype)) / divisor, rounded to reduce_dtype once
+                 (float16/bfloat16 added in float32: ddp/hooks.py reduce_in_dtype, the reducer's hook)
     after        p.data <- p_F;  p.grad <- r.to(F)   (never rounded through param_dtype)
 Under no_sync the gradient stays in param_dtype (it accumulates there) until a synchronised
 backward reduces it.

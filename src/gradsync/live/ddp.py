@@ -148,10 +148,11 @@ class LiveDDP:
         return self.membership.member
 
     # -- one step ------------------------------------------------------------------------------------
-    def run_step(self, train_step: Callable[[nn.Module], dict]) -> bool:
+    def run_step(self, train_step: Callable[[nn.Module], dict], apply: Callable[[], object] | None = None) -> bool:
         """Train one step; True when it was committed, False when a member died and the step is to be
         trained again in the new world (live.step and live.progress are then those of the last step
-        every survivor holds)."""
+        every survivor holds). ``apply``: what steps the optimizer once the gradients are reduced
+        (default optimizer.step(); a gradient scaler's unscale, check and step)."""
         failure = joiner = None
         try:
             joiner = self.door.decide(self.world.rank) if self.admit_joiners else None   # the boundary (growth.py)
@@ -159,7 +160,7 @@ class LiveDDP:
                 self.optimizer.zero_grad(set_to_none=False)
                 progress = train_step(self.model)
                 self._take_snapshot()
-                self.optimizer.step()
+                (apply or self.optimizer.step)()
         except Exception as exc:
             failure = self._failure(exc)
         if failure is not None:   # recovered outside the except clause, so the old world's frames are free

@@ -225,18 +225,20 @@ class LivePS:
                 failure = self._failure(exc)
             self.recover(failure)
 
-    def run_step(self, train_step: Callable[[nn.Module], dict], stop: bool = False) -> bool:
+    def run_step(self, train_step: Callable[[nn.Module], dict], stop: bool = False,
+                 nonfinite: Callable[[], bool] | None = None) -> bool:
         """Pull, ``train_step(model)`` (forward and backward of this worker's share), push; True when
         committed, False when a member died and the world was rebuilt (live.step and live.progress are
         then the agreed ones: train the step they say next) or when the pull said the job stops here
-        (``stopping``: finish() next). ``stop`` asks the servers to end the job early (push(stop))."""
+        (``stopping``: finish() next). ``stop`` asks the servers to end the job early (push(stop));
+        ``nonfinite()``, asked before the push, flags a gradient with inf or NaN (push(nonfinite))."""
         self._pending_progress = None
         try:
             self.ps.pull()
             if self.ps.stopping:   # these parameters are the job's last: nothing more is trained
                 return False
             self._pending_progress = dict(train_step(self.model))
-            self.ps.push(stop)
+            self.ps.push(stop, nonfinite=nonfinite() if nonfinite is not None else False)
         except Exception as exc:
             failure = self._failure(exc)
         else:

@@ -18,6 +18,8 @@
 Stopping early: push(stop=True) sets FLAG_STOP on the PUSH headers; a PARAMS answer with FLAG_STOP
 (from any server) sets ``stopping``: the parameters just pulled are the job's last, and the worker
 should close() instead of computing another step (server.py says when the servers set it).
+push(nonfinite=True) sets FLAG_NONFINITE (a gradient scaler found inf or NaN); a PARAMS answer with
+FLAG_SKIPPED sets ``skipped``: sync mode's version just pulled was not applied (protocol.py).
 
 A server that stopped on an error sends ABORT; the next pull() or close() raises ServerAbortedError
 naming the rank at fault. A server that stops answering gives a PeerError after the timeout.
@@ -61,6 +63,7 @@ class Client:
         self.pulled_since_push = True
         self.closed = False
         self.stopping = False
+        self.skipped = False   # the version the last pull returned was not applied (protocol.py FLAG_SKIPPED)
         self.pull_wait_seconds = 0.0
         self.push_seconds = 0.0
         self.abort_notice_seconds = 5.0   # how long a failed transfer looks for a server's abort notice
@@ -85,6 +88,7 @@ class Client:
         # receive is posted), so with S servers the workers would drain them one after another.
         posted = [self._post_header(server) for server in self.servers]
         arriving = []
+        self.skipped = False
         for server, (handle, message) in zip(self.servers, posted):
             header = self._take_header(server, handle, message, expect=wire.PARAMS)
             buffer = self.buffers[server]
@@ -106,6 +110,7 @@ class Client:
                 self._apply_answers(server, wanted[server], *answers)
             self.versions[server] = header.version
             self.stopping |= bool(header.flags & wire.FLAG_STOP)
+            self.skipped |= bool(header.flags & wire.FLAG_SKIPPED)
         for handle, server in sends:
             self._wait(handle, server)
         self.pulled_since_push = True
@@ -177,7 +182,7 @@ class Client:
                 split[server].append(ids[positions])
         return split
 
-    def push(self, stop: bool = False) -> None:
+    def push(self, stop: bool = False, nonfinite: bool = False) -> None:
         self._check_open("push")
         if self.mode == "sync" and not self.pulled_since_push:
             raise RuntimeError(f"worker rank {self.rank}: push() twice without pull() in sync mode: the server "
@@ -193,7 +198,7 @@ class Client:
             payload = gather_shard(grads, self.plan.pieces[server], self.buffers[server])
             header = Header(wire.PUSH, self.rank, self.versions[server], server, payload.numel(),
                             payload.numel() * payload.element_size(), wire.checksum(payload),
-                            wire.FLAG_STOP if stop else 0)
+                            (wire.FLAG_STOP if stop else 0) | (wire.FLAG_NONFINITE if nonfinite else 0))
             rows = [(ids[positions[server]], values[positions[server]])
                     for (ids, values), positions in zip(touched, owners)]
             sections = [sparse_wire.section_header(sparse_wire.PUSH_SECTION, self.rank, server, spec, ids, values)

@@ -159,10 +159,18 @@ class ParameterServer:
         ``rows=None`` fetches every table whole. Dense parameters are always fetched whole."""
         self._worker("pull").pull(rows)
 
-    def push(self, stop: bool = False) -> None:
+    def push(self, stop: bool = False, nonfinite: bool = False) -> None:
         """Send this rank's gradients to the servers and clear them (workers only); ``stop`` asks the
-        servers to end the job early: the next pulls answer with ``stopping`` set."""
-        self._worker("push").push(stop)
+        servers to end the job early: the next pulls answer with ``stopping`` set. ``nonfinite``: the
+        gradients hold inf or NaN (a gradient scaler's check): the servers skip this push (sync: its
+        whole version, and the next pulls answer with ``skipped`` set; protocol.py)."""
+        self._worker("push").push(stop, nonfinite)
+
+    @property
+    def skipped(self) -> bool:
+        """Worker, sync mode: the version the last pull returned was not applied (some worker's push in it
+        was flagged nonfinite), the same answer on every worker."""
+        return self._worker("skipped").skipped
 
     @property
     def stopping(self) -> bool:

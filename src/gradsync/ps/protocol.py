@@ -6,7 +6,8 @@ Every message starts with a header of HEADER_WORDS int64 words, sent on the chan
     0     magic     MAGIC (0x6773_7073, "gsps"): anything else is not ours
     1     kind      PUSH, PULL, PARAMS, CLOSE, BYE, ABORT or ROWS in the low byte; flags above it
                     (FLAG_STOP << 8 on PUSH and PARAMS: see "Stopping early" below; FLAG_WHOLE_TABLE
-                    << 8 on a pull's ROWS section: every row the server holds, sparse_wire.py)
+                    << 8 on a pull's ROWS section: every row the server holds, sparse_wire.py;
+                    FLAG_NONFINITE on PUSH and FLAG_SKIPPED on PARAMS: "Skipped updates" below)
     2     sender    rank of the sender (checked against the rank the transport saw)
     3     version   PUSH: server version the gradient was computed on; PULL: the worker's clock
                     (pushes done so far); PARAMS: the server's version; ABORT: the rank at fault or -1
@@ -38,6 +39,12 @@ Stopping early (a preemption, train/strategies/ps.py): a PUSH with FLAG_STOP ask
 the job; a PARAMS with FLAG_STOP tells the worker that the parameters it carries are the last ones
 (sync: every worker gets it with the same version; server.py says when a server sets it).
 
+Skipped updates (a gradient scaler's inf or NaN, train/precision.py): a PUSH with FLAG_NONFINITE
+carries a gradient the worker found inf or NaN in. Sync: a version any such push is part of is not
+applied by any server (each receives every worker's header, so all of them agree); the version still
+steps, and every PARAMS of it carries FLAG_SKIPPED, so every worker learns the same verdict. Async and
+ssp: that push alone is not applied (its worker's clock still counts it).
+
 Headers travel as control traffic in the TrafficMeter; payloads as "ps/push" and "ps/pull".
 
 Each ParameterServer instance talks on its own Channel: its own pair of tags (so messages left
@@ -63,8 +70,10 @@ TAG_BASE = 7100
 PUSH, PULL, PARAMS, CLOSE, BYE, ABORT, ROWS = 1, 2, 3, 4, 5, 6, 7
 FLAG_STOP = 1
 FLAG_WHOLE_TABLE = 2
+FLAG_NONFINITE = 4
+FLAG_SKIPPED = 8
 FLAG_SHIFT = 8
-FLAGS_OF = {PUSH: FLAG_STOP, PARAMS: FLAG_STOP, ROWS: FLAG_WHOLE_TABLE}
+FLAGS_OF = {PUSH: FLAG_STOP | FLAG_NONFINITE, PARAMS: FLAG_STOP | FLAG_SKIPPED, ROWS: FLAG_WHOLE_TABLE}
 """The flags each kind may carry (none for the others)."""
 KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", PARAMS: "PARAMS", CLOSE: "CLOSE", BYE: "BYE", ABORT: "ABORT",
               ROWS: "ROWS"}
@@ -102,7 +111,8 @@ class Header:
     nbytes: int = 0
     checksum: int = 0
     flags: int = 0
-    """FLAG_STOP, FLAG_WHOLE_TABLE or 0 (FLAGS_OF); travels in the kind word, above the kind's byte."""
+    """FLAG_STOP, FLAG_WHOLE_TABLE, FLAG_NONFINITE, FLAG_SKIPPED or 0 (FLAGS_OF); travels in the kind word,
+    above the kind's byte."""
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind | self.flags << FLAG_SHIFT, self.sender, self.version, self.shard, self.numel,
@@ -148,14 +158,16 @@ def decode(buffer: torch.Tensor, seen_from: int) -> Header:
         raise ProtocolError(f"rank {seen_from} sent a message that is not a gradsync parameter-server header "
                             f"(magic {words[0]:#x}, expected {MAGIC:#x}); refused", seen_from)
     kind, flags = words[1] & ((1 << FLAG_SHIFT) - 1), words[1] >> FLAG_SHIFT
-    if kind not in KIND_NAMES or flags & ~(FLAG_STOP | FLAG_WHOLE_TABLE):
+    if kind not in KIND_NAMES or flags & ~(FLAG_STOP | FLAG_WHOLE_TABLE | FLAG_NONFINITE | FLAG_SKIPPED):
         raise ProtocolError(f"rank {seen_from} sent an unknown message kind {words[1]} "
                             f"(known: {', '.join(f'{k}={n}' for k, n in KIND_NAMES.items())}, with "
                             f"FLAG_STOP << {FLAG_SHIFT} on PUSH and PARAMS, FLAG_WHOLE_TABLE << {FLAG_SHIFT} on "
-                            f"ROWS); refused", seen_from)
+                            f"ROWS, FLAG_NONFINITE << {FLAG_SHIFT} on PUSH, FLAG_SKIPPED << {FLAG_SHIFT} on PARAMS); "
+                            f"refused", seen_from)
     if flags & ~FLAGS_OF.get(kind, 0):
         raise ProtocolError(f"rank {seen_from} sent {KIND_NAMES[kind]} with flags {flags}; only PUSH and PARAMS "
-                            f"carry FLAG_STOP, only ROWS carries FLAG_WHOLE_TABLE; refused", seen_from)
+                            f"carry FLAG_STOP, only ROWS carries FLAG_WHOLE_TABLE, only PUSH FLAG_NONFINITE and "
+                            f"only PARAMS FLAG_SKIPPED; refused", seen_from)
     header = Header(kind, *words[2:], flags=flags)
     if header.sender != seen_from:
         raise ProtocolError(f"rank {seen_from} sent a header that claims to come from rank {header.sender}; refused",

@@ -146,6 +146,8 @@ class Server(Applying, Answering, Resizing):
         self.clock = {w: 0 for w in self.workers}
         self.open = set(self.workers)
         self.pushed_this_version: set[int] = set()
+        self.nonfinite_this_version = False   # sync: a push of this version was flagged FLAG_NONFINITE
+        self.skipped_versions: set[int] = set()   # sync: versions reached without an update (answers say so)
         self.pending_pulls: set[int] = set()
         self.last_seen = {w: time.monotonic() for w in self.workers}
         self.min_clock = 0

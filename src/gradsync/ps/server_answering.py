@@ -63,7 +63,7 @@ class Answering:
                 self.counts["bytes_out"] += sections[-1].nbytes
             header = Header(wire.PARAMS, self.rank, version, self.rank, payload.numel(),
                             payload.numel() * payload.element_size(), self._checksum(payload),
-                            self._stop_flag(version))
+                            self._stop_flag(version) | (wire.FLAG_SKIPPED if version in self.skipped_versions else 0))
             body = sparse_wire.pack([], answers)
             self.outbox.send(worker, [self._header_part(header, sections)] +
                              [Part(tensor, "ps/pull", self.channel.payload_tag) for tensor in (payload, body)

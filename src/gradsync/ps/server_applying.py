@@ -11,6 +11,11 @@ Per mode (server.py's consistency models):
     async, ssp the push is applied at once, as one step on gradient / W; staleness = the version
                at apply - the version it was computed on, recorded per update
 
+A push flagged FLAG_NONFINITE (a worker's gradient scaler found inf or NaN, protocol.py) is not
+applied: sync skips the whole version (every server sees every worker's flag, so all skip it; the
+version steps with the parameters unchanged and its answers carry FLAG_SKIPPED); async and ssp skip
+that push alone.
+
 A version steps the dense shard and every table at once (one optimizer step, sparse_optim.py), so
 staleness, clocks and SSP gaps count the same as for dense parameters. Sync mode averages the
 touched rows over the W pushes; async applies each push's rows as gradient / W. SSP with bound 0
@@ -53,12 +58,17 @@ class Applying:
             self.counts["rows_in"] += local.numel()
             self.counts["bytes_in"] += local.numel() * sparse_wire.bytes_per_row(sparse_wire.PUSH_SECTION, table.spec)
         self.clock[sender] += 1
+        nonfinite = bool(header.flags & wire.FLAG_NONFINITE)
         if self.mode == "sync":
-            self.grad_sum.add_(incoming)
+            self.nonfinite_this_version |= nonfinite
+            if not self.nonfinite_this_version:   # a skipped version's sum is never read: it is zeroed
+                self.grad_sum.add_(incoming)
             for table, (local, grad) in zip(self.tables, rows):
                 table.add(sender, local, grad)
             self.pushed_this_version.add(sender)
             self._maybe_step_sync()
+        elif nonfinite:
+            self._advance_boundary()
         else:
             self.staleness[self.version - header.version] += 1
             workers = len(self.workers)
@@ -71,10 +81,15 @@ class Applying:
         self.staleness[0] += len(self.pushed_this_version)
         pushers = len(self.pushed_this_version)
         gradient, table_rows = self.grad_sum.div_(pushers), [table.take_mean(pushers) for table in self.tables]
-        if self.clipping is not None:
-            self._clip(gradient, table_rows)
-        self._step(gradient, table_rows)
+        if self.nonfinite_this_version:   # every server skips it alike: each saw every worker's flag
+            self.version += 1
+            self.skipped_versions.add(self.version)
+        else:
+            if self.clipping is not None:
+                self._clip(gradient, table_rows)
+            self._step(gradient, table_rows)
         self.grad_sum.zero_()
+        self.nonfinite_this_version = False
         self.pushed_this_version.clear()
         if self.stop_asked and self.final_version is None:
             self.final_version = self.version

@@ -62,6 +62,7 @@ class Resizing:
         self.clock = dict(clocks)
         self.open = set(open_workers)
         self.pushed_this_version = set()
+        self.nonfinite_this_version = False
         self.pending_pulls = set()
         self.pending_rows = {}
         self.in_flight = []

@@ -13,6 +13,7 @@ from gradsync.comm.collectives import ALGORITHMS
 from gradsync.train import factory
 from gradsync.train.batch_math import LR_SCALING
 from gradsync.train.optimizers import SCHEDULES
+from gradsync.train.precision import PRECISIONS
 from gradsync.train.strategies import PS_STRATEGIES, STRATEGIES, strategy
 from gradsync.train.tasks import DATASETS, MODELS, resolve
 
@@ -91,6 +92,10 @@ class TrainConfig:
     compress: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     """Gradient compression on the wire (ddp): fp16 / bf16 casts, or PowerSGD's rank-r factors
     (ddp/powersgd.py; uncompressed for the first 10 steps)."""
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
+    """The dtype forward and loss compute in (train/precision.py): fp32; bf16-mixed or fp16-mixed, under
+    torch.autocast with float32 weights and optimizer state, fp16-mixed with a gradient scaler whose skipped
+    steps every rank agrees on."""
     powersgd_rank: int = 2
     """PowerSGD's approximation rank r (--compress powersgd)."""
     sync_every: int = 8
@@ -207,6 +212,7 @@ class TrainConfig:
         choose("strategy", self.strategy, STRATEGIES)
         choose("algorithm", self.algorithm, ALGORITHMS)
         choose("compress", self.compress, COMPRESSION)
+        choose("precision", self.precision, PRECISIONS)
         choose("lr_scaling", self.lr_scaling, LR_SCALING)
         choose("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         choose("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)

@@ -9,7 +9,8 @@ Runbook
 
 Per rank, as a recipe (Run): build_task (train/task.py: the model factory, the data, the loss) ->
 plan_batch (train/resume.py: the checkpoint's global batch on this world size, or a fresh one; the
-run's length, warm-up and schedule) -> build_model (on this rank's device) -> the strategy's object
+run's length, warm-up and schedule) -> build_model (on this rank's device; --precision's autocast and
+scaler, train/precision.py) -> the strategy's object
 (train/strategies/: it wraps the model, builds the optimizer, loads the checkpoint) -> train: step
 after step, the strategy's run_step(work) runs this rank's share (train/step.py) and reduces; at
 each step boundary the verdict (checkpoint? preempted? train/preempt.py), at each epoch's end an
@@ -50,6 +51,7 @@ from gradsync.train.device import device_record, param_digest, train_device
 from gradsync.train.evaluation import evaluate
 from gradsync.train.live_knobs import die, planted_kill
 from gradsync.train.optimizers import lr_at
+from gradsync.train.precision import Precision
 from gradsync.train.preempt import STOP_REASONS, PreemptWatch, StepBoundary, resume_command, spawned_rank
 from gradsync.train.report import Reporter
 from gradsync.train.slow_rank import planted_delay
@@ -120,6 +122,9 @@ class Run:
         if not self.declared.serves:   # a parameter server places its model itself (its servers keep the CPU)
             self.model.to(self.device)
         self.optimizer_spec = spec.with_lr(self.plan.peak_lr)
+        self.precision = Precision(cfg.precision, self.device)
+        if self.precision.dtype is not None:
+            self.notes.append(self.precision.describe())
         self.kill = None
         self.delay = planted_delay(self.rank)   # the slow-rank test knob (train/slow_rank.py)
         # the strategy's object: wraps the model, builds the optimizer, loads the checkpoint
@@ -345,6 +350,8 @@ class Run:
             staleness = {"mean": float(per_rank[:, 6].sum()) / updates if updates else 0.0,
                          "max": float(per_rank[:, 7].max()), "updates": updates}
         report.enabled = strategy.reporting()
+        if self.precision.scaler is not None:
+            report.note(self.precision.verdicts())
         # a parameter-server job's steps are the plan's (every step trains the global batch of the W it started with)
         reached = self.total_steps if self.declared.serves else strategy.step
         summary = report.finish(wall, reached, self.evaluation, per_rank[:, :5],
@@ -381,6 +388,7 @@ class Run:
                   "params": ({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
                              if done and gs.world().world_size <= 8 else None),
                   "events": trace.disable() if self.cfg.trace else [],
+                  "precision": self.precision.summary(),
                   "checkpoints": self.checkpoints.written if self.checkpoints else []}
         if preempted is not None:
             result["preempted"] = preempted

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gradsync import checkpoint
+from gradsync.train import precision
 from gradsync.train.batch_math import DEFAULT_EPOCHS, RunShape, trap_warning
 from gradsync.train.config import TrainConfig
 from gradsync.train.resume import CHECKPOINT_NAME, IDENTITY, family
@@ -65,13 +66,15 @@ def check_task(cfg: TrainConfig) -> tuple[Task, torch.nn.Module, TaskData]:
 def check_device(cfg: TrainConfig) -> None:
     """--device cuda needs a GPU torch can see; with it, each spawned rank takes GPU local rank mod GPU
     count before it meets the others (GRADSYNC_BIND_GPU: device_path.bind_gpu), so that ranks with a
-    GPU each settle on NCCL."""
+    GPU each settle on NCCL. --precision's autocast must run on the device the ranks train on."""
     if cfg.device == "cuda" or cfg.device == "auto":
         if torch.cuda.is_available():
             os.environ["GRADSYNC_BIND_GPU"] = "1"
         elif cfg.device == "cuda":
             raise ValueError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
                              "False); use --device cpu or auto")
+    on_gpu = cfg.device != "cpu" and torch.cuda.is_available()
+    precision.check(cfg.precision, "cuda" if on_gpu else "cpu")   # an autocast this torch cannot run here
 
 
 def check_trackers(cfg: TrainConfig) -> None:

@@ -105,7 +105,8 @@ class StepWork:
         return self.chosen
 
     def compute(self, forward, no_sync, chosen: Chosen) -> dict:
-        """Forward and backward of ``chosen``'s micro-batches through ``forward`` (the strategy's model);
+        """Forward and backward of ``chosen``'s micro-batches through ``forward`` (the strategy's model),
+        forward and loss under --precision's autocast, backward of the loss times fp16-mixed's scale;
         the progress after the step."""
         run, strategy = self.run, self.run.strategy
         if self.sample_log is not None:   # before the step: a member that dies after its reduction trained these
@@ -113,13 +114,15 @@ class StepWork:
             self.sample_log.write(f"{prefix}{chosen.epoch} {' '.join(map(str, chosen.share))}\n")
         self.loss_sum = 0.0
         last = len(chosen.batches) - 1
+        precision = run.precision
         for micro, (batch, weight) in enumerate(zip(chosen.batches, chosen.weights)):
             with no_sync(micro == last):
-                loss, _ = run.task.loss(forward, batch)
+                with precision.autocast():   # forward and loss (train/precision.py); backward outside it
+                    loss, _ = run.task.loss(forward, batch)
                 if run.kill == (strategy.step, "forward"):
                     die()
                 weighted = loss * weight
-                weighted.backward()
+                precision.scaled(weighted).backward()
             self.loss_sum += float(weighted.detach())
         position = chosen.position + chosen.step_size
         if position >= run.cursor.n:

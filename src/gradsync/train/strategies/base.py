@@ -8,7 +8,8 @@ One object a rank, made by the loop once the model, the optimizer's spec and the
     where(cursor)         (epoch, position, slot, slots): the samples of the next step are share
                           ``slot`` of ``slots`` of the step at that position
     run_step(work, stop)  zero the gradients, work.choose() and work.compute(forward, no_sync, chosen)
-                          -- the forward and backward of this rank's share -- then reduce and step;
+                          -- the forward and backward of this rank's share -- then reduce and step
+                          (through --precision's scaler: _finish_step, agree_found_inf);
                           True once the step is committed, False when it is to be tried again (the
                           world changed) or the job stops here (``stopping``)
     collective(fn)        fn(), a collective outside a step (run again in a new world by live mode)
@@ -24,6 +25,7 @@ import contextlib
 import torch
 
 import gradsync as gs
+from gradsync.observe import trace
 from gradsync.replicas import first_mismatch
 
 
@@ -115,12 +117,13 @@ class StrategyObject:
 
     # -- checkpoints and the end -------------------------------------------------------------------
     def resume(self, saved: dict) -> None:
-        """Load a checkpoint's weights, optimizer state, RNG and counters (train/resume.py apply); each
-        strategy calls it where its construction allows."""
+        """Load a checkpoint's weights, optimizer state, RNG, counters (train/resume.py apply) and
+        fp16-mixed's scaler; each strategy calls it where its construction allows."""
         from gradsync.train import resume
 
         self._step, epoch, position = resume.apply(saved, self.run.model, self.optimizer)
         self._progress = {"epoch": epoch, "position": position}
+        self.run.precision.load_state_dict(saved.get("precision"))
 
     def plan_now(self):
         """The batch the run trains with now (live mode's changes when the world changes size)."""
@@ -130,8 +133,9 @@ class StrategyObject:
         """What the checkpoint holds now (every rank calls it: collective for ZeRO-1)."""
         from gradsync.train import resume
 
-        return resume.state_of(self.run.cfg, self.plan_now(), self.run.model, self.optimizer, self.step,
-                               self.progress["epoch"], self.progress["position"], gs.world().world_size)
+        return {**resume.state_of(self.run.cfg, self.plan_now(), self.run.model, self.optimizer, self.step,
+                                  self.progress["epoch"], self.progress["position"], gs.world().world_size),
+                "precision": self.run.precision.state_dict()}
 
     def after_checkpoint(self, state: dict) -> None:
         """Every rank, after the checkpoint's state was taken (DiLoCo writes each replica)."""
@@ -161,6 +165,31 @@ class StrategyObject:
         pass
 
     # -- shared by the strategies that step a local optimizer ---------------------------------------
+    def agree_found_inf(self, found: bool) -> bool:
+        """fp16-mixed: the verdict every rank takes on this step's inf/NaN, from this rank's ``found``.
+        Here its own: the gradients it checked are the same on every rank (the reduced ones, or one
+        process's). A strategy whose ranks check gradients that differ agrees (train/precision.py)."""
+        return found
+
+    def _agree_by_max(self, found: bool) -> bool:
+        """Any rank's inf or NaN skips the step on every rank: one 1-element all-reduce (max)."""
+        flag = torch.tensor([float(found)])
+        gs.all_reduce(flag, op="max")
+        return bool(flag[0] > 0)
+
+    def _finish_step(self, clip) -> bool:
+        """Unscale (fp16-mixed), agree, ``clip()`` and the optimizer's step, or skip both on every rank;
+        True when the step was applied (train/precision.py)."""
+        def apply() -> None:
+            with trace.span("optimizer step", "compute"):
+                self.optimizer.step()
+
+        applied = self.run.precision.step(self.run.model.parameters(), apply, clip, agree=self.agree_found_inf,
+                                          step_number=self.step + 1)
+        if not applied:
+            self.grad_norm = None
+        return applied
+
     def _set_lr(self) -> None:
         lr = self.run.lr_at(self.step, self.peak_lr)
         for group in self.optimizer.param_groups:

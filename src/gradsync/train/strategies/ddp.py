@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gradsync as gs
 from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
-from gradsync.observe import trace
 from gradsync.train.strategies.base import StrategyObject
 
 
@@ -31,9 +30,7 @@ class DataParallel(StrategyObject):
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=False)
         progress = work.compute(self.wrapped, self.no_sync, work.choose())
-        self._clip()
-        with trace.span("optimizer step", "compute"):
-            self.optimizer.step()
+        self._finish_step(self._clip)   # the all-reduced gradients: every rank finds the same inf (base.py)
         self.comm_seconds, self.wait_seconds = self.wrapped.comm_seconds, self.wrapped.wait_seconds
         self.last_overlap = self.wrapped.last_overlap
         self.commit(progress)

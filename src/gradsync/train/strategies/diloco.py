@@ -19,7 +19,6 @@ from pathlib import Path
 
 import gradsync as gs
 from gradsync import checkpoint
-from gradsync.observe import trace
 from gradsync.train.strategies.base import StrategyObject
 
 
@@ -37,14 +36,17 @@ class DiLoCoStrategy(StrategyObject):
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=False)
         progress = work.compute(self.run.model, self.no_sync, work.choose())
-        self._clip()
-        with trace.span("optimizer step", "compute"):
-            self.optimizer.step()
+        self._finish_step(self._clip)   # a skipped inner step is still counted: every worker skips it
         started = time.perf_counter()
         synced = self.diloco.step()   # every H-th inner step is an outer step, which blocks the step it ends
         self.comm_seconds = self.wait_seconds = time.perf_counter() - started if synced else 0.0
         self.commit(progress)
         return True
+
+    def agree_found_inf(self, found: bool) -> bool:
+        """Each worker checks its own replica's gradient: one worker's inf skips the inner step on all
+        (one all-reduce of the flag a step, under fp16-mixed only)."""
+        return self._agree_by_max(found)
 
     def end_epoch(self) -> None:
         """An epoch's end is an outer step too (unless one just ran)."""

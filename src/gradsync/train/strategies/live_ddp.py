@@ -42,6 +42,7 @@ class LiveDataParallel(StrategyObject):
             self.resume(run.saved)
             progress = self._progress
         self.batch = {"global": plan.global_batch, "peak_lr": plan.peak_lr}   # a replacement receives rank 0's
+        run.precision.keep_in(self.batch)   # and fp16-mixed's scale with it
 
         def on_resize(live: LiveDDP, old_world: int) -> None:
             self.batch["global"], self.batch["peak_lr"] = resized(
@@ -102,7 +103,10 @@ class LiveDataParallel(StrategyObject):
                 group["lr"] = lr
             return work.compute(ddp, lambda last: contextlib.nullcontext() if last else ddp.no_sync(), work.choose())
 
-        if not live.run_step(train_step):   # the world changed (a death or a joiner): the step is trained next
+        def apply() -> None:   # the all-reduced gradients: every member finds the same inf (precision.py)
+            self.run.precision.step(self.run.model.parameters(), self.optimizer.step, step_number=live.step + 1)
+
+        if not live.run_step(train_step, apply):   # the world changed (a death or a joiner): the step is trained next
             return False
         model = live.model
         self.comm_seconds, self.wait_seconds, self.last_overlap = (model.comm_seconds, model.wait_seconds,

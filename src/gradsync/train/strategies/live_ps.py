@@ -48,14 +48,21 @@ class LiveParameterServer(ParameterServerStrategy):
         self.live.serve(stop=stop)
 
     def run_step(self, work, stop: bool) -> bool:
-        return self.live.run_step(lambda model: work.compute(model, self.no_sync, work.choose()), stop=stop)
+        def train_step(model) -> dict:
+            self._after_pull()   # fp16-mixed: the verdict on the version pushed last (ps.py)
+            return work.compute(model, self.no_sync, work.choose())
+
+        return self.live.run_step(train_step, stop=stop, nonfinite=self._before_push)
 
     @property
     def stopping(self) -> bool:
         return self.live.stopping
 
     def finish(self) -> bool:
-        return self.live.finish()
+        done = self.live.finish()
+        if done:
+            self._after_pull()
+        return done
 
     def collective(self, fn):
         return self.live.collective(fn)

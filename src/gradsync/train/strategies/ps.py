@@ -16,6 +16,12 @@ serves all three modes. The servers' optimizer warms up and follows the schedule
 2-norm over all servers' shards, as one process with the global batch would; in async and ssp each
 worker clips the gradient it pushes.
 
+--precision fp16-mixed: a worker unscales the gradient it computed and pushes it with its verdict
+(push(nonfinite=...)). async and ssp: the servers skip that push, and the worker updates its own
+scale at once. sync: the servers skip a version any push of which was flagged, and say so in its
+answers, so every worker updates its scale alike once it has pulled the next version (_after_pull).
+The checkpoint keeps each worker's scale (all the same in sync).
+
 Sparse tables (an nn.Embedding / nn.EmbeddingBag with sparse=True, train/sparse_rows.py): a worker
 reads its micro-batches first, then pulls only the rows they need and pushes only the rows they
 touched (ps/sparse_wire.py).
@@ -103,9 +109,13 @@ class ParameterServerStrategy(StrategyObject):
         run.model.to(torch.device("cpu") if self.serves else run.device)
         self.rows = RowsFinder(run.model) if not self.serves else None
         self._first_workers = list(range(self.servers, self.servers + run.plan.workers))
+        self._pushed = False   # sync, fp16-mixed: a push whose version's verdict the next pull brings
         clock = saved["ps"]["clocks"][self.trainers()[0]] if saved and not self.serves else 0
         per_epoch = run.steps_per_epoch
         self.start_at(clock, {"epoch": clock // per_epoch, "position": clock % per_epoch * run.plan.global_batch})
+        workers = (saved.get("precision") or {}).get("workers") if saved and not self.serves else None
+        if workers:   # this worker's own scaler (the same for every worker in sync)
+            run.precision.load_state_dict({"precision": saved["precision"]["precision"], **workers[self.trainers()[0]]})
 
     def _make(self, run):
         return gs.ParameterServer(run.model, optimizer_fn(run, 1 if self.mode == "sync" else run.plan.workers),
@@ -147,13 +157,34 @@ class ParameterServerStrategy(StrategyObject):
             self.ps.pull()
         if self.ps.stopping:   # the servers end the job here: these parameters are the last
             return False
+        self._after_pull()
         waited = time.perf_counter() - started
         progress = work.compute(self.run.model, self.no_sync, chosen)
         started = time.perf_counter()
-        self.ps.push(stop=stop)
+        self.ps.push(stop=stop, nonfinite=self._before_push())
         self.comm_seconds = self.wait_seconds = waited + time.perf_counter() - started
         self.commit(progress)
         return True
+
+    def _before_push(self) -> bool:
+        """fp16-mixed: unscale this worker's gradient; whether it holds inf or NaN (the push's flag). async and
+        ssp: the servers skip that push alone, so the worker's verdict is the agreed one and the scale moves
+        now; sync: the servers' verdict on the version comes with the next pull (_after_pull)."""
+        precision = self.run.precision
+        found = precision.unscale(self.run.model.parameters())
+        if precision.scaler is not None:
+            if self.mode == "sync":
+                self._pushed = True
+            else:
+                precision.record(found, self.step + 1)
+        return found
+
+    def _after_pull(self) -> None:
+        """sync, fp16-mixed: the version just pulled says whether the one this worker pushed to was skipped
+        (any worker's flag skips it on every server): the same verdict, and scale, on every worker."""
+        if self._pushed:
+            self._pushed = False
+            self.run.precision.record(self.ps.skipped, self.step)
 
     @property
     def stopping(self) -> bool:
@@ -162,6 +193,7 @@ class ParameterServerStrategy(StrategyObject):
     def finish(self) -> bool:
         if not self.ps.stopping:   # a stopped job's last pull was the one that said so
             self.ps.pull()
+        self._after_pull()
         self.ps.close()
         return True
 
@@ -173,6 +205,7 @@ class ParameterServerStrategy(StrategyObject):
         """Rank 0 writes the checkpoint: the model as the servers hold it, and their whole state; the
         other ranks wait until it is on disk (one all-reduce), so no rank reports before it exists."""
         run = self.run
+        precision = self._precision_state()
         if gs.world().rank == 0:
             with torch.no_grad():
                 for param, value in zip(self.ps.dense, state["params"]):
@@ -187,8 +220,17 @@ class ParameterServerStrategy(StrategyObject):
             checkpoint.save(Path(run.cfg.out) / resume.CHECKPOINT_NAME, {
                 "model": run.model.state_dict(), "ps": state, "step": step, "epoch": epoch,
                 "position": batch * run.plan.global_batch, "world_size": gs.world().world_size,
-                "steps_per_epoch": run.steps_per_epoch, **resume.run_record(run.cfg, run.plan)})
+                "steps_per_epoch": run.steps_per_epoch, **resume.run_record(run.cfg, run.plan),
+                "precision": precision})
         gs.all_reduce(torch.zeros(1))
+
+    def _precision_state(self) -> dict:
+        """Collective: --precision, and each worker's scaler (loss_scale, good_steps) in worker order."""
+        own = self.run.precision.state_dict()
+        mine = torch.tensor([float(own.get("loss_scale", 0.0)), float(own.get("good_steps", 0))], dtype=torch.float64)
+        every = gs.all_gather(mine).view(-1, 2)[self.servers:]
+        workers = [{"loss_scale": float(scale), "good_steps": int(good)} for scale, good in every.tolist()]
+        return {"precision": own["precision"], "workers": workers if self.run.precision.scaler is not None else []}
 
     def evaluation_ranks(self) -> list[int]:
         return list(range(self.servers, gs.world().world_size))

@@ -8,7 +8,6 @@ first (the local .grad is not the average). local: one process, the optimizer al
 from __future__ import annotations
 
 import gradsync as gs
-from gradsync.observe import trace
 from gradsync.train.strategies.base import StrategyObject
 
 
@@ -23,16 +22,20 @@ class Unwrapped(StrategyObject):
         if run.saved:
             self.resume(run.saved)
 
+    def agree_found_inf(self, found: bool) -> bool:
+        """zero1: each rank unscaled its local gradient, before the reduce-scatter, so one rank's inf is
+        its own until every rank is told (one all-reduce of the flag); local: its own."""
+        return self._agree_by_max(found) if self.sharded else found
+
+    def _clip_sharded(self) -> None:
+        if self.run.cfg.clip_grad is not None:
+            self.grad_norm = float(self.optimizer.clip_grad_norm_(self.run.cfg.clip_grad))
+
     def run_step(self, work, stop: bool) -> bool:
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=False)
         progress = work.compute(self.run.model, self.no_sync, work.choose())
-        if self.sharded and self.run.cfg.clip_grad is not None:
-            self.grad_norm = float(self.optimizer.clip_grad_norm_(self.run.cfg.clip_grad))
-        else:
-            self._clip()
-        with trace.span("optimizer step", "compute"):
-            self.optimizer.step()
+        self._finish_step(self._clip_sharded if self.sharded else self._clip)
         if self.sharded:   # step() blocks on its collectives: all of it is exposed
             self.comm_seconds = self.wait_seconds = self.optimizer.last_comm_seconds
         self.commit(progress)

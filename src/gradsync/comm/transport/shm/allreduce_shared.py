@@ -26,8 +26,9 @@ Phases, per piece
     barrier   every piece is staged (first piece: every rank compares every rank's fingerprint
               before reading anything)
     reduce    rank r combines region r of every other rank's half into slice r of its own tensor (adds,
-              for op sum; reduce_ops.py), own first, then the others in rank order: the result is
-              computed once, by its owner, so every rank ends bit-identical; avg divides it by N;
+              for op sum; float16 and bfloat16 in float32, rounded once: reduce_ops.reduce), own first,
+              then the others in rank order: the result is computed once, by its owner, so every rank
+              ends bit-identical; avg divides it by N;
               then it posts the result in region r of its own half
     barrier   every slice is reduced and posted
     gather    rank r copies region j of rank j's half into slice j of its tensor, for every j != r
@@ -223,9 +224,7 @@ class SplitAllReduce(KeptPlan):
                     compare_published(transport, self.fingerprint._replace(sequence=published[1]))
             # reduce, then post
             own = chunks[rank]
-            for region in views.theirs:
-                reduction.combine(own, region)
-            reduction.finish(own, n_ranks)
+            reduction.reduce(own, [own, *views.theirs], n_ranks)
             views.post.copy_(own)
             transport.barrier(OP, spin)
             # gather

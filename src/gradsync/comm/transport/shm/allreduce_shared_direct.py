@@ -151,11 +151,9 @@ class DirectAllReduce(KeptPlan):
                 self._hold.leave()
 
     def _fold(self, flat: torch.Tensor, stages: list[torch.Tensor], rank: int) -> None:
-        reduction = self.reduction
-        reduction.fold(flat, flat if rank == 0 else stages[0], flat if rank == 1 else stages[1])
-        for other in range(2, len(stages)):
-            reduction.combine(flat, stages[other])
-        reduction.finish(flat, len(stages))
+        # its own input from its tensor where the fold has not yet overwritten it (ranks 0 and 1)
+        inputs = [flat if other == rank and rank < 2 else stage for other, stage in enumerate(stages)]
+        self.reduction.reduce(flat, inputs, len(stages))
 
 
 def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,

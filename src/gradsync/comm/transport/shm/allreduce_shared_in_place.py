@@ -9,7 +9,7 @@ Phases
     barrier   every rank's tensor is final (and every rank has published its fingerprint, with the
               region and offset: agree.py, staged; a mismatch raises on every rank here)
     reduce    rank r combines slice r of every other rank's tensor into slice r of its own, own first
-              then the others in rank order; avg divides by N
+              then the others in rank order (reduce_ops.reduce); avg divides by N
     scatter   rank r copies its finished slice r into slice r of every other rank's tensor
               (reduce and scatter go piece by piece, piece_bytes, so each piece is copied out
               while it is still in cache)
@@ -107,9 +107,7 @@ def _reduce_and_scatter(flat: torch.Tensor, transport, views: list[torch.Tensor]
     for start in range(0, own.numel(), piece_elems):
         length = min(piece_elems, own.numel() - start)
         piece = own.narrow(0, start, length)
-        for other in theirs:
-            reduction.combine(piece, other.narrow(0, start, length))
-        reduction.finish(piece, n_ranks)
+        reduction.reduce(piece, [piece, *(other.narrow(0, start, length) for other in theirs)], n_ranks)
         for other in theirs:
             other.narrow(0, start, length).copy_(piece)
     transport.barrier(op, spin)

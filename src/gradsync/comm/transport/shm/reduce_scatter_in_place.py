@@ -56,10 +56,7 @@ def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Ten
     else:
         barrier_staged(transport, fingerprint, op, spin)
         theirs = [chunks.view(views[other], rank) for other in range(n_ranks) if other != rank]
-        reduction.fold(shard, chunks.view(flat, rank), theirs[0])   # own first
-        for other in theirs[1:]:
-            reduction.combine(shard, other)
-        reduction.finish(shard, n_ranks)
+        reduction.reduce(shard, [chunks.view(flat, rank), *theirs], n_ranks)   # own first
         transport.barrier(op, spin)
     esize = flat.element_size()
     for other in range(n_ranks):

@@ -80,7 +80,4 @@ def _stage_and_reduce(flat: torch.Tensor, transport, shard: torch.Tensor, reduct
             out = shard.narrow(0, lo - low, hi - lo)
             parts = [stage.narrow(0, lo - start, hi - lo) for stage in stages]
             order = [rank] + [r for r in range(n_ranks) if r != rank]   # N >= 2: a world of one never comes here
-            reduction.fold(out, parts[order[0]], parts[order[1]])
-            for other in order[2:]:
-                reduction.combine(out, parts[other])
-    reduction.finish(shard, n_ranks)
+            reduction.reduce(out, [parts[r] for r in order], n_ranks)

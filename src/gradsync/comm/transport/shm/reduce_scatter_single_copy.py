@@ -11,9 +11,10 @@ the result rank r returns.
 Phases
     barrier   every rank's input is final, and every rank has published its fingerprint with the
               input's address (agree.py, staged)
-    reduce    rank r copies chunk r of its own input into its result, then for every other rank j
-              in rank order reads chunk r of j's input into a scratch buffer (at most PIECE_BYTES
-              at a time) and combines it in; avg divides the finished chunk by N
+    reduce    piece by piece (at most PIECE_BYTES of chunk r): rank r starts from its own input's
+              piece, then for every other rank j in rank order reads j's piece into a scratch buffer
+              and combines it in (float16/bfloat16 sums into a float32 accumulator, rounded once:
+              reduce_ops.py); avg divides the finished piece by N
     barrier   every rank has finished reading: only now may a rank return (and its caller write to
               or free its input)
 
@@ -56,16 +57,15 @@ def reduce_scatter_single_copy(flat: torch.Tensor, transport, *, reduction: Redu
     shard = chunks.view(flat, rank).clone()
     piece_elems = max(1, PIECE_BYTES // esize)
     scratch = transport.scratch(min(shard.numel(), piece_elems) * esize).view(flat.dtype)
-    for other in range(n_ranks):
-        if other == rank:
-            continue
-        address = addresses[other] + chunks.offsets[rank] * esize
-        for start in range(0, shard.numel(), piece_elems):
-            piece = shard.narrow(0, start, min(piece_elems, shard.numel() - start))
-            theirs = scratch[:piece.numel()]
-            transport.read_from(other, address + start * esize, theirs, op)
-            reduction.combine(piece, theirs)
-    reduction.finish(shard, n_ranks)
+    for start in range(0, shard.numel(), piece_elems):   # own first, then the others in rank order
+        piece = shard.narrow(0, start, min(piece_elems, shard.numel() - start))
+        acc = reduction.accumulator(piece)
+        theirs = scratch[:piece.numel()]
+        for other in range(n_ranks):
+            if other != rank:
+                transport.read_from(other, addresses[other] + (chunks.offsets[rank] + start) * esize, theirs, op)
+                reduction.combine(acc, theirs)
+        reduction.settle(piece, acc, n_ranks)
     transport.barrier(op, spin)
     for other in range(n_ranks):
         if other != rank:

@@ -11,7 +11,8 @@ copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
                           waiting (poll, yield, futex sleep) and why no wake-up is lost
     hold.c                the collective's thread held on its rank's core (hold.py's state, shared)
     reduce.c              sum, avg, max, min on float32/64, float16, bfloat16, int32/64, bit for bit
-                          as torch computes them
+                          as the Python path computes them (float16/bfloat16 sums in float32,
+                          rounded once: reduce_ops.py)
     allreduce_one_shot.c  the direct all-reduce (allreduce_shared_direct.py's twin)
     allreduce_two_shot.c  the split all-reduce (allreduce_shared.py's twin)
     allreduce_in_place.c  the all-reduce of a shared region (allreduce_shared_in_place.py's twin)
@@ -36,6 +37,8 @@ import os
 import sys
 
 import torch
+
+from gradsync.comm.reduce_ops import half_sum
 
 ENV = "GRADSYNC_NATIVE"
 """GRADSYNC_NATIVE=0 runs the Python path even where the native core is built (1, the default: the core)."""
@@ -62,6 +65,7 @@ def load():
         else:
             try:
                 from gradsync.comm.transport.shm.native import _core
+                _core.set_narrow_half_sums(half_sum() == "narrow")   # the Python path's setting (reduce_ops.py)
                 _LOADED[:] = [_core, None]
             except ImportError as exc:
                 _LOADED[:] = [None, f"the native core is not built ({exc})"]

@@ -38,10 +38,13 @@ int allreduce_in_place(Core *core, char *data, char *const *views, size_t numel,
         size_t at = (own_start + start) * size;
         char *piece = data + at;
         // reduce
+        const void *inputs[MAX_RANKS];
+        int k = 0;
+        inputs[k++] = piece;   /* its own first, then the others in rank order */
         for (int j = 0; j < n; j++)
             if (j != me)
-                combine(dtype, op, piece, views[j] + at, length);
-        finish(dtype, op, piece, length, n);
+                inputs[k++] = views[j] + at;
+        reduce_inputs(dtype, op, piece, inputs, n, length, n);
         // scatter
         for (int j = 0; j < n; j++)
             if (j != me)

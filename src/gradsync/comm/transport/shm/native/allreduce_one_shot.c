@@ -39,8 +39,7 @@ int allreduce_one_shot(Core *core, char *data, size_t numel, int dtype, int op, 
         const void *inputs[MAX_RANKS];
         for (int r = 0; r < core->n; r++)   /* its own from its tensor while the output has not overwritten it */
             inputs[r] = r == me && me < 2 ? data : core->stages[r][half];
-        fold_in_rank_order(dtype, op, data, inputs, core->n, numel);
-        finish(dtype, op, data, numel, core->n);
+        reduce_inputs(dtype, op, data, inputs, core->n, numel, core->n);
     }
     return -1;
 }

@@ -51,10 +51,13 @@ int allreduce_two_shot(Core *core, char *data, size_t numel, int dtype, int op, 
         // reduce, then post
         char *own = piece + chunk_offset(length, n, me) * size;
         size_t own_elems = chunk_size(length, n, me);
+        const void *inputs[MAX_RANKS];
+        int k = 0;
+        inputs[k++] = own;   /* its own first, then the others in rank order */
         for (int j = 0; j < n; j++)
             if (j != me)
-                combine(dtype, op, own, core->stages[j][half] + me * region_bytes, own_elems);
-        finish(dtype, op, own, own_elems, n);
+                inputs[k++] = core->stages[j][half] + me * region_bytes;
+        reduce_inputs(dtype, op, own, inputs, n, own_elems, n);
         memcpy(mine + me * region_bytes, own, own_elems * size);
         if (barrier(core, name, spin, saved) < 0)
             return -2;

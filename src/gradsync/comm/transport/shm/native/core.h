@@ -87,11 +87,12 @@ int hold_enter(Core *core);
 void hold_before_sleep(Core *core);
 void hold_leave(Core *core, int holding);
 
-/* reduce.c: the reductions, in the Python path's order and rounding */
+/* reduce.c: the reductions, in the Python path's order and rounding. reduce_inputs: out = inputs[0] (op)
+ * inputs[1] (op) ... in that order, finished for n_ranks (avg divided); out may be inputs[0] or inputs[1].
+ * set_narrow_half_sums(1): float16/bfloat16 sums rounded after every add (GRADSYNC_HALF_SUM=narrow) */
 int dtype_size(int dtype);
-void combine(int dtype, int op, void *acc, const void *incoming, size_t n);
-void fold_in_rank_order(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n);
-void finish(int dtype, int op, void *owned, size_t n, int n_ranks);
+void reduce_inputs(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n, int n_ranks);
+void set_narrow_half_sums(int narrow);
 
 /* the algorithms: each returns -1 when done, a rank whose fingerprint differs (>= 0), or -2 with a
  * Python exception set */

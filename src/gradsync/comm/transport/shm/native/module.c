@@ -15,6 +15,7 @@
  *                                 (views: every rank's copy, for the in-place algorithms; out: the
  *                                 reduce-scatters' result)
  *     ring(word_address), sleep(word_address, seen, seconds)     a doorbell, for Python's waits
+ *     set_narrow_half_sums(narrow)  float16/bfloat16 sums rounded after every add (reduce.c), or once
  *
  * Every wait runs with the GIL released; errors from on_slice are raised from the call.
  */
@@ -304,8 +305,18 @@ static PyObject *module_sleep(PyObject *unused, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *module_set_narrow_half_sums(PyObject *unused, PyObject *flag) {
+    int narrow = PyObject_IsTrue(flag);
+    if (narrow < 0)
+        return NULL;
+    set_narrow_half_sums(narrow);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"ring", module_ring, METH_O, "ring(word_address): change the doorbell word and wake its sleepers"},
+    {"set_narrow_half_sums", module_set_narrow_half_sums, METH_O,
+     "set_narrow_half_sums(narrow): float16/bfloat16 sums rounded after every add (GRADSYNC_HALF_SUM=narrow)"},
     {"sleep", module_sleep, METH_VARARGS, "sleep(word_address, seen, seconds): until the word differs from seen"},
     {NULL},
 };

@@ -1,16 +1,19 @@
-/* The reductions: the same results, bit for bit, as the Python path's torch calls.
+/* The reductions: the same results, bit for bit, as the Python path's torch calls (reduce_ops.py).
  *
- *     sum    acc + x; integers wrap around (computed unsigned); float16 and bfloat16 are added in
- *            float32 and rounded to nearest-even after every add, as torch's add_ does
- *     avg    sum, then finish divides by N (float16 and bfloat16: in float32, rounded once)
+ *     sum    acc + x; integers wrap around (computed unsigned); float16 and bfloat16: see below
+ *     avg    sum, then divided by N (float16 and bfloat16: in float32, before their one rounding)
  *     max    NaN if either is NaN (torch.maximum propagates it), else acc > x ? acc : x (x on a
  *            tie, as torch's vectorized maximum returns its second operand: +0 and -0 compare equal)
  *     min    the same with <
  * A NaN result has every bit set, as torch's vectorized maximum and minimum make it.
  *
- * fold_in_rank_order reduces N inputs into one output in one pass over memory: block by block
- * (BLOCK elements, in the L1 cache), out = in[0] (op) in[1], then (op) in[2], ... in rank order,
- * which rounds exactly as the Python path's chain of pairwise calls does.
+ * reduce_inputs reduces N inputs into one output in one pass over memory, block by block (BLOCK
+ * elements, in the L1 cache), in the order given: out = in[0] (op) in[1], then (op) in[2], ... as
+ * reduce_ops.Reduction.reduce does. float16 and bfloat16 sums are added in a float32 block and
+ * rounded to nearest-even once, at the end (torch's float32 add, then its conversion: the Python
+ * path's ``acc = in[0].float(); acc.add_(in[k]) ...; out.copy_(acc)``). With GRADSYNC_HALF_SUM=narrow
+ * (set_narrow_half_sums) they are rounded after every add instead, as torch's float16/bfloat16
+ * add_ does and gloo's running sum: kept to measure what the float32 sum buys.
  */
 #include "core.h"
 
@@ -111,11 +114,71 @@ static const int SIZES[N_DTYPES] = {[F32] = 4, [F64] = 8, [F16] = 2, [BF16] = 2,
 
 int dtype_size(int dtype) { return SIZES[dtype]; }
 
-void combine(int dtype, int op, void *acc, const void *incoming, size_t n) {
-    KERNELS[dtype][op](acc, acc, incoming, n);
+static int narrow_half_sums = 0;
+
+void set_narrow_half_sums(int narrow) { narrow_half_sums = narrow; }
+
+/* float16 and bfloat16 sums in float32: acc = in[0] + in[1], acc += in[k] for the middle inputs, and the
+ * last input added as the result is rounded: out = round((acc + in[N-1]) [/ N]); two inputs in one pass,
+ * out = round((in[0] + in[1]) [/ N]). The float32 operations are the Python path's, in its order. */
+#define WIDE_KERNELS(suffix, from, to)                                                              \
+    TARGETS static void widen_##suffix(float *acc, const void *a_, const void *b_, size_t n) {     \
+        const uint16_t *a = a_, *b = b_;                                                            \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) acc[i] = from(a[i]) + from(b[i]);      \
+    }                                                                                               \
+    TARGETS static void accumulate_##suffix(float *acc, const void *x_, size_t n) {                \
+        const uint16_t *x = x_;                                                                     \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) acc[i] += from(x[i]);                  \
+    }                                                                                               \
+    TARGETS static void last_sum_##suffix(void *out_, const float *acc, const void *x_, size_t n) { \
+        uint16_t *out = out_;                                                                       \
+        const uint16_t *x = x_;                                                                     \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++) out[i] = to(acc[i] + from(x[i]));      \
+    }                                                                                               \
+    TARGETS static void last_avg_##suffix(void *out_, const float *acc, const void *x_, size_t n,  \
+                                          float divisor) {                                          \
+        uint16_t *out = out_;                                                                       \
+        const uint16_t *x = x_;                                                                     \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++)                                         \
+            out[i] = to((acc[i] + from(x[i])) / divisor);                                           \
+    }                                                                                               \
+    TARGETS static void pair_avg_##suffix(void *out_, const void *a_, const void *b_, size_t n,    \
+                                          float divisor) {                                          \
+        uint16_t *out = out_;                                                                       \
+        const uint16_t *a = a_, *b = b_;                                                            \
+        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++)                                         \
+            out[i] = to((from(a[i]) + from(b[i])) / divisor);                                       \
+    }
+
+WIDE_KERNELS(f16, from_f16, to_f16)
+WIDE_KERNELS(bf16, from_bf16, to_bf16)
+
+static void reduce_wide(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n,
+                        int n_ranks) {
+    int half = dtype == F16;
+    float acc[BLOCK], divisor = (float)n_ranks;
+    char *to = out;
+    const char *const *in = (const char *const *)inputs;
+    for (size_t start = 0; start < n; start += BLOCK) {
+        size_t length = n - start < BLOCK ? n - start : BLOCK, at = start * 2;
+        if (n_inputs == 2) {   /* a sum of two: the narrow kernel's add, which rounds once too */
+            if (op == AVG)
+                (half ? pair_avg_f16 : pair_avg_bf16)(to + at, in[0] + at, in[1] + at, length, divisor);
+            else
+                (half ? sum_f16 : sum_bf16)(to + at, in[0] + at, in[1] + at, length);
+            continue;
+        }
+        (half ? widen_f16 : widen_bf16)(acc, in[0] + at, in[1] + at, length);
+        for (int k = 2; k < n_inputs - 1; k++)
+            (half ? accumulate_f16 : accumulate_bf16)(acc, in[k] + at, length);
+        if (op == AVG)
+            (half ? last_avg_f16 : last_avg_bf16)(to + at, acc, in[n_inputs - 1] + at, length, divisor);
+        else
+            (half ? last_sum_f16 : last_sum_bf16)(to + at, acc, in[n_inputs - 1] + at, length);
+    }
 }
 
-void fold_in_rank_order(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n) {
+static void fold_in_order(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n) {
     binary_fn kernel = KERNELS[dtype][op];
     size_t size = (size_t)SIZES[dtype];
     char *to = out;
@@ -127,7 +190,7 @@ void fold_in_rank_order(int dtype, int op, void *out, const void *const *inputs,
     }
 }
 
-void finish(int dtype, int op, void *owned, size_t n, int n_ranks) {
+static void finish(int dtype, int op, void *owned, size_t n, int n_ranks) {
     if (op != AVG)
         return;
     if (dtype == F32) {
@@ -144,4 +207,20 @@ void finish(int dtype, int op, void *owned, size_t n, int n_ranks) {
         for (size_t i = 0; i < n; i++)
             x[i] = dtype == F16 ? to_f16(from_f16(x[i]) / divisor) : to_bf16(from_bf16(x[i]) / divisor);
     }
+}
+
+void reduce_inputs(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n, int n_ranks) {
+    if (n == 0)
+        return;
+    if ((dtype == F16 || dtype == BF16) && (op == SUM || op == AVG) && !narrow_half_sums && n_inputs >= 2) {
+        reduce_wide(dtype, op, out, inputs, n_inputs, n, n_ranks);
+        return;
+    }
+    if (n_inputs == 1) {
+        if (out != inputs[0])
+            memcpy(out, inputs[0], n * (size_t)SIZES[dtype]);
+    } else {
+        fold_in_order(dtype, op, out, inputs, n_inputs, n);
+    }
+    finish(dtype, op, out, n, n_ranks);
 }

@@ -26,9 +26,6 @@ int reduce_scatter_in_place(Core *core, char *const *views, char *out, size_t nu
     for (int j = 0; j < n; j++)
         if (j != me)
             inputs[k++] = views[j] + at;
-    if (own_elems) {
-        fold_in_rank_order(dtype, op, out, inputs, n, own_elems);
-        finish(dtype, op, out, own_elems, n);
-    }
+    reduce_inputs(dtype, op, out, inputs, n, own_elems, n);
     return barrier(core, name, spin, saved) < 0 ? -2 : -1;
 }

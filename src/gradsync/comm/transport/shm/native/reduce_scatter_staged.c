@@ -41,9 +41,8 @@ int reduce_scatter_staged(Core *core, char *data, char *out, size_t numel, int d
             for (int j = 0; j < n; j++)
                 if (j != me)
                     inputs[k++] = core->stages[j][half] + (lo - start) * size;
-            fold_in_rank_order(dtype, op, out + (lo - low) * size, inputs, n, hi - lo);
+            reduce_inputs(dtype, op, out + (lo - low) * size, inputs, n, hi - lo, n);
         }
     }
-    finish(dtype, op, out, high - low, n);
     return -1;
 }
