@@ -42,6 +42,7 @@ import torch
 import gradsync as gs
 from gradsync.data import EpochCursor
 from gradsync.group import runtime
+from gradsync.live.failures import BelowFloor
 from gradsync.observe import trace
 from gradsync.replicas import gather_strings
 from gradsync.train import resume
@@ -170,9 +171,12 @@ class Run:
         work = StepWork(self)
         try:
             stopped = self._steps(work)
+            return stopped if stopped is not None else self._end()
+        except BelowFloor as floor:   # live: the world agreed on is smaller than --min-workers
+            self.report.note(str(floor))
+            return self._preempted("below --min-workers")
         finally:
             work.close()
-        return stopped if stopped is not None else self._end()
 
     def _steps(self, work: StepWork) -> dict | None:
         """Step until the run is done; the preempted result if a verdict stopped it."""

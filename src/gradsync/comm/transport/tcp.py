@@ -18,6 +18,15 @@ and then a receive both wait in their send, for ever once a message outgrows NCC
 ring with two ranks, halving-doubling's exchanges). ``exchange`` posts such a pair as one group
 (torch.distributed.batch_isend_irecv: ncclGroupStart/End), which NCCL progresses together, and the
 algorithms use it where ``pairs_exchanges`` says so.
+
+Interrupting waits (live mode, ``interrupt``): a gloo wait cannot be woken from outside. Neither
+ProcessGroup.abort() nor shutdown() ends a pending receive (measured: it returned only when its peer
+exited), and a wait given a shorter timeout closes every connection of the group (gloo's
+unbound_buffer: "Application timeout caused pair closure"). That last rule is the way in: to end
+every wait of a world that is over, a receive that no one will answer is posted on each of the
+transport's groups and waited for one millisecond, so gloo closes the group's connections and every
+pending send and receive fails at once (measured: within 10 ms of the call, where the receive would
+otherwise have waited for its timeout).
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from gradsync.group import runtime
 from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.observe.meter import METER, TrafficMeter
 
+INTERRUPT_TAG = 0x6C697665
+"""The tag of interrupt()'s receive, which no rank ever sends on."""
+
 
 def _peer_error(t: "TorchTransport", op: str, peer: int | None, nbytes: int, sent: bool, waited: float,
                 exc: Exception) -> PeerError:
@@ -39,6 +51,9 @@ def _peer_error(t: "TorchTransport", op: str, peer: int | None, nbytes: int, sen
     PeerError (the live world's sign that a member died; live/failures.py) naming both ranks."""
     verb = "send to" if sent else "receive from"
     who = "any rank" if peer is None else f"rank {peer}"
+    if t.interrupted is not None:
+        return PeerError(f"rank {t.rank}: {op}: {verb} {who} ({nbytes} bytes) abandoned after {waited:.1f} s: "
+                         f"{t.interrupted}", rank=t.rank, peer=peer, op=op)
     kind = "timed out" if "imed out" in str(exc) else "failed"
     return PeerError(f"rank {t.rank}: {op}: {verb} {who} ({nbytes} bytes) {kind} after {waited:.1f} s (timeout "
                      f"{t.timeout:.0f} s); rank {peer} may have died or stalled. "
@@ -123,6 +138,8 @@ class TorchTransport(Transport):
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
         self.world = world
+        self.interrupted: str | None = None
+        """Why interrupt() ended this transport's waits (None while it has not)."""
         self.downward = None   # the group for tag-0 messages to a lower rank (module docstring)
         if len(world.hosts) > 1 and world.store is not None:   # every rank builds one TorchTransport
             self.downward = dist.ProcessGroupGloo(dist.PrefixStore("gloo-downward", world.store), world.rank,
@@ -159,6 +176,22 @@ class TorchTransport(Transport):
 
     def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda   # a CUDA tensor here travels on NCCL (_check refuses it otherwise)
+
+    def interrupt(self, why: str) -> None:
+        """End every wait on this transport's groups (module docstring, "Interrupting waits")."""
+        if self.world_size == 1 or self.interrupted is not None:
+            return
+        self.interrupted = why
+        try:
+            groups = [runtime.transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
+        except RuntimeError:   # the world was shut down meanwhile: its groups are gone with their waits
+            return
+        peer = (self.rank + 1) % self.world_size
+        for group in groups:
+            try:
+                group.recv([torch.empty(1)], peer, INTERRUPT_TAG).wait(timedelta(milliseconds=1))
+            except Exception:   # noqa: BLE001 - the timeout is the point: gloo closed the group's connections
+                pass
 
     def exchange(self, send, dst, recv, src, op):
         if not self.pairs_exchanges(send):
