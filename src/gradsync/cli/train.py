@@ -253,9 +253,12 @@ def run(args) -> int:
         print(f"gradsync train: interrupted again: stopped at once; {cfg.out} keeps the last checkpoint written",
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    except LostContact as lost:   # a live member cut off from its job: its one line
+    except LostContact as lost:   # a live member cut off from its job: its one line, and out
         print(f"gradsync: {lost}", file=sys.stderr, flush=True)
-        return EXIT_LOST_CONTACT
+        sys.stdout.flush()
+        # not a return: threads of this process wait inside store calls on a server that went silent, and
+        # the interpreter's exit would tear down what they use under them (C++ terminate: SIGABRT)
+        os._exit(EXIT_LOST_CONTACT)
     for signum in (signal_number(cfg.preempt_signal), signal.SIGINT):
         if signum is not None:   # training is over: a signal now must not turn its end into a kill or a traceback
             signal.signal(signum, signal.SIG_IGN)

@@ -22,9 +22,11 @@ bounded by its own deadline. The thread of a call that never returns stays block
 so it holds nothing at exit, and if the link comes back first its call completes and the connection
 is as good as before (it was never closed: TCP delivers what it retransmits).
 
-Each thread of a live member that talks to the store (the training thread, the heartbeat, the watch,
-the stall inspector) uses a store of its own, ``store.clone()``: a connection of its own, the same
-key prefix, so that a call waiting on the server's side never holds up a heartbeat.
+Each thread of a live member that talks to the store all the time (the heartbeat, the watch) uses a
+store of its own, ``own_connection(store)``: a connection of its own, the same key prefix, so that a
+call waiting on the server's side never holds up a heartbeat. Its own timeout is long (OWN_TIMEOUT_FACTOR
+times the job's): the deadline here ends a call first, and torch's own timeout would only add a C++
+warning with a stack trace to the one line a member cut off from its job prints.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from typing import Callable
 
 SLICE_SECONDS = 0.05
 """How often a waiting caller looks whether the contact was lost meanwhile."""
+GAP_SECONDS = 1.0
+"""A silence of the store this long is a gap (Contact.silent_since): more than any answer takes."""
+OWN_TIMEOUT_FACTOR = 10
+"""own_connection's store timeout, in job timeouts (module docstring)."""
 
 
 class StoreUnreachable(RuntimeError):
@@ -60,6 +66,7 @@ class Contact:
         self._waiting: dict[int, float] = {}   # call id -> when it was sent
         self._next = 0
         self._lost_after: float | None = None
+        self._gap_ended = float("-inf")
 
     def sent(self) -> int:
         with self._lock:
@@ -69,8 +76,15 @@ class Contact:
 
     def answered(self, call: int) -> None:
         with self._lock:
-            self._waiting.pop(call, None)
-            self._last_answer = time.monotonic()
+            now, sent = time.monotonic(), self._waiting.pop(call, None)
+            if sent is not None and now - max(sent, self._last_answer) >= GAP_SECONDS:
+                self._gap_ended = now
+            self._last_answer = now
+
+    def silent_since(self, moment: float) -> bool:
+        """Whether the store has been silent since monotonic time ``moment``: silent now for GAP_SECONDS, or a
+        silence that long ended after it (what was read across it describes a moment long gone)."""
+        return self.silence() >= GAP_SECONDS or self._gap_ended >= moment
 
     def silence(self) -> float:
         """Seconds the store has left a call unanswered with no answer to any other (0 when none waits)."""
@@ -183,6 +197,17 @@ class BoundedStore:
     def close(self) -> None:
         """End the thread once its queue is empty (a call blocked on a silent store keeps it until it returns)."""
         self._calls.put(None)
+
+
+def own_connection(store, timeout: float):
+    """A client of ``store``'s server with the same key prefix on a connection of its own (Store.clone), its
+    timeout OWN_TIMEOUT_FACTOR x ``timeout`` (module docstring); an in-process store is shared as it is."""
+    clone = store.clone()
+    try:
+        clone.set_timeout(timedelta(seconds=OWN_TIMEOUT_FACTOR * timeout))
+    except (AttributeError, RuntimeError):   # a store without a timeout of its own (HashStore)
+        pass
+    return clone
 
 
 def within(seconds: float, what: str, fn: Callable, *args):

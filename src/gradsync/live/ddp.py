@@ -86,7 +86,8 @@ from gradsync.comm.world_transport import default_transport
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.group.launch import NotNeeded
 from gradsync.live import growth, transfer
-from gradsync.live.failures import BelowFloor, LostContact, caused_by_peer, default_floor, first_line_freed, rerun
+from gradsync.live.failures import (BelowFloor, LostContact, StepUndone, caused_by_peer, default_floor,
+                                    first_line_freed, rerun)
 from gradsync.live.membership import PREFIX, Evicted, Generation, Membership
 from gradsync.observe import stall
 from gradsync.replicas import first_mismatch
@@ -183,16 +184,24 @@ class LiveDDP:
                                 else settings.timeout, timeout=settings.timeout,
                                 address=f"{settings.master_addr}:{settings.master_port}")
         set_abandon_check(membership.broken)
-        stall.watch_with(self._last_seen, lambda: membership.contact.lost() is not None)
+        stall.watch_with(self._last_seen, membership.contact.silent_since)
         return membership
 
     def _last_seen(self, rank: int) -> str | None:
-        """The stall inspector's word on a rank that posted nothing: silent, and where it was last seen."""
+        """The stall inspector's word on a rank that posted nothing, from its heartbeat: where it is (it may be in
+        the same collective, and unable to post: cut off from the store), or how long it has been silent and
+        where it was last seen."""
         membership = getattr(self, "membership", None)
         if membership is None or rank >= len(membership.current.members):
             return None
-        gone = membership.gone(membership.current.members[rank])
-        return None if gone is None else gone.split(") ", 1)[-1]
+        member = membership.current.members[rank]
+        if member not in membership.listener.heard():
+            return None
+        doing = membership.listener.last_seen(member)
+        where = f"in {doing}" if doing else "outside any collective"
+        silent = membership.listener.silent_for(member)
+        return (f"no heartbeat for {silent:.1f} s: last seen {where}" if silent >= 1.0
+                else f"posted nothing; its heartbeat says it is {where}")
 
     @property
     def world(self) -> runtime.World:
@@ -235,8 +244,16 @@ class LiveDDP:
 
     def collective(self, fn: Callable[[], object]):
         """``fn()`` (collectives outside a training step: evaluation, statistics), run again in the new
-        world if a member dies during it. At most once per member of the current world."""
-        return rerun(fn, len(self.membership.current.members), self._failure, self.recover)
+        world if a member dies during it. At most once per member of the current world. StepUndone when the
+        recovery took back this rank's last step (failures.py): the caller trains it again first."""
+        def recover(why: str) -> None:
+            record = self.recover(why)
+            if record.rolled_back or self.member in record.joined:
+                raise StepUndone(f"member {self.member}: the recovery took this rank back to step {self.step} "
+                                 f"({'rolled back' if record.rolled_back else 'rejoined'}): train step "
+                                 f"{self.step + 1} again before {getattr(fn, '__name__', 'the collective')}")
+
+        return rerun(fn, len(self.membership.current.members), self._failure, recover)
 
     def _failure(self, exc: Exception) -> str:
         """The first line of ``exc`` when a member's death caused it (failures.py); otherwise ``exc`` is

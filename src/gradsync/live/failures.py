@@ -11,6 +11,10 @@ tracebacks cut, and a collective run again in the new world after a death.
                                once more unguarded
     LostContact                this member can no longer reach the job (its store has not answered
                                for the job's timeout): it leaves, exit status EXIT_LOST_CONTACT
+    StepUndone                 a recovery during a collective outside a step took back this rank's last
+                               step (it had committed a step another survivor had not, or it rejoined
+                               with a live peer's state): the caller trains the step again, not the
+                               collective
     BelowFloor                 the world the survivors agreed on has fewer members than the floor
                                (min_workers): it trains no further; the caller checkpoints the agreed
                                state and stops (gradsync train: exit status 75, as a preemption)
@@ -35,6 +39,13 @@ going away. Beside 75 (preempted: rerun) and 130 (Ctrl-C); 2 stays the command l
 class LostContact(RuntimeError):
     """This member cannot reach the job: its store has not answered for the job's timeout. The message is
     the one line a member prints as it leaves (the store's address, the members it last saw)."""
+
+
+class StepUndone(RuntimeError):
+    """A collective outside a step (the boundary after a step, an evaluation) met a failure whose recovery
+    took back the step this rank had committed: the survivors that had not committed it train it again,
+    so this rank must too (its caller goes back to training), rather than run the collective again and
+    meet them in a different one."""
 
 
 class BelowFloor(RuntimeError):

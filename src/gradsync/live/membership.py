@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from gradsync.comm.world_transport import process_alive
-from gradsync.group.bounded_store import BoundedStore, Contact
+from gradsync.group.bounded_store import BoundedStore, Contact, own_connection
 from gradsync.group.world_info import host_id
 from gradsync.live.failures import EXIT_LOST_CONTACT
 from gradsync.live.heartbeat import SILENT_SECONDS, Heart, Listener
@@ -91,9 +91,10 @@ class Membership:
         if self.node:
             self.store.set(self.node_key(member), self.node)
         self.store.set(self.member_key(member), f"{self.me}|{os.getpid()}")
-        self._heart_store = BoundedStore(store.clone(), self.contact, f"live-beat-{member}")
-        self._heart = Heart(self._heart_store, PREFIX, member, stall.doing)
-        self.watch = Watch(self, BoundedStore(store.clone(), self.contact, f"live-watch-{member}"))
+        timeout = self.contact.timeout
+        self._heart = Heart(BoundedStore(own_connection(store, timeout), self.contact, f"live-beat-{member}"), PREFIX,
+                            member, stall.doing)
+        self.watch = Watch(self, BoundedStore(own_connection(store, timeout), self.contact, f"live-watch-{member}"))
 
     # -- where the members are -------------------------------------------------------------------------
     def member_key(self, member: int) -> str:

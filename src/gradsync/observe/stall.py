@@ -18,11 +18,13 @@ Ranks doing the same collective have the same sequence number, so a rank whose p
 older has not joined. The report repeats every ``stall_seconds`` while the stall lasts; the
 transfer's own timeout still ends the job (PeerError) as before.
 
-A live world (live/watch.py) tells the inspector more through ``watch_with``: where a rank that posted
+A live world (live/ddp.py) tells the inspector more through ``watch_with``: where a rank that posted
 nothing was last seen (its heartbeat carries ``doing()``, so a rank cut off from the store is named
-with the collective it was in: "rank 1 (silent: no heartbeat for 3.2 s; last seen in all_reduce #12
-(ring, 1000 x float32))"), and when this rank has lost contact with its job (it is leaving with one line:
-no report). The inspector's store calls are bounded by the world's timeout (group/bounded_store.py, on a
+with the collective it was in: "rank 1 (went silent: no heartbeat for 3.2 s (...); last seen in
+all_reduce #12 (ring, 1000 x float32))"), and when a report would mislead: this rank lost contact with
+its job (it leaves with one line), its world is already abandoned (the wait is about to end), or its
+store was silent while the report was read (after a partition heals, the old world's waits are not
+reported as a stall of the new one). The inspector's store calls are bounded by the world's timeout (group/bounded_store.py, on a
 connection of its own), and a report whose world was shut down meanwhile (an old world's inspector
 that waited on a store cut off from it) is dropped, never printed late.
 """
@@ -124,9 +126,9 @@ def stop() -> None:
     _THREAD.update(thread=None, stop=None)
 
 
-def _quiet() -> bool:
+def _quiet(since: float) -> bool:
     quiet = _LIVE["quiet"]
-    return quiet is not None and bool(quiet())
+    return quiet is not None and bool(quiet(since))
 
 
 def _watch(world, limit: float, event: threading.Event) -> None:
@@ -139,20 +141,20 @@ def _watch(world, limit: float, event: threading.Event) -> None:
             continue
         op, sequence, since = now
         waited = time.monotonic() - since
-        if waited < limit or (reported == (sequence, int(waited // limit))) or _quiet():
+        asked = time.monotonic()
+        if waited < limit or (reported == (sequence, int(waited // limit))) or _quiet(asked):
             continue
         reported = (sequence, int(waited // limit))
         try:
-            if store is None:   # a connection of its own, so that a stalled training thread's call never holds it
-                store = BoundedStore(world.store.clone(), Contact(f"{world.master_addr}:{world.master_port}",
-                                                                  world.timeout), "stall-inspector")
-            asked = time.monotonic()
+            if store is None:   # (no connection of its own: making one blocks on a store cut off from this rank)
+                store = BoundedStore(world.store, Contact(f"{world.master_addr}:{world.master_port}", world.timeout),
+                                     "stall-inspector")
             line = _report(world, store, _describe(op), sequence, waited)
             if time.monotonic() - asked > LATE_SECONDS:   # the store was silent meanwhile: a past moment
                 continue
         except Exception as exc:  # noqa: BLE001 - the inspector must never take the rank down
             line = f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}"
-        if not event.is_set() and not _quiet():   # this world still runs, and still waits
+        if not event.is_set() and not _quiet(asked):   # this world still runs, and still waits
             _say(line)
 
 
