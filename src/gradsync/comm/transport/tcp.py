@@ -83,6 +83,7 @@ class _TorchHandle(Handle):
         t = self._transport
         started = time.monotonic()
         try:
+            t.refuse_if_interrupted()
             self._work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
             if self._peer is None:
                 self._peer = self._work._source_rank()
@@ -113,6 +114,7 @@ class _PairHandle(Handle):
         if not self._done:
             started = time.monotonic()
             try:
+                t.refuse_if_interrupted()
                 for work in self._works:
                     work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
             except Exception as exc:
@@ -177,11 +179,17 @@ class TorchTransport(Transport):
     def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda   # a CUDA tensor here travels on NCCL (_check refuses it otherwise)
 
+    def refuse_if_interrupted(self) -> None:
+        """After interrupt(), a transfer posted or waited for fails at once: one posted after gloo closed its
+        connections would otherwise wait out its whole timeout (measured: 60 s), since nothing wakes it."""
+        if self.interrupted is not None:
+            raise RuntimeError("the transport was interrupted")
+
     def interrupt(self, why: str) -> None:
         """End every wait on this transport's groups (module docstring, "Interrupting waits")."""
         if self.world_size == 1 or self.interrupted is not None:
             return
-        self.interrupted = why
+        self.interrupted = why   # first: a transfer posted from now on fails at once (refuse_if_interrupted)
         try:
             groups = [runtime.transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
         except RuntimeError:   # the world was shut down meanwhile: its groups are gone with their waits
@@ -204,6 +212,7 @@ class TorchTransport(Transport):
                 for operation, tensor, peer in ((dist.isend, send, dst), (dist.irecv, recv, src)) if tensor.numel()]
         nbytes = send.numel() * send.element_size() + recv.numel() * recv.element_size()
         try:
+            self.refuse_if_interrupted()
             works = dist.batch_isend_irecv(pair) if pair else []
         except RuntimeError as exc:
             raise _peer_error(self, op, src, nbytes, False, 0.0, exc) from exc
@@ -214,6 +223,7 @@ class TorchTransport(Transport):
         is the same PeerError as a failed wait."""
         nbytes = tensor.numel() * tensor.element_size()
         try:
+            self.refuse_if_interrupted()
             work = post()
         except RuntimeError as exc:
             raise _peer_error(self, op, peer, nbytes, sent, 0.0, exc) from exc
