@@ -26,7 +26,9 @@ unbound_buffer: "Application timeout caused pair closure"). That last rule is th
 every wait of a world that is over, a receive that no one will answer is posted on each of the
 transport's groups and waited for one millisecond, so gloo closes the group's connections and every
 pending send and receive fails at once (measured: within 10 ms of the call, where the receive would
-otherwise have waited for its timeout).
+otherwise have waited for its timeout). The receive is from each peer in turn until one times out: on
+a connection its peer has closed already (another survivor interrupted its own waits first) it fails
+at once instead, closing that connection alone.
 """
 
 from __future__ import annotations
@@ -194,12 +196,14 @@ class TorchTransport(Transport):
             groups = [runtime.transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
         except RuntimeError:   # the world was shut down meanwhile: its groups are gone with their waits
             return
-        peer = (self.rank + 1) % self.world_size
         for group in groups:
-            try:
-                group.recv([torch.empty(1)], peer, INTERRUPT_TAG).wait(timedelta(milliseconds=1))
-            except Exception:   # noqa: BLE001 - the timeout is the point: gloo closed the group's connections
-                pass
+            for step in range(1, self.world_size):   # until one times out: a connection a peer closed fails at once,
+                peer = (self.rank + step) % self.world_size   # and on its own (another survivor interrupted first)
+                try:
+                    group.recv([torch.empty(1)], peer, INTERRUPT_TAG).wait(timedelta(milliseconds=1))
+                except Exception as exc:   # noqa: BLE001 - the timeout is the point: gloo closed every connection
+                    if "imed out" in str(exc):
+                        break
 
     def exchange(self, send, dst, recv, src, op):
         if not self.pairs_exchanges(send):
