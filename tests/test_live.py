@@ -484,3 +484,34 @@ def test_a_member_silent_past_its_heartbeat_is_left_out_then_rejoins_to_the_orac
         seen = [i for (member, step), ids in trained.items()
                 if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
         assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_live_below_min_workers_checkpoints_the_agreed_step_and_exits_75(tmp_path):
+    """`gradsync train --workers 3 --fault-tolerance live --min-workers 3`: member 1 dies in step 5 (after its
+    forward, the others waiting for it in the all-reduce). The survivors rebuild their world and agree on
+    the step they all hold (5), and, 2 members being fewer than the floor of 3, train no further: the job
+    exits 75 (preempted) with a checkpoint of exactly that step, the line that says why, and the resume
+    command; no step past 5 was trained by anyone."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync import checkpoint
+    from gradsync.train.preempt import EXIT_PREEMPTED
+
+    (tmp_path / "ids").mkdir()
+    out = tmp_path / "run"
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:forward"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--min-workers", "3", "--epochs", "2", "--quiet", "--timeout", "20", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == EXIT_PREEMPTED, f"exit {job.returncode}:\n{job.stdout[-2000:]}\n{job.stderr[-3000:]}"
+    assert "fewer than the floor of 3 (min_workers)" in job.stdout and "preempted at step 5; resume with:" in \
+        job.stdout and "--min-workers 3" in job.stdout, job.stdout[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stopped = next(r for r in records if r["event"] == "preempted")
+    state = checkpoint.load(out / "checkpoint.pt")
+    assert stopped["step"] == state["step"] == 5 and state["batch"]["workers"] == 3, (stopped, state["step"])
+    logged = [int(line.split()[0]) for log in (tmp_path / "ids").glob("live.*") for line in log.read_text().splitlines()]
+    assert max(logged) == 6, f"steps begun: up to {max(logged)} (step 6 was in flight when member 1 died)"
