@@ -83,6 +83,71 @@ def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, st
             "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes, "fds": fds}
 
 
+def train_with_a_pause(victim: int, pause_step: int, seconds: float, epochs: int, log_dir: str,
+                       min_workers: int | None = None) -> dict:
+    """train_with_a_kill's recipe, where member 0, as it starts step ``pause_step`` (0-based), stops member
+    ``victim`` with SIGSTOP and continues it with SIGCONT ``seconds`` later: a member that goes silent
+    while its process lives (its heartbeat stops with it), as a host cut off by the network does, and comes
+    back. After two steps in the shrunk world the others wait (at most 60 s) until it asks to join again,
+    so that it rejoins a short run before it ends. Each member appends "<step> <ids>" of every step it
+    committed to log_dir/samples.<member>, and member 0 the monotonic times of the stop, the continue and
+    each change of its world's size to log_dir/sizes.0."""
+    import threading
+    import time
+
+    x, y = dataset()
+    module = model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0}, admit_joiners=False,
+                   min_workers=min_workers)
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    total = epochs * cursor.steps_from(0)
+    trained: dict[int, list[int]] = {}
+    world_sizes = []
+    (Path(log_dir) / f"pid.{live.member}").write_text(str(os.getpid()))
+    log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115
+    sizes = open(Path(log_dir) / f"sizes.{live.member}", "a", buffering=1)  # noqa: SIM115
+
+    def train_step(ddp):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w = live.world
+        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
+        step_size = cursor.step_size(position)
+        loss = ((ddp(x[share]) - y[share]) ** 2).sum() * (w.world_size / step_size)
+        loss.backward()
+        trained[live.step + 1] = share
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    paused, since_change = False, 0
+    while live.step < total:
+        shrunk = live.recoveries and not live.recoveries[-1].joined
+        if shrunk and since_change == 2:
+            live.await_joiner(60.0)
+        since_change += 1
+        if live.member == 0 and live.step == pause_step and not paused:
+            paused = True
+            pid = int((Path(log_dir) / f"pid.{victim}").read_text())
+            os.kill(pid, signal.SIGSTOP)
+            sizes.write(f"stopped {time.monotonic()}\n")
+            threading.Timer(seconds, lambda: (os.kill(pid, signal.SIGCONT),
+                                              sizes.write(f"continued {time.monotonic()}\n"))).start()
+        size = live.world.world_size
+        if live.run_step(train_step):
+            log.write(f"{live.step} {' '.join(map(str, trained[live.step]))}\n")
+            world_sizes.append(live.world.world_size)
+        else:
+            since_change = 0
+        if live.world.world_size != size and live.member == 0:
+            sizes.write(f"{live.world.world_size} {time.monotonic()}\n")
+    live.check_replicas()
+    live.close()
+    log.close()
+    return {"member": live.member, "rank": live.world.rank, "world_size": live.world.world_size,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "recoveries": [r.__dict__ for r in live.recoveries], "world_sizes": world_sizes}
+
+
 def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
     """train_with_a_kill (member 0 dies in step 4; the members wait for a joiner after 2 steps), where
     member 3, the first replacement, SIGKILLs itself as the state transfer to it begins."""
@@ -95,16 +160,34 @@ def train_where_the_first_replacement_dies_joining(log_dir: str) -> dict:
     return train_with_a_kill(0, 4, 2, log_dir, 2)
 
 
-def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int) -> dict[int, list[int]]:
+def void_steps(recoveries: list[dict]) -> dict[int, tuple[int, int]]:
+    """Per member a survivor saw leave and rejoin, the steps (R, J] it did not train with the others: from
+    the step R the survivors resumed from without it to the step J at which it rejoined (a survivor's
+    Recovery records, in order). Its own lines for them, written before it was left out (a step it
+    committed alone, or began), are not the job's."""
+    void, left = {}, {}
+    for record in recoveries:
+        for member in record["lost"]:
+            left[member] = record["step"]
+        for member in record["joined"]:
+            if member in left:
+                void[member] = (left.pop(member), record["step"])
+    return void
+
+
+def trained_ids(ids_dir: Path, lost: list[int], resumed_from: int,
+                void: dict[int, tuple[int, int]] | None = None) -> dict[int, list[int]]:
     """Per epoch, the sorted sample ids of every committed step in the GRADSYNC_SAMPLE_LOG files of
     ``gradsync train --fault-tolerance live`` (train/step.py's sample log): of a step written twice (tried again
-    after a recovery) the last line counts, and a lost member's steps count up to ``resumed_from``."""
+    after a recovery) the last line counts, a lost member's steps count up to ``resumed_from``, and a member
+    that left and rejoined (``void``: void_steps) counts none of its steps in (R, J]."""
     last_line: dict[tuple[int, int], tuple[int, list[int]]] = {}
     for path in Path(ids_dir).glob("live.*"):
         member = int(path.name.rsplit(".m", 1)[1])
+        low, high = (void or {}).get(member, (0, -1))
         for line in path.read_text().splitlines():
             step, epoch, *ids = map(int, line.split())
-            if member not in lost or step <= resumed_from:
+            if (member not in lost or step <= resumed_from) and not low < step <= high:
                 last_line[member, step] = (epoch, ids)
     by_epoch: dict[int, list[int]] = {}
     for epoch, ids in last_line.values():

@@ -19,6 +19,8 @@ LEVELS = {
     "gradsync.observe": 0, "gradsync.observe.meter": 0, "gradsync.observe.trace": 0, "gradsync.observe.stall": 0,
     "gradsync.observe.display": 0, "gradsync.observe.grad_watch": 0,
     "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.clip": 0, "gradsync.compile_guard": 0,
+    # a store call with a deadline: torch's Store alone, so the stall inspector can bound its calls too
+    "gradsync.group.bounded_store": 0,
     # process group set-up: the World record and host exchange that init() and join share, then
     # joining a program's world, then init() itself (which may join), then spawn (which inits): its
     # signals, its start-up through the forkserver and its failure report first

@@ -428,3 +428,90 @@ def test_two_members_die_at_once_then_a_declared_break_then_a_stall(transport, m
                        fault_tolerance="live", join_timeout=150)
     assert [r is None for r in results] == [False, True, False, True, False], "the victims are members 1 and 3"
     _check_breaks(results, [((1, 3), (0, 2, 4), 3), ((), (0, 2, 4), 6), ((), (0, 2, 4), 12)], epochs=2)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_silent_past_its_heartbeat_is_left_out_then_rejoins_to_the_oracle(tmp_path):
+    """Member 2 of 3 is stopped (SIGSTOP) for 4 s at step 5 and continued: a member that goes silent while
+    its process lives, as one cut off by the network does, and comes back. Its heartbeat stops with it, so
+    members 0 and 1 leave it out within SILENT_SECONDS and a little (the world's timeout is 20 s: not its
+    receive timing out), train on as 2, and once it is continued it finds itself left out, rejoins at a step
+    boundary with their state, and the world is 3 again within seconds. Every member ends at the oracle's
+    parameters, bitwise equal to each other, and every sample of every epoch was trained exactly once (the
+    steps it began or committed alone before it was left out do not count)."""
+    from gradsync.live.heartbeat import SILENT_SECONDS
+
+    victim, pause_step, seconds, epochs = 2, 5, 4.0, 3
+    results = gs.spawn(live_fns.train_with_a_pause, nprocs=3, args=(victim, pause_step, seconds, epochs, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=100)
+    assert [r["member"] for r in results] == [0, 1, 2] and all(r["world_size"] == 3 for r in results), \
+        [r and (r["member"], r["world_size"]) for r in results]
+    for r in results[:2]:
+        left, back = r["recoveries"]
+        assert left["lost"] == (victim,) and left["members"] == (0, 1) and "went silent" in left["cause"], left
+        assert back["joined"] == (victim,) and back["members"] == (0, 1, 2) and back["lost"] == (), back
+        at_two = back["step"] - left["step"]
+        assert at_two >= 2 and r["world_sizes"] == [3] * left["step"] + [2] * at_two + [3] * (
+            len(r["world_sizes"]) - back["step"]), r["world_sizes"]
+    (rejoined,) = results[victim]["recoveries"]
+    assert rejoined["joined"] == (victim,) and rejoined["step"] == results[0]["recoveries"][1]["step"], rejoined
+    assert "agreed without it" in rejoined["cause"] and "went silent" in rejoined["cause"], rejoined["cause"]
+
+    # found by its heartbeat, not by a receive waiting out the 20 s timeout; back within seconds of its return
+    times = dict(line.split() for line in (tmp_path / "sizes.0").read_text().splitlines())
+    found = float(times["2"]) - float(times["stopped"])
+    back = float(times["3"]) - float(times["continued"])
+    assert SILENT_SECONDS <= found < SILENT_SECONDS + 4.0, f"left out {found:.1f} s after it went silent"
+    assert back < 5.0, f"the world was whole again {back:.1f} s after the member came back"
+
+    steps_per_epoch = -(-live_fns.N_SAMPLES // live_fns.GLOBAL_BATCH)
+    expected = _oracle(epochs * steps_per_epoch)
+    for r in results:
+        for got, want, first in zip(r["params"], expected, results[0]["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got, first), f"member {r['member']}'s replica differs from member 0's"
+    void = live_fns.void_steps(results[0]["recoveries"])
+    assert set(void) == {victim}
+    trained: dict[tuple[int, int], list[int]] = {}
+    for log in tmp_path.glob("samples.*"):
+        member = int(log.suffix[1:])
+        low, high = void.get(member, (0, -1))
+        for line in log.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            if not low < step <= high:
+                trained[member, step] = ids
+    for epoch in range(epochs):
+        seen = [i for (member, step), ids in trained.items()
+                if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch for i in ids]
+        assert sorted(seen) == list(range(live_fns.N_SAMPLES)), f"epoch {epoch}: samples lost or repeated"
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_live_below_min_workers_checkpoints_the_agreed_step_and_exits_75(tmp_path):
+    """`gradsync train --workers 3 --fault-tolerance live --min-workers 3`: member 1 dies in step 5 (after its
+    forward, the others waiting for it in the all-reduce). The survivors rebuild their world and agree on
+    the step they all hold (5), and, 2 members being fewer than the floor of 3, train no further: the job
+    exits 75 (preempted) with a checkpoint of exactly that step, the line that says why, and the resume
+    command; no step past 5 was trained by anyone."""
+    import json
+    import subprocess
+    import sys
+
+    from gradsync import checkpoint
+    from gradsync.train.preempt import EXIT_PREEMPTED
+
+    (tmp_path / "ids").mkdir()
+    out = tmp_path / "run"
+    env = {**os.environ, "GRADSYNC_SAMPLE_LOG": str(tmp_path / "ids"), "GRADSYNC_LIVE_KILL": "1:5:forward"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--workers", "3", "--fault-tolerance", "live",
+                          "--min-workers", "3", "--epochs", "2", "--quiet", "--timeout", "20", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == EXIT_PREEMPTED, f"exit {job.returncode}:\n{job.stdout[-2000:]}\n{job.stderr[-3000:]}"
+    assert "fewer than the floor of 3 (min_workers)" in job.stdout and "preempted at step 5; resume with:" in \
+        job.stdout and "--min-workers 3" in job.stdout, job.stdout[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stopped = next(r for r in records if r["event"] == "preempted")
+    state = checkpoint.load(out / "checkpoint.pt")
+    assert stopped["step"] == state["step"] == 5 and state["batch"]["workers"] == 3, (stopped, state["step"])
+    logged = [int(line.split()[0]) for log in (tmp_path / "ids").glob("live.*") for line in log.read_text().splitlines()]
+    assert max(logged) == 6, f"steps begun: up to {max(logged)} (step 6 was in flight when member 1 died)"

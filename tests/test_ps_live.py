@@ -289,3 +289,31 @@ def test_train_cli_ssp_live_deals_the_dead_workers_steps_to_the_survivors(tmp_pa
     assert next(r for r in records if r["event"] == "summary")["staleness"]["updates"] == 3 * 15
     assert live_fns.trained_ids(tmp_path / "ids", [2], 5) == {0: list(range(len(digits(0)[0])))}, \
         "samples lost or repeated"
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_ps_live_below_min_workers_stops_as_a_preemption(tmp_path):
+    """`gradsync train --strategy ps-sync --workers 4 --fault-tolerance live --min-workers 3` (1 server, 3
+    workers): member 2 dies after its forward in step 3. The survivors recover (2 open workers), fewer than
+    the floor of 3: the job stops at the next version every rank agrees on, as a preemption does, writes
+    the servers' checkpoint at that version and exits 75; LivePS says why (below_floor)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gradsync import checkpoint
+    from gradsync.train.preempt import EXIT_PREEMPTED
+
+    out = tmp_path / "run"
+    env = {**os.environ, "GRADSYNC_LIVE_KILL": "2:3:forward"}
+    job = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", "--strategy", "ps-sync", "--workers", "4",
+                          "--fault-tolerance", "live", "--min-workers", "3", "--epochs", "2", "--quiet", "--timeout",
+                          "20", "--out", str(out)], env=env, capture_output=True, text=True, timeout=250)
+    assert job.returncode == EXIT_PREEMPTED, f"exit {job.returncode}:\n{job.stdout[-2000:]}\n{job.stderr[-3000:]}"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (live,) = [r for r in records if r["event"] == "live"]
+    assert live["lost"] == [2] and live["open_workers"] == [1, 3], live
+    stopped = next(r for r in records if r["event"] == "preempted")
+    state = checkpoint.load(out / "checkpoint.pt")
+    assert 3 <= stopped["step"] <= 5 and state["clocks"] == [stopped["step"]] * 2, (stopped, state.get("clocks"))

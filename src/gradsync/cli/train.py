@@ -174,6 +174,10 @@ def add_flags(train, defaults: dict) -> None:
     flag("--log-run", metavar="ID",
          help="the tracker run to record to: W&B's run id, the MLflow run tagged gradsync.run=ID (default: a new one, "
               "or the checkpoint's with --resume)")
+    flag("--min-workers", type=positive_int,
+         help="--fault-tolerance live: the fewest workers that train on; a recovery that leaves fewer (deaths, or "
+              "the side of a network partition that keeps the job's store) checkpoints and exits 75 (default: half "
+              "of the workers the job started with, rounded up)")
     flag("--checkpoint-every", metavar="N|TIME",
          help="also checkpoint every N steps (200) or every span of time (30s, 5m, 1h); default: at each epoch's "
               "end only")
@@ -251,12 +255,14 @@ RUNBOOK = """N local workers train a model on its data, and one summary says wha
   srun gradsync train                             one rank per Slurm task (docs/slurm.md)
 
 A signal stops the job cleanly: SIGTERM (to the launcher, a rank or the whole job: timeout, Slurm) after the
-step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130."""
+step in flight, with a checkpoint, exit 75; Ctrl-C the same, exit 130. --fault-tolerance live: a world shrunk
+below --min-workers also checkpoints and exits 75; a member cut off from its job for --timeout exits 69."""
 
 
 def run(args) -> int:
     from gradsync.train import config_file, tasks
     from gradsync.train.launcher import run
+    from gradsync.live.failures import EXIT_LOST_CONTACT, LostContact
     from gradsync.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, signal_number
     from gradsync.group import slurm
     from gradsync.train import requeue
@@ -282,6 +288,12 @@ def run(args) -> int:
         print(f"gradsync train: interrupted again: stopped at once; {cfg.out} keeps the last checkpoint written",
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except LostContact as lost:   # a live member cut off from its job: its one line, and out
+        print(f"gradsync: {lost}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # not a return: threads of this process wait inside store calls on a server that went silent, and
+        # the interpreter's exit would tear down what they use under them (C++ terminate: SIGABRT)
+        os._exit(EXIT_LOST_CONTACT)
     for signum in (signal_number(cfg.preempt_signal), signal.SIGINT):
         if signum is not None:   # training is over: a signal now must not turn its end into a kill or a traceback
             signal.signal(signum, signal.SIG_IGN)

@@ -44,6 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradsync.group.bounded_store import within
 from gradsync.group.world_info import host_id
 
 PATHS = ("auto", "host", "nccl")
@@ -162,10 +163,15 @@ def settle(store, rank: int, world_size: int, timeout: float, backend: str | Non
         store.set(f"{key}/{rank}", NO_GPU)
         return ("host" if torch.cuda.is_available() else None), with_cpu_backend(backend) or "gloo"
     store.set(f"{key}/{rank}", gpu_identity())
+    keys = [f"{key}/{r}" for r in range(world_size)]
+
+    def read() -> list[str]:   # bounded even on a store whose host went silent (bounded_store.within)
+        store.wait(keys, timedelta(seconds=timeout))
+        return [store.get(k).decode() for k in keys]
+
     try:
-        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
+        identities = within(timeout + 1.0, f"rank {rank}: the GPU exchange", read)
     except Exception as exc:
         raise RuntimeError(f"rank {rank}: not every rank published its GPU within {timeout:.0f} s: {exc}") from exc
-    identities = [store.get(f"{key}/{r}").decode() for r in range(world_size)]
     return choose([None if identity == NO_GPU else identity for identity in identities], backend, requested(),
                   dist.is_nccl_available(), live or _LIVE[0])

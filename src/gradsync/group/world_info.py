@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from gradsync.group.bounded_store import within
+
 DEFAULT_TIMEOUT = 60.0
 """Seconds, when init() is given no timeout and there is no existing group to take one from."""
 
@@ -125,16 +127,23 @@ def host_id() -> str:
 
 
 def exchange_hosts(store, rank: int, world_size: int, timeout: float) -> tuple[tuple[int, ...], ...]:
-    """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host."""
+    """Every rank publishes host_id() and reads everyone's; returns the ranks grouped by host. Bounded by
+    ``timeout`` even on a store whose host went silent (bounded_store.within: a TCPStore wait would not be)."""
     key = "gradsync/host"  # the store is this init's own (see runtime.init)
     store.set(f"{key}/{rank}", host_id())
+    keys = [f"{key}/{r}" for r in range(world_size)]
+
+    def read() -> list[bytes]:
+        store.wait(keys, timedelta(seconds=timeout))
+        return [store.get(k) for k in keys]
+
     try:
-        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout))
+        hosts = within(timeout + 1.0, f"rank {rank}: the host exchange", read)
     except Exception as exc:
         raise RuntimeError(f"rank {rank}: not every rank published its host within {timeout:.0f} s: {exc}") from exc
     groups: dict[str, list[int]] = {}
-    for r in range(world_size):
-        groups.setdefault(store.get(f"{key}/{r}").decode(), []).append(r)
+    for r, host in enumerate(hosts):
+        groups.setdefault(host.decode(), []).append(r)
     return tuple(tuple(group) for group in sorted(groups.values()))
 
 

@@ -45,6 +45,25 @@ running world (growth.py: announce, admission at a boundary, rejoin) and returns
 0's parameters, buffers, optimizer state, step, ``progress`` and ``shared`` (transfer.py) and
 check_replicas() passed. It then steps with the others.
 
+A network partition (docs/reliability.md, "The network partitions"):
+    the side with the store   finds the members cut off silent within about 3 s (watch.py: their
+                              heartbeats stop), ends its waits at once (Transport.interrupt) and forms
+                              the next generation without them, as after a death
+    a member cut off          cannot reach the store: once it has had no answer for the world's
+                              timeout it raises LostContact (one line; gradsync train exits
+                              failures.EXIT_LOST_CONTACT), wherever it was waiting
+    the heal                  a member that comes back within the timeout finds itself left out of the
+                              generation (membership.Evicted) and rejoins: it drops its own state, takes
+                              a ticket as a replacement does, is admitted at the next step boundary and
+                              receives the state from rank 0; a boundary looks for a joiner whenever the
+                              world is smaller than the job was at its start, so that a rejoin costs
+                              nothing while the world is whole
+    the floor                 a generation with fewer than ``min_workers`` members (default: half of
+                              the members the job started with, rounded up; failures.default_floor says
+                              why) is rebuilt and its step agreed, and then BelowFloor is raised: the
+                              caller checkpoints and stops (gradsync train: exit status 75) rather than
+                              train on with a remnant
+
 The store must outlive every rank: under gs.spawn the launcher hosts it (launch.py).
 """
 
@@ -59,14 +78,18 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradsync.group import runtime
+from gradsync.group import agent_barrier, runtime
+from gradsync.group.bounded_store import StoreUnreachable
 from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
+from gradsync.comm.world_transport import default_transport
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.group.launch import NotNeeded
 from gradsync.live import growth, transfer
-from gradsync.live.failures import caused_by_peer, first_line_freed, rerun
-from gradsync.live.membership import PREFIX, Generation, Membership
+from gradsync.live.failures import (BelowFloor, LostContact, StepUndone, caused_by_peer, default_floor,
+                                    first_line_freed, rerun)
+from gradsync.live.membership import PREFIX, Evicted, Generation, Membership
+from gradsync.observe import stall
 from gradsync.replicas import first_mismatch
 
 MISSING = -(1 << 62)
@@ -92,7 +115,8 @@ class Recovery:
     cause: str = field(default="", repr=False)
     """The first line of the error this rank caught."""
     joined: tuple[int, ...] = ()
-    """Member ids that joined (growth.py): a growth rather than a recovery from a death."""
+    """Member ids that joined (growth.py): a growth rather than a recovery from a death. On a member that
+    was left out and came back, its own id: it rejoined (``cause`` says why it was left out)."""
 
 
 class LiveDDP:
@@ -100,7 +124,8 @@ class LiveDDP:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, quorum_timeout: float | None = None,
                  on_resize: Callable[["LiveDDP", int], None] | None = None, progress: dict | None = None,
-                 shared: dict | None = None, admit_joiners: bool = True, **ddp_options) -> None:
+                 shared: dict | None = None, admit_joiners: bool = True, min_workers: int | None = None,
+                 **ddp_options) -> None:
         if "process_group" in ddp_options:
             raise RuntimeError("LiveDDP rebuilds its world when ranks die, so it cannot use a process_group")
         self.module, self.optimizer, self.ddp_options = module, optimizer, ddp_options
@@ -118,9 +143,18 @@ class LiveDDP:
         self.recoveries: list[Recovery] = []
         """Every change of the world: recoveries from deaths and growths (Recovery.joined)."""
         self.admit_joiners = admit_joiners
-        """False: no step boundary asks whether a replacement waits (growth.py's one-element all-reduce a
-        step is saved; for a job that starts none, e.g. gs.spawn without replacements). A joiner that
-        comes anyway waits for admission until growth.ADMISSION_TIMEOUT, then raises."""
+        """False: while the world is as large as it started, no step boundary asks whether a replacement waits
+        (growth.py's one-element all-reduce a step is saved; for a job that starts none, e.g. gs.spawn
+        without replacements). A world that lost members always asks, so a member left out by a
+        partition can rejoin. A joiner that comes to a whole world waits for admission until
+        growth.ADMISSION_TIMEOUT, then raises."""
+        if min_workers is not None and (not isinstance(min_workers, int) or isinstance(min_workers, bool)
+                                        or min_workers < 1):
+            raise ValueError(f"min_workers must be an integer >= 1 (the fewest members that train on), got "
+                             f"{min_workers!r}")
+        self.sizes = {"started": 0, "floor": 0}
+        """The members the job started with and the floor (min_workers, or failures.default_floor of them); a
+        joiner receives them."""
         self._snapshot: tuple | None = None
         self.model = None
         joining = runtime.replacement()
@@ -131,12 +165,43 @@ class LiveDDP:
         if w.store is None or w.joined:
             raise RuntimeError("LiveDDP needs a world of gradsync's own (gs.spawn, gradsync.init()), whose "
                                "rendezvous store outlives its ranks")
+        floor = default_floor(w.world_size) if min_workers is None else min_workers
+        if floor > w.world_size:
+            raise ValueError(f"min_workers={floor} is more than the {w.world_size} ranks of the world: a job must "
+                             f"be able to train with the members it starts with")
+        self.sizes.update(started=w.world_size, floor=floor)
         self._settings, self._has_state = w, True
-        self.membership = Membership(w.store.underlying_store, w.rank, tuple(range(w.world_size)),
-                                     quorum_timeout if quorum_timeout is not None else w.timeout)
+        self.membership = self._membership(w.store.underlying_store, w.rank, tuple(range(w.world_size)), w,
+                                           quorum_timeout)
         self.door = growth.Door(self.membership.store)
-        set_abandon_check(self.membership.broken)
         self.model = DistributedDataParallel(module, **ddp_options)
+        self.membership.watch.arm(0, default_transport())
+
+    def _membership(self, store, member: int, members: tuple[int, ...], settings: runtime.World,
+                    quorum_timeout: float | None) -> Membership:
+        """This member's Membership, its watch installed as the live world's check and the stall inspector's."""
+        membership = Membership(store, member, members, quorum_timeout if quorum_timeout is not None
+                                else settings.timeout, timeout=settings.timeout,
+                                address=f"{settings.master_addr}:{settings.master_port}")
+        set_abandon_check(membership.broken)
+        stall.watch_with(self._last_seen, membership.contact.silent_since)
+        return membership
+
+    def _last_seen(self, rank: int) -> str | None:
+        """The stall inspector's word on a rank that posted nothing, from its heartbeat: where it is (it may be in
+        the same collective, and unable to post: cut off from the store), or how long it has been silent and
+        where it was last seen."""
+        membership = getattr(self, "membership", None)
+        if membership is None or rank >= len(membership.current.members):
+            return None
+        member = membership.current.members[rank]
+        if member not in membership.listener.heard():
+            return None
+        doing = membership.listener.last_seen(member)
+        where = f"in {doing}" if doing else "outside any collective"
+        silent = membership.listener.silent_for(member)
+        return (f"no heartbeat for {silent:.1f} s: last seen {where}" if silent >= 1.0
+                else f"posted nothing; its heartbeat says it is {where}")
 
     @property
     def world(self) -> runtime.World:
@@ -155,7 +220,7 @@ class LiveDDP:
         (default optimizer.step(); a gradient scaler's unscale, check and step)."""
         failure = joiner = None
         try:
-            joiner = self.door.decide(self.world.rank) if self.admit_joiners else None   # the boundary (growth.py)
+            joiner = self.door.decide(self.world.rank) if self._admits() else None   # the boundary (growth.py)
             if joiner is None:
                 self.optimizer.zero_grad(set_to_none=False)
                 progress = train_step(self.model)
@@ -173,14 +238,29 @@ class LiveDDP:
         self.progress = dict(progress)
         return True
 
+    def _admits(self) -> bool:
+        """Whether this boundary asks for a joiner (the same answer on every member: admit_joiners, and the
+        sizes every member holds)."""
+        return self.admit_joiners or len(self.membership.current.members) < self.sizes["started"]
+
     def collective(self, fn: Callable[[], object]):
         """``fn()`` (collectives outside a training step: evaluation, statistics), run again in the new
-        world if a member dies during it. At most once per member of the current world."""
-        return rerun(fn, len(self.membership.current.members), self._failure, self.recover)
+        world if a member dies during it. At most once per member of the current world. StepUndone when the
+        recovery took back this rank's last step (failures.py): the caller trains it again first."""
+        def recover(why: str) -> None:
+            record = self.recover(why)
+            if record.rolled_back or self.member in record.joined:
+                raise StepUndone(f"member {self.member}: the recovery took this rank back to step {self.step} "
+                                 f"({'rolled back' if record.rolled_back else 'rejoined'}): train step "
+                                 f"{self.step + 1} again before {getattr(fn, '__name__', 'the collective')}")
+
+        return rerun(fn, len(self.membership.current.members), self._failure, recover)
 
     def _failure(self, exc: Exception) -> str:
         """The first line of ``exc`` when a member's death caused it (failures.py); otherwise ``exc`` is
         raised again."""
+        if isinstance(exc, StoreUnreachable):
+            raise self._lost_contact() from None
         if not caused_by_peer(exc) and self.membership.broken() is None:
             raise exc
         return first_line_freed(exc)
@@ -200,22 +280,75 @@ class LiveDDP:
     # -- recovery ------------------------------------------------------------------------------------
     def recover(self, why: str) -> Recovery:
         """Form the next generation from the survivors and bring this rank's state to the step they
-        all hold (module docstring). Every survivor calls it; ``why``: the error it caught."""
+        all hold (module docstring). Every survivor calls it; ``why``: the error it caught. A member left
+        out of that generation rejoins (module docstring); LostContact when the store stays silent;
+        BelowFloor when the generation is smaller than the floor."""
         started = time.monotonic()
-        self.membership.declare_broken(why)
-        before = self.membership.current
-        self._tear_down()
-        generation = self.membership.next_generation()
-        rolled_back = self._enter(generation, len(before.members))
-        return self._record(before, generation, rolled_back, started, why)
+        try:
+            self.membership.declare_broken(why)
+            before = self.membership.current
+            self._tear_down()
+            try:
+                generation = self.membership.next_generation()
+            except Evicted as evicted:
+                return self._rejoin_after(evicted, started)
+            rolled_back = self._enter(generation, len(before.members))
+        except StoreUnreachable:
+            raise self._lost_contact() from None
+        record = self._record(before, generation, rolled_back, started, why)
+        self._check_floor(generation)
+        return record
+
+    def _lost_contact(self) -> LostContact:
+        """This member's LostContact (its one line); the watch no longer needs to end the process itself."""
+        self.membership.watch.delivered()
+        return LostContact(self.membership.lost_contact_line())
+
+    def _check_floor(self, generation: Generation) -> None:
+        if len(generation.members) < self.sizes["floor"]:
+            raise BelowFloor(f"member {self.member}: generation {generation.index} has {len(generation.members)} "
+                             f"member(s) {list(generation.members)} of the {self.sizes['started']} the job started "
+                             f"with, fewer than the floor of {self.sizes['floor']} (min_workers): it trains no "
+                             f"further on this side; checkpoint the agreed step {self.step} and start the job "
+                             f"again", generation.members, self.sizes["floor"])
+
+    def _rejoin_after(self, evicted: Evicted, started: float) -> Recovery:
+        """Member left out of the generation after ``evicted.left`` while it lived: it drops its state and
+        joins the running world as a replacement does (growth.py), receiving rank 0's."""
+        store = self.membership.store
+        self._has_state = False
+        admitted = self._admission(store, self.member)
+        generation = Generation(admitted, self.membership.agreed(admitted - 1))
+        self.membership.current = generation
+        failure = self._enter_or_fail(generation, len(generation.members) - 1, self.member)
+        if failure is not None:
+            return self.recover(failure)
+        record = self._record(evicted.left, generation, False, started, str(evicted))
+        record.joined = (self.member,)
+        return record
+
+    def _admission(self, store, member: int) -> int:
+        """Take tickets until a boundary admits ``member`` (growth.py); the generation it was admitted to.
+        NotNeeded when the run finished first."""
+        while True:
+            ticket = growth.announce(store, member)
+            admitted = growth.wait_for_admission(store, member, ticket)
+            if admitted is not None:
+                self.door.seen = ticket + 1
+                return admitted
+            if growth.is_closed(store):
+                raise NotNeeded(f"member {member}: the run finished before this member could join")
 
     def grow(self, joiner: int) -> Recovery:
         """Admit member ``joiner`` (growth.py): every member calls it at the boundary that decided it."""
         started = time.monotonic()
         before = self.membership.current
         self._tear_down()
-        generation = self.membership.propose((*before.members, joiner))
-        self.door.answer(joiner, generation)
+        try:
+            generation = self.membership.propose((*before.members, joiner))
+            self.door.answer(joiner, generation)
+        except StoreUnreachable:
+            raise self._lost_contact() from None
         failure = self._enter_or_fail(generation, len(before.members), joiner)
         if failure is not None:   # a death during the join (growth.py): recovered like any other
             return self.recover(failure)
@@ -224,22 +357,12 @@ class LiveDDP:
     def _join(self, member: int, settings: runtime.World, quorum_timeout: float | None) -> None:
         """A replacement process joins the running world as ``member`` (growth.py's protocol, the joiner's side)."""
         started = time.monotonic()
-        store = runtime.connect_store(settings)
         self._settings, self._has_state = settings, False
-        self.membership = Membership(store, member, (), quorum_timeout if quorum_timeout is not None
-                                     else settings.timeout)
-        self.door = growth.Door(store)
-        while True:
-            ticket = growth.announce(store, member)
-            admitted = growth.wait_for_admission(store, member, ticket)
-            if admitted is not None:
-                break
-            if growth.is_closed(store):
-                raise NotNeeded(f"member {member}: the run finished before this replacement could join")
-        self.door.seen = ticket + 1
+        self.membership = self._membership(runtime.connect_store(settings), member, (), settings, quorum_timeout)
+        self.door = growth.Door(self.membership.store)
+        admitted = self._admission(self.membership.store, member)
         generation = Generation(admitted, self.membership.agreed(admitted - 1))
         self.membership.current = generation
-        set_abandon_check(self.membership.broken)
         before = Generation(admitted - 1, tuple(m for m in generation.members if m != member))
         failure = self._enter_or_fail(generation, len(before.members), member)
         if failure is not None:
@@ -259,12 +382,13 @@ class LiveDDP:
         """The rebuilt world's recipe: rejoin -> agree on the step -> on_resize -> state to a joiner ->
         rewrap -> check_replicas. True if this rank rolled back."""
         self._rejoin(self._settings, generation)
+        self.membership.watch.arm(generation.index, default_transport())
         rolled_back, missing = self._agree_on_step()
         if self._has_state and self.on_resize is not None and old_world != len(generation.members):
             self.on_resize(self, old_world)
         if missing:
             self.step = transfer.share_state(self.world.rank, self.module, self.optimizer, self.step, self.progress,
-                                             self.shared, receive=not self._has_state)
+                                             self.shared, receive=not self._has_state, live=self.sizes)
             self._has_state = True
         self.model = DistributedDataParallel(self.module, init_sync=False, **self.ddp_options)
         self.check_replicas()
@@ -293,6 +417,7 @@ class LiveDDP:
             time.sleep(0.01)
 
     def _tear_down(self) -> None:
+        self.membership.watch.disarm()
         if self.model is not None:
             self.model.close()
         for p in self.module.parameters():
@@ -307,7 +432,7 @@ class LiveDDP:
     def _rejoin(self, previous: runtime.World, generation) -> None:
         hosts = {m: self.membership.location(m)[0] for m in generation.members}
         local = [m for m in generation.members if hosts[m] == hosts[self.member]]
-        runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
+        runtime.rejoin(previous, self.membership.store.store, generation.rank_of(self.member), len(generation.members),
                        local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/world",
                        generation=generation.index)
 
@@ -349,9 +474,22 @@ class LiveDDP:
                                            f"between rank 0 and rank {difference[0]}")
 
     def close(self) -> None:
-        """Stop the wrapper's communication thread, the live world's check and the heartbeat; a joiner
-        still waiting is not needed any more (growth.py)."""
+        """Stop the wrapper's communication thread, the live world's check, the watch and the heartbeat; a
+        joiner still waiting is not needed any more (growth.py). Under torchrun, rank 0 checks in at the
+        agents' exit barrier for the nodes that are gone (group/agent_barrier.py)."""
         self.door.close()
+        if self.world.rank == 0:
+            agent_barrier.check_in_for_gone_nodes(self.membership.store, self._nodes_here())
+        self.membership.watch.disarm()
         self.model.close()
         set_abandon_check(None)
+        stall.watch_with(None, None)
         self.membership.close()
+
+    def _nodes_here(self) -> set[str]:
+        """torchrun's node ranks (GROUP_RANK) of the current generation's members."""
+        nodes = set()
+        for member in self.membership.current.members:
+            self.membership.location(member)
+            nodes.add(self.membership.node_of(member))
+        return nodes

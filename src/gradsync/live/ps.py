@@ -63,7 +63,14 @@ ParameterServer, whose answers then say ``stopping``; the worker calls finish(),
 another pull. The caller then gathers ps.state_dict() through collective() and writes its
 checkpoint; ps.load_state_dict() after construction continues it (train/strategies/live_ps.py).
 
-What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm).
+The floor (``min_workers``, default: half of the workers the job started with, rounded up; live/failures.py
+default_floor says why): when a recovery leaves fewer workers, the job stops as a preemption does, at the
+next version every rank agrees on (the servers' answers say ``stopping``; ``below_floor`` says why), so the
+caller checkpoints it and exits (gradsync train: 75). A worker left out of a generation while it lived (a
+partition) does not rejoin a parameter-server job: it raises membership.Evicted. A member that cannot
+reach the store for the world's timeout raises LostContact (live/ddp.py's module docstring).
+
+What this leaves out: sparse tables (refused), clipping (ParameterServer's max_grad_norm), rejoining.
 """
 
 from __future__ import annotations
@@ -79,10 +86,12 @@ import torch
 from torch import nn
 
 from gradsync.group import runtime
+from gradsync.group.bounded_store import StoreUnreachable
 from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
+from gradsync.comm.world_transport import default_transport
 from gradsync.live.ddp import Recovery
-from gradsync.live.failures import caused_by_peer, first_line_freed, rerun
+from gradsync.live.failures import LostContact, caused_by_peer, default_floor, first_line_freed, rerun
 from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
 from gradsync.ps import protocol as wire
 from gradsync.ps.parameter_server import ParameterServer
@@ -164,11 +173,30 @@ class _Relay(threading.Thread):
             _tell(client.transport, client.channel, client.rank, client.servers)
 
 
+class _Interrupter:
+    """What the watch (watch.py) interrupts in a parameter-server world: on a worker, first the word to the
+    servers (_Relay.tell_servers: a server's receive from any worker is ended by nothing else, since gloo
+    does not wake it when its connections close, measured as it waited out its whole timeout), then the
+    transport (Transport.interrupt: every other wait ends at once)."""
+
+    def __init__(self, live: "LivePS", transport) -> None:
+        self.live, self.transport = live, transport
+
+    def interrupt(self, why: str) -> None:
+        relay = self.live._relay
+        if relay is not None and relay.lock.acquire(blocking=False):   # held: recover() is telling them itself
+            try:
+                relay.tell_servers()
+            finally:
+                relay.lock.release()
+        self.transport.interrupt(why)
+
+
 class LivePS:
     """ParameterServer whose job survives the death of its workers (module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable, num_servers: int = 1, mode: str = "sync",
-                 staleness: int = 0, *, quorum_timeout: float | None = None) -> None:
+                 staleness: int = 0, *, quorum_timeout: float | None = None, min_workers: int | None = None) -> None:
         w = runtime.world()
         if w.store is None or w.joined:
             raise RuntimeError("LivePS needs a world of gradsync's own (gs.spawn, gradsync.init()), whose "
@@ -181,8 +209,18 @@ class LivePS:
         self.num_servers, self.mode = num_servers, mode
         self.member = w.rank
         """This process's member id: its rank in the world it started in."""
+        workers = w.world_size - num_servers
+        if min_workers is not None and (not isinstance(min_workers, int) or isinstance(min_workers, bool)
+                                        or not 1 <= min_workers <= max(workers, 1)):
+            raise ValueError(f"min_workers must be an integer from 1 to the {workers} workers of the job (the fewest "
+                             f"workers that train on), got {min_workers!r}")
+        self.floor = default_floor(workers) if min_workers is None else min_workers
+        """The fewest open workers that train on (module docstring)."""
+        self.below_floor: str | None = None
+        """Why the job stops at the next version: a recovery left fewer workers than the floor."""
         self.membership = Membership(w.store.underlying_store, w.rank, tuple(range(w.world_size)),
-                                     quorum_timeout if quorum_timeout is not None else w.timeout)
+                                     quorum_timeout if quorum_timeout is not None else w.timeout,
+                                     timeout=w.timeout, address=f"{w.master_addr}:{w.master_port}")
         set_abandon_check(self.membership.broken)
         if self.is_server:
             self.ps._server.abort_on_loss = False
@@ -201,6 +239,7 @@ class LivePS:
         self._pending_progress: dict | None = None
         if self._relay is not None:
             self._relay.start()
+        self.membership.watch.arm(0, _Interrupter(self, default_transport()))
         # every rank holds its parameters before any trains: an async worker that dies in its first steps
         # must not take with it a broadcast another rank is still reading (that would end the job)
         all_reduce(torch.zeros(1))
@@ -217,9 +256,12 @@ class LivePS:
     def serve(self, stop: Callable[[], bool] | None = None) -> None:
         """Serve until every worker has closed, rebuilding the world each time a worker dies. ``stop()``
         asks to end the job early, as ParameterServer.serve's."""
+        def stopping() -> bool:
+            return self.below_floor is not None or (stop is not None and bool(stop()))
+
         while True:
             try:
-                self.ps.serve(stop)
+                self.ps.serve(stopping)
                 return
             except Exception as exc:
                 failure = self._failure(exc)
@@ -238,7 +280,8 @@ class LivePS:
             if self.ps.stopping:   # these parameters are the job's last: nothing more is trained
                 return False
             self._pending_progress = dict(train_step(self.model))
-            self.ps.push(stop, nonfinite=nonfinite() if nonfinite is not None else False)
+            self.ps.push(stop or self.below_floor is not None,
+                         nonfinite=nonfinite() if nonfinite is not None else False)
         except Exception as exc:
             failure = self._failure(exc)
         else:
@@ -280,6 +323,9 @@ class LivePS:
 
     def _failure(self, exc: Exception) -> str:
         """The first line of ``exc`` when a member's death caused it; otherwise ``exc`` is raised again."""
+        if isinstance(exc, StoreUnreachable):
+            self.membership.watch.delivered()
+            raise LostContact(self.membership.lost_contact_line()) from None
         if not caused_by_peer(exc) and not self._broken_soon():
             raise exc
         return first_line_freed(exc)
@@ -298,9 +344,17 @@ class LivePS:
     def recover(self, why: str) -> PSRecovery:
         """Form the next generation from the survivors and agree on every worker's clock (module
         docstring). Every survivor calls it; ``why``: the error it caught."""
+        try:
+            return self._recover(why)
+        except StoreUnreachable:
+            self.membership.watch.delivered()
+            raise LostContact(self.membership.lost_contact_line()) from None
+
+    def _recover(self, why: str) -> PSRecovery:
         started, caught_at = time.monotonic(), time.time()
         self.membership.declare_broken(why)
         before, previous = self.membership.current, runtime.world()
+        self.membership.watch.disarm()
         with self._relay.lock if self._relay is not None else contextlib.nullcontext():
             if self._relay is not None:   # this worker may have seen the death first
                 self._relay.tell_servers()
@@ -321,10 +375,15 @@ class LivePS:
             self._end_if_a_server_died(lost, why)
             hosts = {m: self.membership.location(m)[0] for m in generation.members}
             local = [m for m in generation.members if hosts[m] == hosts[self.member]]
-            runtime.rejoin(previous, self.membership.store, generation.rank_of(self.member), len(generation.members),
-                           local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/ps-world",
-                           generation=generation.index)
+            runtime.rejoin(previous, self.membership.store.store, generation.rank_of(self.member),
+                           len(generation.members), local.index(self.member), len(local),
+                           prefix=f"{PREFIX}/{generation.index}/ps-world", generation=generation.index)
+            self.membership.watch.arm(generation.index, _Interrupter(self, default_transport()))
             version, rolled_back, lost_clocks, open_workers = self._agree_on_clocks(before, lost)
+            if len(open_workers) < self.floor and self.below_floor is None:
+                self.below_floor = (f"member {self.member}: generation {generation.index} has {len(open_workers)} "
+                                    f"open worker(s) {list(open_workers)}, fewer than the floor of {self.floor} "
+                                    f"(min_workers): the job stops at the next version, as a preemption")
         record = PSRecovery(generation.index, generation.members, lost, version if self.is_server else self.step,
                             rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at,
                             lost_clocks=lost_clocks, open_workers=open_workers)
@@ -388,9 +447,10 @@ class LivePS:
         return self.ps.stats()
 
     def close(self) -> None:
-        """Stop the relay, the live world's check and the heartbeat."""
+        """Stop the relay, the live world's check, the watch and the heartbeat."""
         if self._relay is not None:
             self._relay.stopped.set()
             self._relay.join()
+        self.membership.watch.disarm()
         set_abandon_check(None)
         self.membership.close()

@@ -9,7 +9,8 @@ What travels (nothing is pickled: a text descriptor, one float64 vector of numbe
                      "state <param index> <key> number <int|float|bool>"      optimizer state number
                      "state <param index> <key> none"
                      "number <section> <key> <int|float|bool>"                 a number of a section
-                 sections: "step" (LiveDDP.step), "progress" (the sampler position, epoch), "shared"
+                 sections: "step" (LiveDDP.step), "live" (LiveDDP's own: the size the job started
+                 with, the floor), "progress" (the sampler position, epoch), "shared"
                  (the caller's other numbers: the batch policy's global batch and learning rate),
                  "group<i>" (optimizer.param_groups[i]'s numbers: lr, momentum, ...)
     numbers      every "number" of the descriptor, in its order, as float64 (ints exact below 2**53)
@@ -73,9 +74,10 @@ def _describe(optimizer: torch.optim.Optimizer, sections: dict[str, dict]) -> tu
     return lines, numbers, tensors
 
 
-def _sections(optimizer: torch.optim.Optimizer, step: int, progress: dict, shared: dict) -> dict[str, dict]:
+def _sections(optimizer: torch.optim.Optimizer, step: int, progress: dict, shared: dict,
+              live: dict) -> dict[str, dict]:
     groups = {f"group{i}": group for i, group in enumerate(optimizer.param_groups)}
-    return {"step": {"step": step}, "progress": progress, "shared": shared, **groups}
+    return {"step": {"step": step}, "live": live, "progress": progress, "shared": shared, **groups}
 
 
 def state_tensor(words: list[str], params: list[torch.Tensor]) -> torch.Tensor:
@@ -109,11 +111,11 @@ def _broadcast_text(lines: list[str] | None) -> list[str]:
 
 
 def share_state(rank: int, module: nn.Module, optimizer: torch.optim.Optimizer, step: int, progress: dict,
-                shared: dict, receive: bool) -> int:
-    """Collective: rank 0's parameters, buffers, optimizer state, ``step``, ``progress`` and ``shared``
-    reach every rank; a rank with ``receive`` takes them over (``progress`` and ``shared`` updated in
-    place) and gets rank 0's step as the return value (the others their own ``step``)."""
-    sections = _sections(optimizer, step, progress, shared)
+                shared: dict, receive: bool, live: dict | None = None) -> int:
+    """Collective: rank 0's parameters, buffers, optimizer state, ``step``, ``progress``, ``shared`` and
+    ``live`` reach every rank; a rank with ``receive`` takes them over (``progress``, ``shared`` and
+    ``live`` updated in place) and gets rank 0's step as the return value (the others their own ``step``)."""
+    sections = _sections(optimizer, step, progress, shared, {} if live is None else live)
     lines, numbers, state_tensors = _describe(optimizer, sections) if rank == 0 else (None, [], [])
     lines = _broadcast_text(lines)
     count = sum(1 for line in lines if _carries_number(line.split(" ")))

@@ -17,6 +17,16 @@ ranks' posts, and prints one report to stderr:
 Ranks doing the same collective have the same sequence number, so a rank whose post is missing or
 older has not joined. The report repeats every ``stall_seconds`` while the stall lasts; the
 transfer's own timeout still ends the job (PeerError) as before.
+
+A live world (live/ddp.py) tells the inspector more through ``watch_with``: where a rank that posted
+nothing was last seen (its heartbeat carries ``doing()``, so a rank cut off from the store is named
+with the collective it was in: "rank 1 (went silent: no heartbeat for 3.2 s (...); last seen in
+all_reduce #12 (ring, 1000 x float32))"), and when a report would mislead: this rank lost contact with
+its job (it leaves with one line), its world is already abandoned (the wait is about to end), or its
+store was silent while the report was read (after a partition heals, the old world's waits are not
+reported as a stall of the new one). The inspector's store calls are bounded by the world's timeout (group/bounded_store.py, on a
+connection of its own), and a report whose world was shut down meanwhile (an old world's inspector
+that waited on a store cut off from it) is dropped, never printed late.
 """
 
 from __future__ import annotations
@@ -31,6 +41,11 @@ _NOW: list = [None]
 """The collective this rank is in: (fingerprint, sequence number, monotonic time it entered), or None
 in user code; one slot, replaced whole, so the inspector never reads half of an update."""
 _THREAD: dict = {"thread": None, "stop": None}
+_LIVE: dict = {"last_seen": None, "quiet": None}
+LATE_SECONDS = 2.0
+"""A report whose store reads took longer than this (they take milliseconds, plus the 0.5 s it waits
+for the others to post) describes a moment long gone: it is dropped."""
+"""live/watch.py's hooks: last_seen(rank) -> text or None, quiet() -> True while the world is abandoned."""
 
 
 def entered(fingerprint, sequence: int | None = None) -> None:
@@ -47,6 +62,22 @@ def _describe(fingerprint) -> str:
 
 def left() -> None:
     _NOW[0] = None
+
+
+def doing() -> str:
+    """The collective this rank is in, "<kind> #<sequence> (<algorithm>, <elements> x <dtype>)", or "" in user
+    code (a live member's heartbeat carries it: live/heartbeat.py)."""
+    now = _NOW[0]
+    if now is None:
+        return ""
+    fingerprint, sequence, _ = now
+    kind, _, rest = _describe(fingerprint).partition(" ")
+    return f"{kind} #{sequence} {rest}"
+
+
+def watch_with(last_seen, quiet) -> None:
+    """Install (or with None, None remove) a live world's hooks (module docstring)."""
+    _LIVE.update(last_seen=last_seen, quiet=quiet)
 
 
 def tracked(fn):
@@ -95,21 +126,36 @@ def stop() -> None:
     _THREAD.update(thread=None, stop=None)
 
 
+def _quiet(since: float) -> bool:
+    quiet = _LIVE["quiet"]
+    return quiet is not None and bool(quiet(since))
+
+
 def _watch(world, limit: float, event: threading.Event) -> None:
-    reported = None
+    from gradsync.group.bounded_store import BoundedStore, Contact
+
+    reported, store = None, None
     while not event.wait(1.0):
         now = _NOW[0]
         if now is None:
             continue
         op, sequence, since = now
         waited = time.monotonic() - since
-        if waited < limit or (reported == (sequence, int(waited // limit))):
+        asked = time.monotonic()
+        if waited < limit or (reported == (sequence, int(waited // limit))) or _quiet(asked):
             continue
         reported = (sequence, int(waited // limit))
         try:
-            _say(_report(world, _describe(op), sequence, waited))
+            if store is None:   # (no connection of its own: making one blocks on a store cut off from this rank)
+                store = BoundedStore(world.store, Contact(f"{world.master_addr}:{world.master_port}", world.timeout),
+                                     "stall-inspector")
+            line = _report(world, store, _describe(op), sequence, waited)
+            if time.monotonic() - asked > LATE_SECONDS:   # the store was silent meanwhile: a past moment
+                continue
         except Exception as exc:  # noqa: BLE001 - the inspector must never take the rank down
-            _say(f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}")
+            line = f"gradsync stall inspector (rank {world.rank}): could not read the other ranks: {exc}"
+        if not event.is_set() and not _quiet(asked):   # this world still runs, and still waits
+            _say(line)
 
 
 def _say(line: str) -> None:
@@ -119,8 +165,7 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _report(world, op: str, sequence: int, waited: float) -> str:
-    store = world.store
+def _report(world, store, op: str, sequence: int, waited: float) -> str:
     store.set(f"gradsync/stall/{world.rank}", f"{sequence}|{op}")
     time.sleep(0.5)   # let ranks stalled in the same operation post theirs
     waiting, missing = [], []
@@ -133,7 +178,8 @@ def _report(world, op: str, sequence: int, waited: float) -> str:
         if their_sequence == sequence:
             waiting.append(rank)
         else:
-            seen = f"last posted #{their_sequence}: {post.split('|', 1)[1]}" if post else (
+            silent = _LIVE["last_seen"](rank) if _LIVE["last_seen"] is not None and not post else None
+            seen = f"last posted #{their_sequence}: {post.split('|', 1)[1]}" if post else silent or (
                 "posted nothing: not inside any gradsync collective, e.g. still computing or stalled in user code")
             missing.append(f"rank {rank} ({seen})")
     also = f" Also waiting in #{sequence}: ranks {', '.join(map(str, waiting))}." if waiting else ""

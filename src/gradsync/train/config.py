@@ -146,6 +146,12 @@ class TrainConfig:
     live_batch: Literal["keep-global", "keep-per-rank"] = "keep-global"
     """--fault-tolerance live, after ranks die: keep the global batch (the survivors' shares grow) or keep
     each rank's batch and scale the learning rate by the new world size over the old (live/policy.py)."""
+    min_workers: int | None = None
+    """--fault-tolerance live: the fewest workers that train on (parameter-server jobs: workers besides the
+    servers). A recovery that leaves fewer (deaths, or a partition: the side that keeps the job's store)
+    checkpoints the step its survivors agreed on and exits 75 (preempted), so that a scheduler starts the
+    job again. None: half of the workers the job started with, rounded up (live/failures.py default_floor:
+    torchft's majority rule, applied to the job as it started)."""
 
     requeue: bool = False
     """Under Slurm: after a preemption's checkpoint is on disk, rank 0 runs `scontrol requeue $SLURM_JOB_ID`,
@@ -194,6 +200,15 @@ class TrainConfig:
         if declared.serves and self.live_batch != "keep-global":
             raise RuntimeError(f"--strategy {self.strategy} --fault-tolerance live keeps the global batch (--live-batch "
                                f"keep-global): the servers' learning rate is not rescaled when a worker dies")
+        if self.min_workers is not None:
+            world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else \
+                self.workers   # torchrun sets the world, as train/runs.py data_workers reads it
+            trainers = world - (self.servers if declared.serves else 0)
+            if not isinstance(self.min_workers, int) or isinstance(self.min_workers, bool) or self.min_workers < 1:
+                raise ValueError(f"--min-workers must be an integer >= 1, got {self.min_workers!r}")
+            if self.min_workers > trainers:
+                raise ValueError(f"--min-workers {self.min_workers} is more than the {trainers} worker(s) that train "
+                                 f"in this job: it could never start; give at most {trainers}")
         if self.checkpoint_interval()[1] is not None:
             raise RuntimeError(f"--fault-tolerance live checkpoints every N steps: give --checkpoint-every a number "
                                f"of steps (200), not a time ({self.checkpoint_every!r})")
@@ -222,6 +237,10 @@ class TrainConfig:
         declared = strategy(self.strategy)
         if self.fault_tolerance == "live":
             self._check_live()
+        elif self.min_workers is not None:
+            raise RuntimeError(f"--min-workers {self.min_workers} is the floor of --fault-tolerance live (the fewest "
+                               f"workers that train on after a recovery); --fault-tolerance {self.fault_tolerance} "
+                               f"stops every rank at any death: drop --min-workers or add --fault-tolerance live")
         self._check_task()
         for name in ("workers", "batch_size", "grad_accum", "epochs", "servers"):
             value = getattr(self, name)

@@ -21,6 +21,7 @@ from pathlib import Path
 import gradsync as gs
 from gradsync.group import device_path
 from gradsync.group.job_signals import hold_signals
+from gradsync.group.launch import NotNeeded
 from gradsync.observe import trace
 from gradsync.train.loop import train_rank
 from gradsync.train.preempt import stop_signals
@@ -59,9 +60,12 @@ def _run(cfg) -> list[dict]:
         gs.init(timeout=cfg.timeout)
         try:
             results = [train_rank(cfg)]
+        except NotNeeded as done:   # live: a member left out by a partition came back to a finished run
+            print(f"gradsync train: {done}", file=sys.stderr, flush=True)
+            results = [None]
         finally:
             gs.shutdown()
-        if cfg.trace:
+        if cfg.trace and results[0] is not None:
             trace.write(Path(cfg.out) / f"trace.rank{int(os.environ.get('RANK', 0))}.json", results[0]["events"])
         return results
     if live:

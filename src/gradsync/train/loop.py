@@ -19,7 +19,9 @@ checked, one summary of what every rank did (train/report.py).
 
 A parameter server's ranks serve instead of stepping (the strategy's serve()); a live world's
 changes (a death, a replacement) make run_step return False and the loop re-reads the world: the
-batch's cursor, who reports, what the lost members left half written (on_world_change).
+batch's cursor, who reports, what the lost members left half written (on_world_change). A change met
+in a collective after a step that took this rank's last step back (live/failures.py StepUndone) sends
+the loop back to train it.
 
 Preemption: the preemption signal (--preempt-signal) or Ctrl-C to the launcher, any rank or the whole
 job stops every rank after the same step with a checkpoint; rank 0 prints ``preempted at step S;
@@ -43,6 +45,7 @@ import torch
 import gradsync as gs
 from gradsync.data import EpochCursor
 from gradsync.group import runtime
+from gradsync.live.failures import BelowFloor, StepUndone
 from gradsync.observe import trace
 from gradsync.replicas import gather_strings
 from gradsync.train import requeue, resume
@@ -184,10 +187,17 @@ class Run:
         work = StepWork(self)
         try:
             try:
-                stopped = self._steps(work)
+                while True:
+                    try:
+                        stopped = self._steps(work)
+                        return stopped if stopped is not None else self._end()
+                    except StepUndone:   # live: a recovery outside a step took back this rank's last step
+                        self.on_world_change()
+            except BelowFloor as floor:   # live: the world agreed on is smaller than --min-workers
+                self.report.note(str(floor))
+                return self._preempted("below --min-workers")
             finally:
                 work.close()
-            return stopped if stopped is not None else self._end()
         finally:
             report.close()   # after an error: the tracker runs still open are closed
 

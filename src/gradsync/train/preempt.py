@@ -47,6 +47,8 @@ in sysexits.h: "temporary failure; the user is invited to retry"): rerun the pri
 EXIT_INTERRUPTED = 130
 """Exit status of a job stopped by Ctrl-C (SIGINT), with its checkpoint or, after a second Ctrl-C,
 at once: 128 + SIGINT, as a shell reports a command interrupted."""
+# The other statuses of a job's end: 2, a bad flag (the command line); 69, a live member cut off from its
+# job for --timeout (live/failures.py EXIT_LOST_CONTACT); a live world below --min-workers exits 75 as here.
 
 
 def signal_number(name: str) -> int | None:

@@ -86,6 +86,12 @@ class Transport:
         empty where it cannot tell (TCP: a silent peer may be alive)."""
         return []
 
+    def interrupt(self, why: str) -> None:
+        """Live mode: the world is over (``why``: a member went silent or died, the generation was declared
+        broken). Every transfer waiting now, or posted later, fails at once with a PeerError that says
+        ``why``; the transport is then good only for closing. Here: nothing (shared-memory waits ask
+        abandoned() themselves every liveness slice)."""
+
     def irecv(self, tensor: torch.Tensor, src: int | None, op: str, *, control: bool = False,
               tag: int = 0) -> Handle:
         raise NotImplementedError

@@ -18,6 +18,17 @@ and then a receive both wait in their send, for ever once a message outgrows NCC
 ring with two ranks, halving-doubling's exchanges). ``exchange`` posts such a pair as one group
 (torch.distributed.batch_isend_irecv: ncclGroupStart/End), which NCCL progresses together, and the
 algorithms use it where ``pairs_exchanges`` says so.
+
+Interrupting waits (live mode, ``interrupt``): a gloo wait cannot be woken from outside. Neither
+ProcessGroup.abort() nor shutdown() ends a pending receive (measured: it returned only when its peer
+exited), and a wait given a shorter timeout closes every connection of the group (gloo's
+unbound_buffer: "Application timeout caused pair closure"). That last rule is the way in: to end
+every wait of a world that is over, a receive that no one will answer is posted on each of the
+transport's groups and waited for one millisecond, so gloo closes the group's connections and every
+pending send and receive fails at once (measured: within 10 ms of the call, where the receive would
+otherwise have waited for its timeout). The receive is from each peer in turn until one times out: on
+a connection its peer has closed already (another survivor interrupted its own waits first) it fails
+at once instead, closing that connection alone.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from gradsync.group import runtime
 from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.observe.meter import METER, TrafficMeter
 
+INTERRUPT_TAG = 0x6C697665
+"""The tag of interrupt()'s receive, which no rank ever sends on."""
+
 
 def _peer_error(t: "TorchTransport", op: str, peer: int | None, nbytes: int, sent: bool, waited: float,
                 exc: Exception) -> PeerError:
@@ -39,6 +53,9 @@ def _peer_error(t: "TorchTransport", op: str, peer: int | None, nbytes: int, sen
     PeerError (the live world's sign that a member died; live/failures.py) naming both ranks."""
     verb = "send to" if sent else "receive from"
     who = "any rank" if peer is None else f"rank {peer}"
+    if t.interrupted is not None:
+        return PeerError(f"rank {t.rank}: {op}: {verb} {who} ({nbytes} bytes) abandoned after {waited:.1f} s: "
+                         f"{t.interrupted}", rank=t.rank, peer=peer, op=op)
     kind = "timed out" if "imed out" in str(exc) else "failed"
     return PeerError(f"rank {t.rank}: {op}: {verb} {who} ({nbytes} bytes) {kind} after {waited:.1f} s (timeout "
                      f"{t.timeout:.0f} s); rank {peer} may have died or stalled. "
@@ -68,6 +85,7 @@ class _TorchHandle(Handle):
         t = self._transport
         started = time.monotonic()
         try:
+            t.refuse_if_interrupted()
             self._work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
             if self._peer is None:
                 self._peer = self._work._source_rank()
@@ -98,6 +116,7 @@ class _PairHandle(Handle):
         if not self._done:
             started = time.monotonic()
             try:
+                t.refuse_if_interrupted()
                 for work in self._works:
                     work.wait(t.wait_timeout if timeout is None else timedelta(seconds=timeout))
             except Exception as exc:
@@ -123,6 +142,8 @@ class TorchTransport(Transport):
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
         self.world = world
+        self.interrupted: str | None = None
+        """Why interrupt() ended this transport's waits (None while it has not)."""
         self.downward = None   # the group for tag-0 messages to a lower rank (module docstring)
         if len(world.hosts) > 1 and world.store is not None:   # every rank builds one TorchTransport
             self.downward = dist.ProcessGroupGloo(dist.PrefixStore("gloo-downward", world.store), world.rank,
@@ -160,6 +181,30 @@ class TorchTransport(Transport):
     def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda   # a CUDA tensor here travels on NCCL (_check refuses it otherwise)
 
+    def refuse_if_interrupted(self) -> None:
+        """After interrupt(), a transfer posted or waited for fails at once: one posted after gloo closed its
+        connections would otherwise wait out its whole timeout (measured: 60 s), since nothing wakes it."""
+        if self.interrupted is not None:
+            raise RuntimeError("the transport was interrupted")
+
+    def interrupt(self, why: str) -> None:
+        """End every wait on this transport's groups (module docstring, "Interrupting waits")."""
+        if self.world_size == 1 or self.interrupted is not None:
+            return
+        self.interrupted = why   # first: a transfer posted from now on fails at once (refuse_if_interrupted)
+        try:
+            groups = [runtime.transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
+        except RuntimeError:   # the world was shut down meanwhile: its groups are gone with their waits
+            return
+        for group in groups:
+            for step in range(1, self.world_size):   # until one times out: a connection a peer closed fails at once,
+                peer = (self.rank + step) % self.world_size   # and on its own (another survivor interrupted first)
+                try:
+                    group.recv([torch.empty(1)], peer, INTERRUPT_TAG).wait(timedelta(milliseconds=1))
+                except Exception as exc:   # noqa: BLE001 - the timeout is the point: gloo closed every connection
+                    if "imed out" in str(exc):
+                        break
+
     def exchange(self, send, dst, recv, src, op):
         if not self.pairs_exchanges(send):
             return super().exchange(send, dst, recv, src, op)
@@ -171,6 +216,7 @@ class TorchTransport(Transport):
                 for operation, tensor, peer in ((dist.isend, send, dst), (dist.irecv, recv, src)) if tensor.numel()]
         nbytes = send.numel() * send.element_size() + recv.numel() * recv.element_size()
         try:
+            self.refuse_if_interrupted()
             works = dist.batch_isend_irecv(pair) if pair else []
         except RuntimeError as exc:
             raise _peer_error(self, op, src, nbytes, False, 0.0, exc) from exc
@@ -181,6 +227,7 @@ class TorchTransport(Transport):
         is the same PeerError as a failed wait."""
         nbytes = tensor.numel() * tensor.element_size()
         try:
+            self.refuse_if_interrupted()
             work = post()
         except RuntimeError as exc:
             raise _peer_error(self, op, peer, nbytes, sent, 0.0, exc) from exc

@@ -52,6 +52,7 @@ class LiveDataParallel(StrategyObject):
         # a replacement joins the running world here, receiving the state, the progress and the batch
         self.live = LiveDDP(run.model, self.optimizer, on_resize=on_resize, progress=progress, shared=self.batch,
                             admit_joiners=cfg.max_restarts > 0,   # --max-restarts K: up to K replacements
+                            min_workers=cfg.min_workers,
                             bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm,
                             comm_hook=None if cfg.compress == "none" else cfg.compress)
         if run.saved:

@@ -14,7 +14,7 @@ W' / W, so that the servers' gradient / W' weighs it 1 / W as before the death.
 
 The global batch and the learning rate stay (keep-global, live/policy.py). Checkpoints and preemption
 as the default mode's parameter-server jobs (ps.py); --resume continues one with the same number of
-workers. Left out: --live-batch keep-per-rank, sparse tables, --clip-grad, tracing, torchrun.
+workers. Fewer open workers than --min-workers stops the job as a preemption does (LivePS.below_floor). Left out: --live-batch keep-per-rank, sparse tables, --clip-grad, tracing, torchrun.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from gradsync.train.strategies.ps import ParameterServerStrategy, optimizer_fn
 class LiveParameterServer(ParameterServerStrategy):
     def _make(self, run):
         self.live = LivePS(run.model, optimizer_fn(run, 1 if self.mode == "sync" else run.plan.workers),
-                           num_servers=self.servers, mode=self.mode, staleness=run.cfg.staleness)
+                           num_servers=self.servers, mode=self.mode, staleness=run.cfg.staleness,
+                           min_workers=run.cfg.min_workers)
         return self.live.ps
 
     @property

@@ -102,6 +102,11 @@ class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
         self._connect(world, job)
         self.regions = SharedRegions(self, world.store, segment_prefix(job))
 
+    def interrupt(self, why: str) -> None:
+        """Transport.interrupt: what travels over TCP is ended there; the shared-memory waits see the same
+        verdict through abandoned() within a liveness slice."""
+        self.tcp.interrupt(why)
+
     # --- posting --------------------------------------------------------------------------------
     def _routed_here(self, tensor: torch.Tensor, peer: int | None, tag: int) -> bool:
         if tag != 0 or tensor.is_cuda:
