@@ -235,7 +235,9 @@ def test_heartbeat_a_stopped_member_goes_silent_a_beating_one_does_not(monkeypat
             assert time.monotonic() - first_read < 5, "a stopped heart never went silent"
             assert not listener.silent(1)
             time.sleep(0.01)
-        assert time.monotonic() - first_read >= 0.4 - 0.05 and time.monotonic() - started >= 0.4
+        # the listener last saw the counter move at `started` at the earliest (its beats between then and the
+        # stop are read only at first_read, if the heart beat at all on a loaded machine): silent not before
+        assert time.monotonic() - started >= 0.4
         assert not listener.silent(1) and not listener.silent(3)
     finally:
         beating.stop()

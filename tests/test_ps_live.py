@@ -316,4 +316,5 @@ def test_train_cli_ps_live_below_min_workers_stops_as_a_preemption(tmp_path):
     assert live["lost"] == [2] and live["open_workers"] == [1, 3], live
     stopped = next(r for r in records if r["event"] == "preempted")
     state = checkpoint.load(out / "checkpoint.pt")
-    assert 3 <= stopped["step"] <= 5 and state["clocks"] == [stopped["step"]] * 2, (stopped, state.get("clocks"))
+    assert 3 <= stopped["step"] <= 5 and state["ps"]["clocks"] == [stopped["step"]] * 2, \
+        (stopped, state["ps"]["clocks"])
