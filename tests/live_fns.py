@@ -279,3 +279,49 @@ def train_through_breaks(breaks: dict, epochs: int, quorum_timeout: float) -> di
     return {"member": live.member, "rank": live.world.rank, "world_sizes": world_sizes,
             "params": [p.detach().clone() for p in module.parameters()],
             "recoveries": [r.__dict__ for r in live.recoveries]}
+
+
+def train_past_a_collective(steps: int) -> dict:
+    """train_with_a_kill's recipe for ``steps`` steps, where after step 2 member 2 dies at the boundary and the
+    two others stand where a ring all-reduce can leave them when a peer is lost in it: member 1 has finished
+    the boundary's collective (it goes on to step 3), member 0 is still in it (LiveDDP.collective, a 2-element
+    all-reduce as train/preempt.py's verdict is). Returns how often member 0 ran that collective and whether
+    it was sent back to training (StepUndone)."""
+    from gradsync.live.failures import StepUndone
+
+    x, y = dataset()
+    module = model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0})
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    calls, undone = [], False
+
+    def verdict():
+        calls.append(live.world.world_size)
+        return gs.all_reduce(torch.zeros(2, dtype=torch.int64), op="max")
+
+    def train_step(ddp):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w = live.world
+        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
+        step_size = cursor.step_size(position)
+        loss = ((ddp(x[share]) - y[share]) ** 2).sum() * (w.world_size / step_size)
+        loss.backward()
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    while live.step < steps:
+        if live.step == 2 and not live.recoveries:
+            if live.member == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if live.member == 0:
+                try:
+                    live.collective(verdict)
+                except StepUndone:
+                    undone = True
+        live.run_step(train_step)
+    live.check_replicas()
+    live.close()
+    return {"member": live.member, "step": live.step, "world_size": live.world.world_size, "calls": calls,
+            "undone": undone, "recoveries": [r.__dict__ for r in live.recoveries],
+            "params": [p.detach().clone() for p in module.parameters()]}

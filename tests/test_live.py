@@ -517,3 +517,20 @@ def test_train_cli_live_below_min_workers_checkpoints_the_agreed_step_and_exits_
     assert stopped["step"] == state["step"] == 5 and state["batch"]["workers"] == 3, (stopped, state["step"])
     logged = [int(line.split()[0]) for log in (tmp_path / "ids").glob("live.*") for line in log.read_text().splitlines()]
     assert max(logged) == 6, f"steps begun: up to {max(logged)} (step 6 was in flight when member 1 died)"
+
+
+@pytest.mark.timeout(120)
+def test_a_survivor_past_a_collective_is_met_in_the_next_step_not_in_that_collective():
+    """A peer lost inside a collective outside a step (the boundary's verdict) can leave one survivor past it
+    and another still in it (a ring all-reduce ends on a rank once it has its pieces). After the recovery the
+    one still in it must not run it again, alone, against the other's next step (a collective mismatch that
+    ends the job): it is sent back to training (StepUndone) and both train on to the end, replicas equal."""
+    results = gs.spawn(live_fns.train_past_a_collective, nprocs=3, args=(6,), timeout=20, fault_tolerance="live")
+    assert results[2] is None, "the killed member returned a value"
+    first, second = results[0], results[1]
+    assert first["calls"] == [3] and first["undone"], f"member 0 ran the collective in worlds {first['calls']}"
+    for r in (first, second):
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (2,) and recovery["step"] == 2 and recovery["in_step"], recovery
+        assert r["step"] == 6 and r["world_size"] == 2, r
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))

@@ -117,6 +117,10 @@ class Recovery:
     joined: tuple[int, ...] = ()
     """Member ids that joined (growth.py): a growth rather than a recovery from a death. On a member that
     was left out and came back, its own id: it rejoined (``cause`` says why it was left out)."""
+    in_step: bool = False
+    """Some survivor met the failure inside a training step: it had gone past any collective outside a step
+    that another survivor was still in (a ring all-reduce can end on one rank while another still waits for
+    the lost peer's piece), so that collective is not run again (LiveDDP.collective)."""
 
 
 class LiveDDP:
@@ -156,6 +160,8 @@ class LiveDDP:
         """The members the job started with and the floor (min_workers, or failures.default_floor of them); a
         joiner receives them."""
         self._snapshot: tuple | None = None
+        self._in_step = False   # inside run_step: a recovery's agreement tells the others (Recovery.in_step)
+        self._survivor_in_step = False
         self.model = None
         joining = runtime.replacement()
         if joining is not None:
@@ -219,6 +225,7 @@ class LiveDDP:
         every survivor holds). ``apply``: what steps the optimizer once the gradients are reduced
         (default optimizer.step(); a gradient scaler's unscale, check and step)."""
         failure = joiner = None
+        self._in_step = True
         try:
             joiner = self.door.decide(self.world.rank) if self._admits() else None   # the boundary (growth.py)
             if joiner is None:
@@ -229,8 +236,12 @@ class LiveDDP:
         except Exception as exc:
             failure = self._failure(exc)
         if failure is not None:   # recovered outside the except clause, so the old world's frames are free
-            self.recover(failure)
+            try:
+                self.recover(failure)
+            finally:
+                self._in_step = False
             return False
+        self._in_step = False
         if joiner is not None:
             self.grow(joiner)
             return False
@@ -253,6 +264,9 @@ class LiveDDP:
                 raise StepUndone(f"member {self.member}: the recovery took this rank back to step {self.step} "
                                  f"({'rolled back' if record.rolled_back else 'rejoined'}): train step "
                                  f"{self.step + 1} again before {getattr(fn, '__name__', 'the collective')}")
+            if record.in_step:   # another survivor had finished this collective: meet it in the next step
+                raise StepUndone(f"member {self.member}: a survivor had gone on to step {self.step + 1} past "
+                                 f"{getattr(fn, '__name__', 'the collective')}: train that step")
 
         return rerun(fn, len(self.membership.current.members), self._failure, recover)
 
@@ -383,7 +397,7 @@ class LiveDDP:
         rewrap -> check_replicas. True if this rank rolled back."""
         self._rejoin(self._settings, generation)
         self.membership.watch.arm(generation.index, default_transport())
-        rolled_back, missing = self._agree_on_step()
+        rolled_back, missing, self._survivor_in_step = self._agree_on_step()
         if self._has_state and self.on_resize is not None and old_world != len(generation.members):
             self.on_resize(self, old_world)
         if missing:
@@ -399,7 +413,7 @@ class LiveDDP:
         record = Recovery(generation.index, generation.members,
                           tuple(m for m in before.members if m not in generation.members), self.step,
                           rolled_back, time.monotonic() - started, why,
-                          tuple(m for m in generation.members if m not in before.members))
+                          tuple(m for m in generation.members if m not in before.members), self._survivor_in_step)
         self.recoveries.append(record)
         return record
 
@@ -436,23 +450,23 @@ class LiveDDP:
                        local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/world",
                        generation=generation.index)
 
-    def _agree_on_step(self) -> tuple[bool, bool]:
+    def _agree_on_step(self) -> tuple[bool, bool, bool]:
         """Committed steps: max and min over the ranks holding the state; a rank ahead rolls back. Returns
-        (this rank rolled back, some rank has no state: a joiner)."""
+        (this rank rolled back, some rank has no state: a joiner, some rank was inside a step)."""
         step = self.step if self._has_state else MISSING
-        steps = torch.tensor([step, -step if self._has_state else MISSING, 0 if self._has_state else 1],
-                             dtype=torch.int64)
+        steps = torch.tensor([step, -step if self._has_state else MISSING, 0 if self._has_state else 1,
+                              int(self._in_step)], dtype=torch.int64)
         all_reduce(steps, op="max")
-        newest, oldest, missing = int(steps[0]), -int(steps[1]), bool(steps[2])
+        newest, oldest, missing, in_step = int(steps[0]), -int(steps[1]), bool(steps[2]), bool(steps[3])
         if newest == MISSING:
             raise RuntimeError(f"member {self.member}: no member of generation {self.membership.current.index} "
                                f"holds the training state (every one that did died during a join)")
         assert newest - oldest <= 1, f"committed steps {oldest}..{newest} differ by more than one"
         if not self._has_state or self.step == oldest:
-            return False, missing
+            return False, missing, in_step
         self._roll_back()
         assert self.step == oldest, (self.step, oldest)
-        return True, missing
+        return True, missing, in_step
 
     def check_replicas(self) -> None:
         """Raise ReplicaMismatchError unless parameters and optimizer state are bitwise the same on
