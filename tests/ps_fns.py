@@ -235,7 +235,7 @@ def dead_server_while_clipping(victim, version):
     model = ddp_fns.make_model("mlp", torch.float64)
     ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=2, mode="sync", max_grad_norm=0.01)
     if w.rank == victim:   # fault injection: the exchange is where the other server waits for this one
-        clipping, exchange = ps._server.clipping, ps._server.clipping._exchange
+        clipping, exchange = ps._server.applier.clipping, ps._server.applier.clipping._exchange
         clipping._exchange = lambda mine: (os.kill(os.getpid(), signal.SIGKILL) if ps._server.version == version
                                            else exchange(mine))
     return _serve_or_work(ps, model)
@@ -252,8 +252,8 @@ def malformed(kind):
             ps.serve()
         except Exception as exc:  # noqa: BLE001 - the error is the result
             server = ps._server
-            initial = gather_shard(before, ps.plan.pieces[0], torch.empty_like(server.published))
-            unchanged = torch.equal(server.shard.detach(), initial)
+            initial = gather_shard(before, ps.plan.pieces[0], torch.empty_like(server.shard.published))
+            unchanged = torch.equal(server.shard.dense.detach(), initial)
             return type(exc).__name__, str(exc), getattr(exc, "sender", None), ps._server.version, unchanged
         return "no error", "", None, ps._server.version, None
     try:

@@ -66,7 +66,7 @@ def train_with_a_kill(num_servers: int, mode: str, victim: int, kill_step: int, 
     try:
         if live.is_server:
             if where == "server" and live.member == victim:
-                live.ps._server.optimizer.register_step_post_hook(
+                live.ps._server.shard.optimizer.register_step_post_hook(
                     lambda *_: _die(log_dir) if live.ps._server.version == kill_step else None)
             live.serve()
         else:

@@ -163,12 +163,12 @@ def malformed_push(kind):
     model = SparseNet()
     ps = gs.ParameterServer(model, optimizer_fn("sgd"), num_servers=1, mode="sync")
     if ps.is_server:
-        before = [t.block.detach().clone() for t in ps._server.tables]
+        before = [t.block.detach().clone() for t in ps._server.shard.tables]
         try:
             ps.serve()
         except Exception as exc:  # noqa: BLE001 - the error is the result
             server = ps._server
-            unchanged = all(torch.equal(t.block.detach(), b) for t, b in zip(server.tables, before))
+            unchanged = all(torch.equal(t.block.detach(), b) for t, b in zip(server.shard.tables, before))
             return type(exc).__name__, str(exc), getattr(exc, "sender", None), server.version, unchanged
         return "no error", "", None, ps._server.version, None
     try:

@@ -15,6 +15,7 @@ import pytest
 from gradsync.cluster import netns
 from gradsync.cluster.jobs import Job, run_job
 from gradsync.cluster.results import summarize
+from gradsync.group.liveness import process_alive
 from gradsync.sim import cost
 
 RATE = "100mbit"
@@ -239,15 +240,7 @@ def test_interrupted_command_deletes_its_namespaces_and_processes(can_build, sig
     assert proc.returncode != 0, out
     assert not [n for n in netns.namespaces() if n.startswith(prefix)], out
     assert not _ours_in_root_namespace()
-    assert not [pid for pid in inside if _alive(pid)], f"processes {inside} outlived the command"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not [pid for pid in inside if process_alive(pid)], f"processes {inside} outlived the command"
 
 
 def test_needs_root_and_says_so(monkeypatch, capsys):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.group.liveness import process_alive
 from tests import live_fns
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -47,13 +48,6 @@ def _oracle(steps: int) -> list[torch.Tensor]:
 
 def _shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] not in "ZX"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)
@@ -106,7 +100,7 @@ def test_rank_0_dies_the_survivors_train_on_and_a_replacement_joins_to_the_oracl
     for r in survivors[:2]:
         assert r["fds"]["after"] <= r["fds"]["before"] - 1, f"member {r['member']}: open descriptors {r['fds']}"
     pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert len(pids) == 4 and not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
+    assert len(pids) == 4 and not [pid for pid in pids if process_alive(pid)], "a rank process outlived the job"
     leaked = sorted(_shm_entries() - before)
     assert not [e for e in leaked if e.startswith("gradsync-")], f"leaked /dev/shm entries {leaked}"
 
@@ -327,7 +321,6 @@ def test_train_cli_live_a_death_during_the_evaluation_is_recorded_and_the_batch_
     assert live_fns.trained_ids(tmp_path / "ids", live["lost"], live["step"]) == {0: list(range(n)), 1: list(range(n))}
 
 
-
 QUORUM_TIMEOUT = 60.0
 """The quorum timeout of the break tests: a generation agreed in far less time was agreed by the quorum's
 accounting (every member of the old one registered or known dead), not by the timeout running out."""
@@ -390,6 +383,37 @@ def test_quorum_after_two_deaths_at_once_and_after_a_break_with_every_member_ali
         for membership in survivors.values():
             membership.close()
 
+
+
+@pytest.mark.timeout(60)
+def test_the_first_proposal_stored_is_every_members_generation_and_one_left_out_is_evicted():
+    """live/membership.py on a store, three members: member 0's growth proposes (0, 2, 1) for generation 1
+    after a quorum stored (0, 2) first, so it gets (0, 2), as does member 2 registering as a survivor;
+    member 1, alive but left out, is Evicted naming the members agreed and the break's reason. Ranks follow
+    the stored order (member 2 is rank 1)."""
+    import torch.distributed as dist
+
+    from gradsync.live.membership import PREFIX, Evicted, Membership
+
+    store = dist.HashStore()
+    members = {m: Membership(store, m, (0, 1, 2), quorum_timeout=10.0) for m in (0, 1, 2)}
+    try:
+        members[2].declare_broken("a test break")
+        members[0].declare_broken("a later reason, not kept")
+        store.compare_set(f"{PREFIX}/0/next", "", "0,2")   # the quorum's proposal, stored first
+        grown = members[0].propose((0, 2, 1))
+        survived = members[2].next_generation()
+        assert (grown.index, grown.members) == (survived.index, survived.members) == (1, (0, 2))
+        assert grown.rank_of(2) == 1
+        with pytest.raises(Evicted) as evicted:
+            members[1].next_generation()
+        assert "generation 1 was agreed without it (members [0, 2])" in str(evicted.value)
+        assert "member 2: a test break" in str(evicted.value)
+        assert evicted.value.agreed == (0, 2) and evicted.value.left.index == 0
+        assert members[1].current.index == 0   # it did not enter the generation it is not in
+    finally:
+        for membership in members.values():
+            membership.close()
 
 def _check_breaks(results: list, expected: list[tuple[tuple[int, ...], tuple[int, ...], int]], epochs: int) -> None:
     """Every survivor recorded the recoveries ``expected`` ((lost, members, the step the survivors resumed

@@ -42,6 +42,54 @@ def test_shard_example_from_the_docstring():
     assert plan_shards([1000, 30, 10, 3], 2).shard_numels == [530, 513]
 
 
+
+# -- a checkpoint's state cut for S servers, loaded on S' (no processes) -----------------------------
+@pytest.mark.parametrize("before,after", [(3, 2), (2, 3), (1, 4), (4, 1)])
+def test_a_state_cut_for_s_servers_loads_element_for_element_on_s_prime(before, after):
+    """ps/resharding.py: parts written by S servers make the whole state (every dense parameter, every
+    per-element optimizer tensor, every table and its per-row state whole; the scalars once), and the
+    part of each of S' servers taken from it holds exactly its own elements and rows. The oracle: the
+    pieces' elements sliced out of the parameters here, and table row r on server r mod S by a mask."""
+    from gradsync.ps import resharding
+
+    shapes = [(40, 5), (13,), (2, 3, 4), (1,), (30,)]   # 40x5 is cut into pieces for every S here
+    numels = [torch.Size(shape).numel() for shape in shapes]
+    params, offset = [], 0
+    for shape, numel in zip(shapes, numels):   # every element a different value
+        params.append(torch.arange(offset, offset + numel, dtype=torch.float64).view(shape))
+        offset += numel
+    rows = 11
+    table = torch.arange(rows * 3, dtype=torch.float64).view(rows, 3)
+
+    def elements(values, pieces):
+        return torch.cat([values[p.param].reshape(-1)[p.start:p.start + p.length] for p in pieces])
+
+    def rows_of(values, server, servers):
+        return values[torch.arange(rows) % servers == server]
+
+    parts = [{"shard": elements(params, pieces), "version": 5, "clocks": [5, 4],
+              "dense_state": {"exp_avg": -elements(params, pieces), "step": torch.tensor(5.0)},
+              "param_groups": [{"lr": 0.1}],
+              "tables": {"emb": {"block": rows_of(table, s, before), "t": 5,
+                                 "state": {"sum": rows_of(table * table, s, before)}}}}
+             for s, pieces in enumerate(plan_shards(numels, before).pieces)]
+    whole = resharding.whole_state(parts, numels, shapes)
+    assert (whole["servers"], whole["version"], whole["clocks"], whole["param_groups"]) == (before, 5, [5, 4],
+                                                                                            [{"lr": 0.1}])
+    assert all(torch.equal(got, want) for got, want in zip(whole["params"], params))
+    assert all(torch.equal(got, -want) for got, want in zip(whole["dense_state"]["exp_avg"], params))
+    assert torch.equal(whole["dense_state"]["step"], torch.tensor(5.0))
+    assert torch.equal(whole["tables"]["emb"]["rows"], table) and whole["tables"]["emb"]["t"] == 5
+    assert torch.equal(whole["tables"]["emb"]["state"]["sum"], table * table)
+    for s, pieces in enumerate(plan_shards(numels, after).pieces):
+        shard, state = resharding.dense_part(whole, pieces, sum(p.length for p in pieces))
+        assert torch.equal(shard, elements(params, pieces)), f"server {s} of {after}: dense shard"
+        assert torch.equal(state["exp_avg"], -elements(params, pieces)), f"server {s} of {after}: exp_avg"
+        assert torch.equal(state["step"], torch.tensor(5.0))
+        part = resharding.table_part(whole["tables"]["emb"], s, after)
+        assert torch.equal(part["block"], rows_of(table, s, after)), f"server {s} of {after}: table rows"
+        assert torch.equal(part["state"]["sum"], rows_of(table * table, s, after)) and part["t"] == 5
+
 # -- the payload checksum (no processes) ------------------------------------------------------------
 @pytest.mark.parametrize("nbytes", [0, 3, 8, 44, 4096 + 5])
 def test_checksum_is_the_sum_of_64_bit_words_whatever_the_alignment(nbytes):

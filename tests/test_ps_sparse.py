@@ -20,6 +20,33 @@ def test_row_striping_example_from_the_docstring():
     assert row_sharding.to_local(torch.tensor([9, 0, 3]), 3).tolist() == [3, 0, 1]
 
 
+
+def test_row_history_reads_each_snapshot_as_a_copy_of_the_block_taken_then():
+    """ps/row_history.py: snapshots kept at three moments of a block written in place (random unique rows
+    each write, as a push's) read back, for any rows in any order with repeats, exactly what a full copy
+    of the block taken at that moment holds; a dropped snapshot is gone, the kept ones still right."""
+    from gradsync.ps.row_history import RowHistory
+
+    generator = torch.Generator().manual_seed(5)
+    block = torch.randn(20, 4, dtype=torch.float64, generator=generator)
+    history = RowHistory(block)
+    copies = {}
+    for key in range(9):
+        if key in (0, 3, 7):
+            history.keep(key)
+            copies[key] = block.clone()   # the oracle: the whole block copied
+        rows = torch.randperm(20, generator=generator)[:int(torch.randint(1, 8, (1,), generator=generator))]
+        history.before_write(rows)
+        block[rows] += torch.randn(len(rows), 4, dtype=torch.float64, generator=generator)
+    asked = torch.tensor([19, 0, 5, 5, 12, 3, 0, 7, 18, 1])
+    for key, copy in copies.items():
+        assert torch.equal(history.read(key, asked), copy[asked]), f"snapshot {key}"
+        assert torch.equal(history.read(key, torch.arange(20)), copy), f"snapshot {key}, every row"
+    history.drop({3, 7})
+    assert sorted(history.snapshots) == [3, 7]
+    for key in (3, 7):
+        assert torch.equal(history.read(key, asked), copies[key][asked]), f"snapshot {key} after the drop"
+
 def test_the_whole_table_flag_is_refused_anywhere_but_on_a_pull_for_every_row_held():
     """A whole-table request section (FLAG_WHOLE_TABLE) is accepted only as a pull request for all the
     rows the server holds, with no bytes; on a push, on a PULL header itself, or for fewer rows it is a

@@ -4,11 +4,11 @@ launcher reports about the other ranks; a long soak of collectives without growt
 import os
 import re
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from gradsync.bench import faults
+from gradsync.group.liveness import process_alive
 
 
 # Which rank dies, per strategy. Under the parameter-server strategies rank 0 is the server and
@@ -37,7 +37,7 @@ def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
     # job is alive, and nothing that appeared in /dev/shm or the temp directory during the trial
     # names one of the job's processes (the launcher's spawn directory, the segments named after it)
     launcher, *ranks = result["pids"]
-    assert len(ranks) == 3 and not [pid for pid in [launcher, *ranks] if _alive(pid)], result["pids"]
+    assert len(ranks) == 3 and not [pid for pid in [launcher, *ranks] if process_alive(pid)], result["pids"]
     appeared = _entries() - before
     ours = {name for name in appeared if set(map(int, re.findall(r"\d+", name))) & set(result["pids"])}
     assert not ours, f"left behind by the job: {sorted(ours)}"
@@ -46,14 +46,6 @@ def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
 def _entries() -> set[str]:
     """What /dev/shm and the temporary directory hold now."""
     return {f"{where}/{name}" for where in ("/dev/shm", tempfile.gettempdir()) for name in os.listdir(where)}
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (/proc/PID/stat's state)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.timeout(600)

@@ -1,6 +1,7 @@
 """gs.spawn: results in rank order, tensors intact, failures named, no orphans."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,20 +11,31 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.group.liveness import process_alive
 import spawn_fns
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
+@pytest.mark.timeout(30)
+def test_process_alive_is_false_once_a_process_exits_its_zombie_included(tmp_path):
+    # the oracle is the kernel's own word through waitid: WNOWAIT returns once the child has exited
+    # and leaves it unreaped, a zombie that os.kill(pid, 0) would still call alive. The program is a
+    # copy of sleep named so that /proc/PID/stat reads "PID (a) Z (b) S ...": a parser that splits at
+    # the first ") " would read state Z for a sleeping process.
+    program = tmp_path / "a) Z (b"
+    shutil.copy(shutil.which("sleep"), program)
+    child = subprocess.Popen([str(program), "30"])
+    try:
+        assert process_alive(os.getpid())
+        assert process_alive(child.pid), "a sleeping process was called dead"
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)   # exited, not reaped: a zombie
+        os.kill(child.pid, 0)   # the signal test still finds the zombie ...
+        assert not process_alive(child.pid), "a zombie was called alive"   # ... the liveness helper does not
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert not process_alive(child.pid)   # reaped: no /proc entry at all
 
 @pytest.mark.timeout(120)
 def test_spawn_returns_values_in_rank_order_with_tensors_intact():
@@ -32,7 +44,7 @@ def test_spawn_returns_values_in_rank_order_with_tensors_intact():
     assert all(r["world_size"] == 3 for r in results)
     for rank, r in enumerate(results):
         assert torch.equal(r["state"]["weight"], torch.full((2, 3), rank * 0.5))
-        assert not _alive(r["pid"])
+        assert not process_alive(r["pid"])
 
 
 def test_a_ranks_cuda_tensors_come_back_on_the_cpu(tmp_path, monkeypatch):
@@ -73,7 +85,7 @@ def test_spawn_leaves_no_orphans(tmp_path):
         gs.spawn(spawn_fns.record_pid_then_hang, nprocs=3, args=(str(tmp_path / "pid"),))
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(3)]
     time.sleep(0.5)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 @pytest.mark.timeout(120)
@@ -92,9 +104,9 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
         launcher.kill()
         launcher.wait(timeout=30)
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids), "ranks outlived their launcher"
+    assert not any(process_alive(pid) for pid in pids), "ranks outlived their launcher"
 
 
 @pytest.mark.timeout(120)

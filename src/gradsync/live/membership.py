@@ -38,8 +38,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from gradsync.comm.world_transport import process_alive
 from gradsync.group.bounded_store import BoundedStore, Contact, own_connection
+from gradsync.group.liveness import process_alive
 from gradsync.group.world_info import host_id
 from gradsync.live.failures import EXIT_LOST_CONTACT
 from gradsync.live.heartbeat import SILENT_SECONDS, Heart, Listener

@@ -41,7 +41,7 @@ of a parameter server):
     agree_on_clocks  one all-gather of each rank's version, clock, closed flag and pushes applied (below)
 
 The step in flight, sync: the survivors train it again. The servers' versions differ by at most
-one; a server that closed version V_min + 1 rolls back (server_resizing.py), every worker's clock
+one; a server that closed version V_min + 1 rolls back (ps/versioned_shard.py), every worker's clock
 becomes V_min, and a worker that had pushed step V_min takes back its progress. Step V_min is then
 trained by the W - 1 survivors on their shares of all its samples (the caller's train_step re-shards
 them by live.world) and closed with the mean of their W - 1 pushes; the dead worker's gradient for
@@ -224,7 +224,7 @@ class LivePS:
         set_abandon_check(self.membership.broken)
         if self.is_server:
             self.ps._server.abort_on_loss = False
-            self.ps._server.keep_previous = mode == "sync"
+            self.ps._server.shard.keep_previous = mode == "sync"
         else:
             self.ps._client.abort_notice_seconds = 0.0   # no server posts one: a lost worker ends nothing
         self._relay = None if self.is_server else _Relay(self)
@@ -429,7 +429,7 @@ class LivePS:
         stepped_back = False
         if self.is_server:
             if self.mode == "sync" and self.ps._server.version == high > low:
-                self.ps._server.roll_back()
+                self.ps._server.shard.roll_back()
                 stepped_back = True
         else:
             mine = clocks[self.world.rank - self.num_servers]

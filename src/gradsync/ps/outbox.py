@@ -11,8 +11,8 @@ Vocabulary
 
 Why a thread. gloo reports a send complete only once it is waited for, and a wait blocks. A server
 that waited for its oldest answer before posting another read no header meanwhile: no push's
-receive was posted and its download idled (py-spy on async, 6 workers at 1 Gbit/s: 25% of the
-server's time in that wait, docs/studies/ps-server.md). Here the server's thread only posts: an answer
+receive was posted and its download idled (a quarter of the server's time, measured in
+docs/studies/ps-server.md, "An outbox for the answers"). Here the server's thread only posts: an answer
 beyond ``room`` is held, and this outbox's thread, which waits for the moving letters oldest
 first, posts it when one completes. The server's thread stays free to read headers and post push
 receives, so pushes come in while answers go out.
