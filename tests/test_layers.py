@@ -50,8 +50,8 @@ LEVELS = {
     "gradsync": 4.5,
     # the main job
     "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5,
-    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train)
-    "gradsync.cli": 6, "gradsync.train.__main__": 6,
+    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train) and `.cluster`
+    "gradsync.cli": 6, "gradsync.train.__main__": 6, "gradsync.cluster.__main__": 6,
 }
 
 
