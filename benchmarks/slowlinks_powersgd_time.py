@@ -20,7 +20,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.ddp import powersgd
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 from gradsync.train.models import CharLM
 
 

@@ -277,7 +277,7 @@ def compressed_grads(hook, numel):
     the same seeds; no collective involved)."""
     from gradsync.ddp.buckets import build_buckets
     from gradsync.ddp.grad_bucket import GradBucket
-    from gradsync.ddp.group import ReplicaGroup
+    from gradsync.ddp.replica_group import ReplicaGroup
     from gradsync.ddp.hooks import BUILTIN, ReduceState
     w = gs.world()
 

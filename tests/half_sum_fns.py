@@ -39,7 +39,7 @@ def hook_reduced(cases: list[tuple]) -> list[torch.Tensor]:
     or "mixed-bf16" (mixed precision's reduce_in_dtype with reduce_dtype bfloat16)."""
     from gradsync.ddp.buckets import build_buckets
     from gradsync.ddp.grad_bucket import GradBucket
-    from gradsync.ddp.group import ReplicaGroup
+    from gradsync.ddp.replica_group import ReplicaGroup
     from gradsync.ddp.hooks import BUILTIN, ReduceState, reduce_in_dtype
 
     w = gs.world()

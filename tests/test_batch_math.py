@@ -10,7 +10,7 @@ import pytest
 
 import gradsync as gs
 from gradsync.cli import main
-from gradsync.observe.doctor import examine, loss_spike
+from gradsync.train.doctor import examine, loss_spike
 from gradsync.train import resume
 from gradsync.train.batch_math import (RunShape, default_epochs, default_warmup, lr_multiplier, trap_findings,
                                        trap_warning)

@@ -17,6 +17,7 @@ from gradsync.cluster.jobs import Job, run_job
 from gradsync.cluster.results import summarize
 from gradsync.group.liveness import process_alive
 from gradsync.sim import cost
+from gradsync.sim.rates import bits_per_second
 
 RATE = "100mbit"
 PARAMS = 250_000
@@ -93,7 +94,7 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     # the duplex timing moved M each way over the shaped link, outside the counted reps: no faster
     # than its rate allows after the token bucket's burst (256 KiB at line rate); the server timed
     # its updates
-    wire_s = (M - 256 * 1024) * 8 / netns.parse_rate(RATE)
+    wire_s = (M - 256 * 1024) * 8 / bits_per_second(RATE)
     assert netns.BURST == "256kb"
     assert min(ranks[0]["duplex"].values()) >= wire_s and 1.0 <= row["duplex"] <= 2.0, ranks[0]["duplex"]
     assert row["update_s"] > 0
@@ -101,7 +102,7 @@ def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     # faster than the rate allows after the burst; the row prices it per byte of W*M
     fan = ranks[0]["fan"]
     assert fan["shard_bytes"] == M and min(fan["in_s"], fan["out_s"], fan["both_s"]) >= (w * M - 256 * 1024) * 8 / \
-        netns.parse_rate(RATE), fan
+        bits_per_second(RATE), fan
     assert row["fan_s_per_byte"] == {kind: fan[f"{kind}_s"] / (w * M) for kind in ("in", "out", "both")}
     assert row["pair_s_per_byte"] == ranks[0]["duplex"]["both_s"] / M   # one stream in, one out, M each
 
@@ -124,7 +125,7 @@ def test_ring_link_bytes_match_the_formula(can_build):
     # reps: no faster than the rate allows after the token bucket's burst; the row prices it
     exchange = result["ranks"][0]["exchange"]
     assert exchange["chunk_bytes"] == M // n
-    assert exchange["exchange_s"] >= (M // n - 256 * 1024) * 8 / netns.parse_rate(RATE), exchange
+    assert exchange["exchange_s"] >= (M // n - 256 * 1024) * 8 / bits_per_second(RATE), exchange
     row = summarize(result, RATE)
     assert row["exchange_s_per_byte"] == exchange["exchange_s"] / exchange["chunk_bytes"]
 
@@ -244,12 +245,12 @@ def test_interrupted_command_deletes_its_namespaces_and_processes(can_build, sig
 
 
 def test_needs_root_and_says_so(monkeypatch, capsys):
-    from gradsync.cluster import sweep
+    from gradsync.cli import cluster
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     parser = __import__("argparse").ArgumentParser()
-    sweep.add_arguments(parser)
-    assert sweep.main(parser.parse_args([])) == 2
+    cluster.add_arguments(parser)
+    assert cluster.run(parser.parse_args([])) == 2
     assert "needs root" in capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from gradsync.cli import main
-from gradsync.observe.doctor import examine
+from gradsync.train.doctor import examine
 from gradsync.train.config import TrainConfig
 from gradsync.train.launcher import run
 
@@ -90,7 +90,7 @@ def test_the_summary_and_the_doctor_report_the_same_overlap(runs):
     """The summary's overlap share (from each rank's reducer: its buckets' spans against its own
     backward's end) and the doctor's (from the trace's events, every rank) are one quantity: on the
     real run with many buckets they agree to within a point, whatever the run measured."""
-    from gradsync.observe.doctor import _overlap_from_trace
+    from gradsync.train.doctor import _overlap_from_trace
 
     records = [json.loads(line) for line in (runs / "tiny" / "metrics.jsonl").read_text().splitlines()]
     summary = next(r for r in records if r["event"] == "summary")

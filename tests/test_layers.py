@@ -49,9 +49,9 @@ LEVELS = {
     # the main job is written with them (``import gradsync as gs``), so it sits between the two
     "gradsync": 4.5,
     # the main job
-    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5, "gradsync.observe.doctor": 5,
-    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train)
-    "gradsync.cli": 6, "gradsync.train.__main__": 6,
+    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5,
+    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train) and `.cluster`
+    "gradsync.cli": 6, "gradsync.train.__main__": 6, "gradsync.cluster.__main__": 6,
 }
 
 

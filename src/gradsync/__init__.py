@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _SOURCES = {
     "init": "gradsync.group.runtime", "shutdown": "gradsync.group.runtime", "world": "gradsync.group.runtime",
-    "World": "gradsync.group.runtime", "spawn": "gradsync.group.launch", "SpawnError": "gradsync.group.spawn_report",
+    "World": "gradsync.group.world_info", "spawn": "gradsync.group.launch", "SpawnError": "gradsync.group.spawn_report",
     "DistributedDataParallel": "gradsync.ddp.wrapper", "ReplicaMismatchError": "gradsync.ddp.wrapper",
     "DistributedSampler": "gradsync.data", "ParameterServer": "gradsync.ps", "ShardedOptimizer": "gradsync.zero",
     "DiLoCo": "gradsync.diloco",

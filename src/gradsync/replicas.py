@@ -7,7 +7,7 @@
     first_mismatch(tensors)          (rank, index) of the first tensor whose bytes differ from rank 0
 
 Each runs on gradsync's world; ``gather=`` / ``broadcast=`` run it on other ranks instead (DDP's
-subgroup: ddp/group.py), given functions with the signatures of comm's all_gather and broadcast.
+subgroup: ddp/replica_group.py), given functions with the signatures of comm's all_gather and broadcast.
 
 Used by every strategy that starts from one model: DistributedDataParallel, ParameterServer,
 ShardedOptimizer. Hashes are CRC-32 of a text or of raw bytes; the texts themselves travel only to

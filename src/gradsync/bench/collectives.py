@@ -40,15 +40,14 @@ never pass through our transport), so its measured column is empty.
 warm-up and repetitions through mpirun + mpi4py (bench/mpi_peer.py), in a launch of its own right
 after ours; ``add_mpi_rows`` gives every row its ratio to MPI. ``--rounds K`` repeats the whole run K
 times, ours then MPI in turn, and ``combine_rounds`` keeps each row's median over the rounds (and
-every round's median beside it): on this shared machine a minute can be 40% slower than the next,
-and taking turns puts such minutes on both sides.
+every round's median beside it): on a shared machine one minute can be much slower than the next
+(docs/benchmarks.md, "The machine"), and taking turns puts such minutes on both sides.
 
 ``fit`` measures the link costs that algorithm="auto" and ``gradsync simulate --calibrated`` use:
 alpha and beta from exchanges between ranks 0 and 1 through our transport, each sending M bytes to
 the other while receiving M from it, as every step of the ring does (step time = alpha + M*beta,
-least squares over sizes 8 B .. 4 MiB); gamma from timing an in-place add of 4 MiB. (A one-way
-ping-pong measures beta about 2.5x lower on loopback, where both directions are CPU copies, and
-then under-predicts ring all-reduce times by 60%.)
+least squares over sizes 8 B .. 4 MiB); gamma from timing an in-place add of 4 MiB. Why not a
+one-way ping-pong: docs/benchmarks.md, "Cost model: prediction vs measurement".
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ ONE_COPY = "+ one gradient copy"
 """The floor plus one copy of every gradient: the least an average adds when no core is free."""
 ON_GRADSYNC = "torch DDP on gradsync"
 """torch's DDP on a process group of the "gradsync" backend (with --device cuda)."""
-NOT_OURS = ("torch DDP", NO_COMM, ONE_COPY, "torch DDP compiled")
 TORCH_HOOK = " + torch allreduce_hook"
 
 

@@ -14,10 +14,8 @@ place like ``dist.all_reduce(tensor)`` and ours. The buffer is a torch tensor's 
 numpy (``tensor.numpy()``), as a PyTorch program hands its tensors to MPI: both sides get their pages
 from the same allocator. A numpy array of its own would not be alike: numpy asks for transparent
 huge pages (madvise) for arrays of 4 MiB and more, torch only under THP_MEM_ALLOC_ENABLE=1, and
-huge pages make every copy cheaper (fewer pages to pin and to map). Measured with 2 ranks, medians
-of 20 calls, 3 runs each: MPI on numpy's huge pages took 4 MiB in 571-584 us and 16 MiB in
-2.00-2.39 ms, on torch's pages 728-785 us and 3.01-3.10 ms (docs/studies/measuring-against-mpi.md). Run the bench
-under THP_MEM_ALLOC_ENABLE=1 to give both sides huge pages. Open MPI picks its algorithm and
+huge pages make every copy cheaper (fewer pages to pin and to map; by how much:
+docs/studies/measuring-against-mpi.md). Run the bench under THP_MEM_ALLOC_ENABLE=1 to give both sides huge pages. Open MPI picks its algorithm and
 transport itself (shared memory between the ranks of one host); its default binding (each rank
 pinned to a core when N <= cores) is kept, since that is what a user of mpirun gets.
 

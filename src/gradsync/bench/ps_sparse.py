@@ -206,22 +206,3 @@ def run(workers: list[int], batch: int = 256, steps: int = 30, rounds: int = 3) 
             rows.append(row)
     return rows
 
-
-def table(rows: list[dict], batch: int, steps: int, rounds: int):
-    """A rich Table of ``rows``, each beside ring DDP and sync sparse PS (S=1) of the same W."""
-    from rich.table import Table
-
-    first = rows[0]
-    result = Table(title=f"word2vec, two {first['table_rows']:,} x {first['dim']} float32 tables, Adagrad, batch {batch}"
-                         f"/worker, {steps} steps; median of {rounds} runs; bytes: busiest link (sent + received), "
-                         f"torch DDP's from the all-gather form (*)")
-    for column in ("W", "implementation", "step ms", "vs ring", "MiB/step", "ring/this", "held-out loss",
-                   "vs dense", "max stale"):
-        result.add_column(column, justify="right")
-    for r in rows:
-        ring = next(q for q in rows if q["impl"] == "ring DDP (dense)" and q["workers"] == r["workers"])
-        result.add_row(str(r["workers"]), r["impl"], f"{r['step_ms']:.1f}", f"{ring['step_ms'] / r['step_ms']:.2f}x",
-                       f"{r['busiest_link_bytes'] / 2**20:.3f}{'' if r['metered'] else '*'}",
-                       f"{ring['busiest_link_bytes'] / r['busiest_link_bytes']:.1f}x", f"{r['held_out_loss']:.4f}",
-                       f"{(r['held_out_loss'] / ring['held_out_loss'] - 1) * 100:+.2f}%", str(r["staleness_max"]))
-    return result

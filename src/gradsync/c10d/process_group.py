@@ -44,7 +44,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync.group import join, runtime
+from gradsync.group import join
+from gradsync.group.world_info import World, release_group
 from gradsync.observe import stall
 from gradsync.c10d.adoption import BucketAdoption
 from gradsync.c10d.arguments import SUM, as_real, check_complex_op, chosen_algorithm, op_name, routed
@@ -95,7 +96,7 @@ def create(options) -> "GradsyncProcessGroup":
 class GradsyncProcessGroup(dist.ProcessGroup):
     """See the module docstring; every method returns a torch Work at once."""
 
-    def __init__(self, world: runtime.World, transport, torch_store, name: str = "") -> None:
+    def __init__(self, world: World, transport, torch_store, name: str = "") -> None:
         super().__init__(world.rank, world.world_size)
         self._group_name, self._group_desc = name, ""
         self.place = Place(world, transport)
@@ -125,7 +126,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return self._group_desc
 
     @property
-    def _world(self) -> runtime.World:
+    def _world(self) -> World:
         return self.place.world
 
     # -- helpers ------------------------------------------------------------------------------
@@ -456,7 +457,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         close = getattr(self.place.transport, "close", None)
         if close is not None:
             close()
-        runtime.release_group(self.place.world.group_key)
+        release_group(self.place.world.group_key)
 
 
 run_eagerly(GradsyncProcessGroup, (

@@ -12,12 +12,16 @@
     gradsync doctor RUN_DIR
     gradsync export RUN_DIR [--format safetensors|pt] [--out FILE]
     gradsync memory --params 70e9 --workers 64 [--optimizer adam --precision mixed]
-    gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cluster/sweep.py)
+    gradsync cluster --strategy ps-sync,ring --workers 2,4 --link 1gbit   (root: emulated hosts, cli/cluster.py)
 
     train.py, bench.py (bench_collectives.py, bench_ddp.py, bench_ps.py, bench_zero1.py, bench_slowlinks.py,
-    bench_faults.py),
-    simulate.py, figures.py, doctor.py, export.py, memory.py, cluster.py: the commands
+    bench_faults.py, bench_scaling.py),
+    simulate.py, figures.py, doctor.py, export.py, memory.py, cluster.py (cluster_tables.py): the commands
     args.py: the flags' types; output.py: tables and JSON
+
+One rule for every command that measures: its module here owns the flags and everything it prints
+(tables, Markdown); bench/, cluster/ and sim/ measure or compute and return rows (and write the
+figures and JSON files drawn from them), printing at most a progress line.
 """
 
 from __future__ import annotations

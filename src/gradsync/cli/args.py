@@ -59,6 +59,31 @@ def bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def link_rates(text: str) -> list[str]:
+    """'1gbit,200mbit' -> ["1gbit", "200mbit"]: link rates as written, each one sim/rates.py reads."""
+    from gradsync.sim.rates import bits_per_second
+
+    rates = [part.strip() for part in text.split(",") if part.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list")
+    for rate in rates:
+        try:
+            bits_per_second(rate)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return rates
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0")
+    return value
+
+
 def duration(text: str) -> float:
     """Seconds from 250ms, 5us, 1.5s."""
     raw = text.strip().lower()

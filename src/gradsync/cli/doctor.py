@@ -1,4 +1,4 @@
-"""gradsync doctor: the DDP performance checklist, read from a run directory (gradsync/observe/doctor.py)."""
+"""gradsync doctor: the DDP performance checklist, read from a run directory (gradsync/train/doctor.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    from gradsync.observe.doctor import examine
+    from gradsync.train.doctor import examine
 
     findings = examine(args.run_dir)
     table = Table(title=f"gradsync doctor: {args.run_dir}")

@@ -6,5 +6,8 @@
     results.py   ranks' results -> one row per job: step time, per-link bytes beside the formulas
     sweep.py     `gradsync cluster`: jobs over strategies x W x link rates, the cost model beside them
     figure.py    measured and predicted step time vs W, per link rate
-    loss_worker.py, time_to_loss.py   --time-to-loss: charlm to ring DDP's loss, rows, table, figure
+    loss_worker.py, time_to_loss.py   --time-to-loss: charlm to ring DDP's loss, rows, figure
+
+The command's flags and tables live in cli/cluster.py and cli/cluster_tables.py; this package measures
+and returns rows (and draws the figures of them).
 """

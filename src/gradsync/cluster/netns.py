@@ -56,11 +56,6 @@ def unavailable() -> str | None:
     return None
 
 
-def parse_rate(text: str) -> float:
-    """Bits per second from tc-style rates: 1gbit, 10gbit, 200mbit, 500kbit (sim/rates.py)."""
-    return bits_per_second(text)
-
-
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
@@ -116,14 +111,15 @@ class EmulatedCluster:
 
     hosts: int
     rate: str
-    """tc rate of every link in each direction, e.g. "1gbit"."""
+    """Rate of every link in each direction as sim/rates.py reads it, e.g. "1gbit" or "25MB/s"
+    (tc is given it in bits per second, so every spelling the command accepts shapes the link)."""
     prefix: str = field(default_factory=lambda: f"gsc{os.getpid()}-{next(_SERIAL)}")
     made: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {self.hosts}")
-        self.rate_bits = parse_rate(self.rate)
+        self.rate_bits = bits_per_second(self.rate)
         for host in range(self.hosts):
             assert self.address(host) in ALLOWED
 
@@ -177,8 +173,8 @@ class EmulatedCluster:
             _run("ip", "-n", ns, "link", "set", link, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             for where, dev in ((ns, link), (self.switch, port)):   # upload, download
-                _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", BURST, "latency", QUEUE_LATENCY)
+                _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf",
+                     "rate", f"{self.rate_bits:.0f}bit", "burst", BURST, "latency", QUEUE_LATENCY)
 
     def _add_namespace(self, name: str) -> None:
         self.made.append(name)   # before it exists: an interrupted `ip netns add` is still cleaned up

@@ -34,8 +34,8 @@ import os
 import statistics
 
 from gradsync.cluster.jobs import Job
-from gradsync.cluster.netns import parse_rate
 from gradsync.sim import cost
+from gradsync.sim.rates import bits_per_second
 
 TCP_GOODPUT = 1448 / 1514
 HOST_S_PER_BYTE = 2.8e-9
@@ -72,7 +72,7 @@ def machine_cores() -> int:
 
 def link_for(rate: str, alpha_s: float) -> cost.Link:
     """The emulated link as the cost model sees it (module docstring)."""
-    return cost.Link(alpha=alpha_s, beta=1 / (parse_rate(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
+    return cost.Link(alpha=alpha_s, beta=1 / (bits_per_second(rate) / 8 * TCP_GOODPUT), gamma=cost.Link().gamma)
 
 
 def predict(row: dict, host_s_per_byte: float = HOST_S_PER_BYTE, wire_only: bool = False) -> cost.StrategyCost:

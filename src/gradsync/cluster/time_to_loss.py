@@ -91,54 +91,6 @@ def run(args) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
-def _cells(r: dict, ring: dict | None) -> list[str]:
-    reached = r["time_to_loss_s"] is not None
-    vs = (f"{r['time_to_loss_s'] / ring['time_to_loss_s']:.2f}" if reached and ring and ring["time_to_loss_s"]
-          else "-")
-    ring_bytes = ring["busiest"]["kernel_tx_per_step"] if ring else None
-    return [r["strategy"], str(r["workers"]), f"{r['target']:.4f}", f"{r['final_loss']:.4f}",
-            f"{r['time_to_loss_s']:.1f}" if reached else f"not within {r['max_steps']} steps",
-            str(r["reached_step"]) if reached else "-", vs, f"{r['step_s'] * 1e3:.0f}",
-            f"{r['busiest']['kernel_tx_per_step'] / 1e6:.3f}",
-            _share(r["busiest"]["kernel_tx_per_step"] / ring_bytes) if ring_bytes else "-"]
-
-
-def _share(ratio: float) -> str:
-    """1/6.5 below 1, 2.10x above."""
-    return f"1/{1 / ratio:.1f}" if ratio < 1 else f"{ratio:.2f}x"
-
-
-COLUMNS = ("strategy", "W", "target loss", "last loss", "s to target", "step", "vs ring", "ms/step",
-           "busiest link MB/step (tx)", "bytes vs ring")
-
-
-def _ring_of(rows: list[dict], r: dict) -> dict | None:
-    return next((x for x in rows if x["strategy"] == "ring" and x["link"] == r["link"]
-                 and x["workers"] == r["workers"]), None)
-
-
-def print_table(rows: list[dict], markdown: bool = False) -> None:
-    from rich.table import Table
-
-    from gradsync.observe import display
-
-    for rate in dict.fromkeys(r["link"] for r in rows):
-        chosen = sorted((r for r in rows if r["link"] == rate), key=lambda r: (r["workers"], r["strategy"] != "ring"))
-        title = (f"time to ring DDP's charlm loss (within 2%), {rate} links; training seconds (evaluations left "
-                 f"out); bytes: the busiest host link's kernel counters")
-        if markdown:
-            print(f"\n{title}\n\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
-            for r in chosen:
-                print("| " + " | ".join(_cells(r, _ring_of(rows, r))) + " |")
-            continue
-        table = Table(title=title)
-        for column in COLUMNS:
-            table.add_column(column, justify="right")
-        for r in chosen:
-            table.add_row(*_cells(r, _ring_of(rows, r)))
-        display.console(150).print(table)
-
-
 SHOWN = (("ring", "C3", "ring DDP"), ("ps-sync", "C0", "sync PS, 1 server"), ("powersgd", "C4", "PowerSGD"),
          ("diloco", "C5", "DiLoCo"))
 

@@ -19,7 +19,7 @@ ranks, so give such a hook a group of its own (state=torch.distributed.new_group
 rank).
 
 gradsync's built-ins are hooks of the same form, run on gradsync's own collectives (or on the
-wrapper's subgroup, ddp/group.py) with the wrapper's ``algorithm``; their Future is already
+wrapper's subgroup, ddp/replica_group.py) with the wrapper's ``algorithm``; their Future is already
 complete when they return, because the collective ran on the communication thread itself:
 
     allreduce_average   the default (comm_hook=None): the average, in the gradients' own dtype
@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 from gradsync.ddp.powersgd import powersgd_hook
 
 

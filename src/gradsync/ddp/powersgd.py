@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 
 
 @dataclass

@@ -56,7 +56,7 @@ from gradsync.observe import trace
 from gradsync.comm.host_staging import Handoff
 from gradsync.ddp.buckets import Bucket, build_buckets
 from gradsync.ddp.grad_bucket import GradBucket
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 from gradsync.ddp.hooks import ReduceState
 
 

@@ -10,7 +10,7 @@ passes to torch's DDP must mean the same here or fail loudly:
     dim                       accepted, no effect: with a single device nothing is scattered
     process_group             None or a group of every rank: gradsync's own collectives over its
                               world. A subgroup (new_group(ranks)): the replicas are its members and
-                              every collective of the wrapper is the group's own (ddp/group.py);
+                              every collective of the wrapper is the group's own (ddp/replica_group.py);
                               on a rank outside it, an error (torch's DDP raises there too)
     bucket_cap_mb             the bucket cap; the first bucket is 1 MiB whatever the cap (torch:
                               only when bucket_cap_mb is not given)

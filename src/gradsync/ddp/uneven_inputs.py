@@ -36,7 +36,7 @@ sum by the number of replicas, so each sample weighs the same; False divides by 
 ranks still training (the vote's sum), as torch's reducer does. Hooks of the program's own divide
 as they please (torch's divide by the group size either way).
 
-Steps 2-5 run on the wrapper's own collectives (gradsync's, or the subgroup's: ddp/group.py) and
+Steps 2-5 run on the wrapper's own collectives (gradsync's, or the subgroup's: ddp/replica_group.py) and
 step 1 on torch's group, so each channel sees the same sequence on every rank. A joined rank keeps
 the reduced gradients of step 5 in its .grad: the average of the others' gradients, which an
 optimizer joined after the model (``Join([model, optimizer])``, zero.py) then applies.
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 
 
 def common_rank(group: ReplicaGroup, candidate: bool) -> int:

@@ -47,7 +47,7 @@ from gradsync.observe import trace
 from gradsync.comm.collectives import ALGORITHMS, shared_allocator
 from gradsync.ddp import hooks, torch_arguments
 from gradsync.ddp.buckets import default_limits
-from gradsync.ddp.group import ReplicaGroup
+from gradsync.ddp.replica_group import ReplicaGroup
 from gradsync.ddp.mixed_precision import MixedPrecisionCasts
 from gradsync.ddp.powersgd import PowerSGDState, powersgd_hook
 from gradsync.ddp.reducer import Reducer

@@ -3,8 +3,8 @@ the private process groups that carry gradsync's transfers.
 
 runtime.py makes a world of gradsync's own; join.py joins one the program made. Both describe it
 with a World, group the ranks by host here (host_id, exchange_hosts), and look up the torch
-ProcessGroup that carries its transfers here (transfer_group). runtime.py re-exports these names,
-so callers keep saying runtime.World and runtime.transfer_group.
+ProcessGroup that carries its transfers here (transfer_group). This module is their home: import
+them from here (gs.World is this World).
 """
 
 from __future__ import annotations

@@ -15,9 +15,6 @@ joins) does to the batch and the learning rate.
 
 from __future__ import annotations
 
-from typing import Literal
-
-BatchPolicy = Literal["keep-global", "keep-per-rank"]
 BATCH_POLICIES = ("keep-global", "keep-per-rank")
 
 

@@ -37,8 +37,8 @@ backward pass takes b = backward_share * c):
                   X_n = n/(z + R_n), Q_n = X_n*R_n;  step = W/X_W = z + R_W (time per W pushes).
                   It lies between max(W*s, z + s) (the servers' throughput, or one worker's
                   round with no wait: the bound this model gave before) and z + W*s; one worker
-                  pays z + s. Measured on emulated links, the bound alone was 17-49% short
-                  (docs/benchmarks.md). A gradient is about W-1 versions stale on arrival
+                  pays z + s. How far the bound alone fell short on emulated links:
+                  docs/studies/cluster-cost-model.md. A gradient is about W-1 versions stale on arrival
     server update u = server_update_s (default 0): seconds a server spends per step applying updates
                   (its optimizer, and the copy of the shard it answers with), between reading
                   pushes and answering pulls, so in series with its link: ps T_comm += u (one
@@ -74,9 +74,8 @@ W*M/S*(beta*D + 2h) + u, which is W*s in the loop above. Ring-family and
 hierarchical transfers and reductions are pipelined, so a rank moves bytes at the slower of its
 link and its CPU: beta -> max(beta, 2h) per byte sent (each byte sent is matched by one
 received; an emulated cluster's ring job measures its step instead and passes max(beta, x) as the
-link's beta with h = 0: cluster/results.py). Fitted on emulated links (docs/benchmarks.md,
-"Emulated cluster"): h = 2.8 ns/B on the loaded 2-core machine, the missing term there; 1 Gbit/s
-(beta = 8.4 ns/B) hides it for the ring, not for the server.
+link's beta with h = 0: cluster/results.py). h fitted on emulated links, and where a link hides it:
+docs/studies/cluster-cost-model.md.
 
 Textbook check (a 7B model, bf16 gradients: M = 14 GB; W = 64; 200 Gbit/s = 25 GB/s): one server
 receives W*M = 896 GB and sends 896 GB per step, 35.8 s each way against 250 ms of compute

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from gradsync.group import runtime
+from gradsync.group.world_info import World
 from gradsync.comm.collectives import all_gather, all_reduce, broadcast
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def _covers_world(process_group, world: runtime.World) -> bool:
+def _covers_world(process_group, world: World) -> bool:
     return process_group is None or process_group is dist.GroupMember.WORLD or (
         process_group is not dist.GroupMember.NON_GROUP_MEMBER and process_group.size() == world.world_size)
 
@@ -45,7 +46,7 @@ class ReplicaGroup:
 
     rank: int
     size: int
-    world: runtime.World
+    world: World
     subgroup: dist.ProcessGroup | None = None
     """The program's subgroup, or None for gradsync's own world."""
     given: dist.ProcessGroup | None = None
