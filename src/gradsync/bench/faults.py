@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradsync.group.liveness import process_alive
+
 STRATEGIES = ("ddp", "zero1", "ps-sync", "ps-async", "ssp")
 
 
@@ -61,14 +63,6 @@ def leftovers(pids: list[int]) -> set[str]:
                if any(str(pid) in p.name.split("_") or p.name.endswith(f"-{pid}") for pid in pids)
                or p.name.startswith(f"gradsync-{pids[0]}x")}
     return tmp | shm
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def kill_trial(strategy: str, seed: int, workers: int = 3, timeout: float = 10.0) -> dict:
@@ -111,7 +105,7 @@ def _trial(strategy: str, seed: int, workers: int, timeout: float, out: str) -> 
         return {"strategy": strategy, "seed": seed, "victim": victim, "clean": False,
                 "why": f"the job was still running {timeout + 30:.0f} s after the kill", "stderr": err_text[-2000:]}
     detection_s = time.monotonic() - killed_at
-    orphans = [pid for pid in ranks.values() if alive(pid)]
+    orphans = [pid for pid in ranks.values() if process_alive(pid)]
     leaked = sorted(leftovers([job.pid, *ranks.values()]))
     named = f"rank {victim} was killed by signal SIGKILL" in err_text
     clean = job.returncode != 0 and named and not orphans and not leaked

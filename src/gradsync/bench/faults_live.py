@@ -47,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradsync.bench.faults import alive, leftovers, rank_pids
+from gradsync.bench.faults import leftovers, rank_pids
+from gradsync.group.liveness import process_alive
 
 SCENARIOS = ("random", "forward", "optimizer", "checkpoint", "two", "replace", "ps-forward")
 KILLED_FROM_INSIDE = ("forward", "optimizer", "checkpoint", "ps-forward")
@@ -162,7 +163,7 @@ def _trial(scenario: str, seed: int, baseline: float, workers: int, epochs: int,
         for kill in range(2 if scenario == "two" else 1):
             fds_before = {m: _fds(pid) for m, pid in ranks.items()}
             if scenario in KILLED_FROM_INSIDE:
-                dead = _wait_until(lambda: not alive(ranks[victims[0]]), 300)
+                dead = _wait_until(lambda: not process_alive(ranks[victims[0]]), 300)
             else:
                 # a random step ahead, so that the kill lands in training and not after the run's end
                 target = _logged_step(metrics) + rng.randrange(1, 8)
@@ -256,7 +257,7 @@ def _judge(row, exit_code, err_text, metrics, ids_dir, ranks, victims, baseline,
     summary = next((r for r in records if r["event"] == "summary"), {})
     fd_growth = [m for rows in row.get("fds", []) for m, (a, b) in rows.items() if a is not None and b is not None
                  and b > a]
-    orphans = [pid for pid in ranks.values() if alive(pid)]
+    orphans = [pid for pid in ranks.values() if process_alive(pid)]
     leaked = sorted(leftovers([launcher, *ranks.values()]))
     row.update(exit_code=exit_code, victims=victims, recoveries=len(recoveries), steps_lost=lost,
                recovery_s=[r["seconds"] for r in recoveries],

@@ -33,6 +33,7 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
+from gradsync.group.liveness import process_alive
 from gradsync.sim.rates import bits_per_second
 
 SUBNET = ipaddress.ip_network("10.231.1.0/24")
@@ -69,16 +70,6 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def delete_namespace(name: str) -> None:
     """Kill whatever still runs inside ``name`` (only our own jobs run there), then delete it."""
     pids = _run("ip", "netns", "pids", name, check=False).stdout.split()
@@ -95,7 +86,7 @@ def sweep_stale(everything: bool = False) -> list[str]:
     swept = []
     for name in namespaces():
         match = NAME_PATTERN.match(name)
-        if match and (everything or not _pid_alive(int(match.group(1)))):
+        if match and (everything or not process_alive(int(match.group(1)))):
             delete_namespace(name)
             swept.append(name)
     return swept
