@@ -10,7 +10,7 @@ The algorithms, over any Transport:
 
 The transports (transport/, as gloo's transport/):
     transport/__init__.py   the Transport interface (isend / irecv / wait); imports no implementation
-    transport/tcp.py        TorchTransport: torch.distributed point-to-point (between hosts, or everywhere)
+    transport/torch_distributed.py        TorchTransport: torch.distributed point-to-point (between hosts, or everywhere)
     transport/shm/          the shared-memory transport between ranks of one host, the intra-host
                             algorithms that only make sense on it, and their native core
                             (transport/shm/__init__.py lists them)

@@ -11,7 +11,7 @@ hold.py (a collective's thread on its rank's core), regions.py (tensors every lo
 read), single_copy.py (reads out of another process's memory).
 
 The algorithms that only make sense on it, each reading the other ranks' memory directly:
-    allreduce_shared.py, allreduce_shared_direct.py, allreduce_shared_in_place.py
-    reduce_scatter_shared.py, reduce_scatter_single_copy.py, reduce_scatter_in_place.py
-    all_gather_shared.py, all_gather_single_copy.py, all_gather_in_place.py
+    allreduce_two_shot.py, allreduce_one_shot.py, allreduce_in_place.py
+    reduce_scatter_staged.py, reduce_scatter_single_copy.py, reduce_scatter_in_place.py
+    all_gather_staged.py, all_gather_single_copy.py, all_gather_in_place.py
 """

@@ -13,12 +13,12 @@ copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
     reduce.c              sum, avg, max, min on float32/64, float16, bfloat16, int32/64, bit for bit
                           as the Python path computes them (float16/bfloat16 sums in float32,
                           rounded once: reduce_ops.py)
-    allreduce_one_shot.c  the direct all-reduce (allreduce_shared_direct.py's twin)
-    allreduce_two_shot.c  the split all-reduce (allreduce_shared.py's twin)
-    allreduce_in_place.c  the all-reduce of a shared region (allreduce_shared_in_place.py's twin)
+    allreduce_one_shot.c  the direct all-reduce (allreduce_one_shot.py's twin)
+    allreduce_two_shot.c  the split all-reduce (allreduce_two_shot.py's twin)
+    allreduce_in_place.c  the all-reduce of a shared region (allreduce_in_place.py's twin)
     reduce_scatter_staged.c, reduce_scatter_in_place.c, all_gather_in_place.c
                           the reduce-scatter and all-gather FSDP (on the backend) and ZeRO-1 run
-                          (reduce_scatter_shared.py's, reduce_scatter_in_place.py's and
+                          (reduce_scatter_staged.py's, reduce_scatter_in_place.py's and
                           all_gather_in_place.py's twins)
     module.c              Core and Plan, as Python calls them
 
@@ -37,8 +37,6 @@ import os
 import sys
 
 import torch
-
-from gradsync.comm.reduce_ops import half_sum
 
 ENV = "GRADSYNC_NATIVE"
 """GRADSYNC_NATIVE=0 runs the Python path even where the native core is built (1, the default: the core)."""
@@ -65,7 +63,6 @@ def load():
         else:
             try:
                 from gradsync.comm.transport.shm.native import _core
-                _core.set_narrow_half_sums(half_sum() == "narrow")   # the Python path's setting (reduce_ops.py)
                 _LOADED[:] = [_core, None]
             except ImportError as exc:
                 _LOADED[:] = [None, f"the native core is not built ({exc})"]
@@ -121,19 +118,9 @@ def plan(transport, algorithm: int, numel: int, dtype: torch.dtype, op: str, fin
     transport has no core or the core does not reduce ``dtype`` with ``op`` (the Python path runs;
     an all-gather's op is "none"). ``fingerprint``: the agreement's Fingerprint (its sequence number
     is the run's), or None."""
-    core = getattr(transport, "core", None)
+    core = transport.core
     op = "sum" if algorithm == ALL_GATHER_IN_PLACE else op
     if core is None or not supports(dtype, op):
         return None
     values = None if fingerprint is None else fingerprint.values()
     return core.plan(algorithm, numel, DTYPE_CODES[dtype], OP_CODES[op], values, name, spin, hold, piece_bytes)
-
-
-def kept_plan(transport, key: tuple, *args):
-    """plan(transport, *args), kept in the transport's plans under ``key`` (None too: the Python path)."""
-    plans = transport.plans
-    if key not in plans:
-        if len(plans) >= 256:
-            plans.clear()
-        plans[key] = plan(transport, *args)
-    return plans[key]
