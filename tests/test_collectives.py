@@ -298,7 +298,7 @@ def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
 
 
 def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
-    """place.spins: with a core per local rank (shm.py's spin_allowed) every collective polls
+    """place.spins: with a core per local rank (comm/transport/shm/transport.py's spin_allowed) every collective polls
     briefly before it sleeps; with more ranks than cores those on the main thread do, and on another
     thread (a communication thread beside backward) only those below SPIN_BELOW_BYTES."""
     import threading
@@ -306,6 +306,7 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
 
     from gradsync.comm.agree import Fingerprint
     from gradsync.comm.place import SPIN_BELOW_BYTES, spins
+    from gradsync.comm.transport import Transport
 
     small = Fingerprint("all_reduce", 1, 16, torch.float32, "sum", "shared_memory")
     large = Fingerprint("all_reduce", 1, SPIN_BELOW_BYTES // 4, torch.float32, "sum", "shared_memory")
@@ -315,10 +316,10 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
     answers = []
     thread = threading.Thread(target=lambda: answers.extend(
         [spins(own_cores, large), spins(shared_cores, small), spins(shared_cores, large),
-         spins(SimpleNamespace(), large)]))
+         spins(Transport(), large)]))
     thread.start()
     thread.join(30)
-    # off the main thread: a transport without the notion (TCP) goes by size alone
+    # off the main thread: a transport that offers no shared memory (the interface's default, TCP's) goes by size alone
     assert answers == [True, True, False, False]
 
 

@@ -1,4 +1,4 @@
-"""Shared-memory all-gather: every rank copies every shard straight out of its owner's staging.
+"""Staged all-gather over shared memory: every rank copies every shard straight out of its owner's staging.
 
 For ranks of one host (ShmTransport). Shards may differ in size (reduce_scatter's uneven chunks
 do): each rank publishes its fingerprint with its own shard's element count, so the one barrier

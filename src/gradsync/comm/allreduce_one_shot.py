@@ -1,4 +1,6 @@
-"""Direct shared-memory all-reduce for small messages: one barrier, every rank folds every input itself.
+"""One-shot all-reduce over shared memory, for small messages: one barrier, every rank folds every
+input itself (the "direct" all-reduce; its C variant beside it: allreduce_one_shot.c; the bands in
+which it runs: docs/studies/direct-or-split.md).
 
 For ranks of one host only, and for messages that fit one staging half (allreduce_two_shot.py picks
 it below direct_below, a bound per world size). The split all-reduce there needs two barriers per

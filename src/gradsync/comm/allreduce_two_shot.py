@@ -1,4 +1,9 @@
-"""Shared-memory all-reduce: each rank stages only what the others need, and keeps its own slice home.
+"""Two-shot all-reduce over shared memory: each rank stages only what the others need, and keeps its own slice home.
+
+A reduce-scatter then an all-gather through every rank's staging halves, piece by piece; the C
+variant beside it (allreduce_two_shot.c) runs the same phases on the same memory. The choice of
+band against the one-shot all-reduce, and the region size, are measured in
+docs/studies/direct-or-split.md and docs/studies/split-regions.md.
 
 For ranks of one host only (ShmTransport, GRADSYNC_TRANSPORT auto or shm). Point-to-point
 algorithms make each byte travel: copied into a ring, copied or added out of it, once per step.
@@ -105,11 +110,8 @@ def _region_elems(transport, dtype: torch.dtype) -> int:
     """Elements in one region of a staging half: S/N bytes or PIECE_BYTES if less, rounded down to 64
     (a multiple of every dtype's size, so regions lie at the same bytes whatever the dtype). Capped so
     each piece's phases find what the phase before wrote still in cache (the in-place all-reduce's
-    pieces, allreduce_in_place.py, have the same size). Against S/N with 4 MiB halves, each
-    call from a fresh input as the bench makes them (slowest rank, medians of six blocks, us): N=2 4
-    MiB 664 -> 507, 16 MiB 3,519 -> 2,919, 64 MiB 14,167 -> 12,278; N=3 1 MiB 407 -> 402, 4 MiB
-    2,378 -> 1,864, 16 MiB 8,486 -> 7,112; N=4 4 MiB 2,918 -> 2,576, 16 MiB 10,813 -> 8,634, 64 MiB
-    38,654 -> 30,788 (docs/studies/split-regions.md)."""
+    pieces, allreduce_in_place.py, have the same size): 10-20% faster than S/N from 4 MiB up at
+    N=2..4 (the table: docs/studies/split-regions.md)."""
     region_bytes = min(transport.stage_bytes // transport.world_size, PIECE_BYTES) // 64 * 64
     if region_bytes == 0:
         raise RuntimeError(f"all_reduce: staging halves of {transport.stage_bytes} bytes are too small for "

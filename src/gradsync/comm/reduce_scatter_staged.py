@@ -1,4 +1,5 @@
-"""Shared-memory reduce-scatter: every rank reduces its own chunk straight out of the others' staging.
+"""Staged reduce-scatter over shared memory: every rank reduces its own chunk straight out of the others'
+staging (its C variant beside it: reduce_scatter_staged.c).
 
 For ranks of one host (ShmTransport). The ring reduce-scatter forwards partial sums N-1 times; here
 each rank stages its whole input once and then reads only its own chunk from every other rank.

@@ -1,8 +1,9 @@
 """The native core of the shared-memory transport: its hot path in plain C, the Python path beside it.
 
-What it is: a small C extension (module.c and the files beside it; built by setup.py at
+What it is: a small C extension (module.c and the files beside it, and each collective's C variant
+beside its Python variant in comm/; one module, built by setup.py at
 ``pip install -e .``, optional, no torch headers, the GIL released while it works) that runs the
-shared-memory all-reduce's phases on the same shared memory as the Python path: the barrier
+shared-memory collectives' phases on the same shared memory as the Python path: the barrier
 counters, doorbells, fingerprint slots and staging halves of segment.py. A call costs a handful
 of Python operations around one C call, where the Python path spends about 2 us on each of its
 copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
@@ -13,14 +14,11 @@ copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
     reduce.c              sum, avg, max, min on float32/64, float16, bfloat16, int32/64, bit for bit
                           as the Python path computes them (float16/bfloat16 sums in float32,
                           rounded once: reduce_ops.py)
-    allreduce_one_shot.c  the direct all-reduce (allreduce_one_shot.py's twin)
-    allreduce_two_shot.c  the split all-reduce (allreduce_two_shot.py's twin)
-    allreduce_in_place.c  the all-reduce of a shared region (allreduce_in_place.py's twin)
-    reduce_scatter_staged.c, reduce_scatter_in_place.c, all_gather_in_place.c
-                          the reduce-scatter and all-gather FSDP (on the backend) and ZeRO-1 run
-                          (reduce_scatter_staged.py's, reduce_scatter_in_place.py's and
-                          all_gather_in_place.py's twins)
-    module.c              Core and Plan, as Python calls them
+    module.c              Core and Plan, as Python calls them: a Plan runs one collective's C variant
+    comm/allreduce_one_shot.c, allreduce_two_shot.c, allreduce_in_place.c, reduce_scatter_staged.c,
+    reduce_scatter_in_place.c, all_gather_in_place.c
+                          the collectives, each beside its Python variant of the same name, which is
+                          its fallback and its oracle (core.h declares them)
 
 Results are bit-identical to the Python path's for every dtype and op the core takes (the same
 memory, the same order of operations, the same rounding); product, the bitwise ops, bool and 8-bit
@@ -28,7 +26,8 @@ dtypes stay on the Python path. The Python path is the fallback and the oracle: 
 
 Which path runs: the core's wherever every local rank loaded it (agreed when the transport
 connects: segment.py), unless GRADSYNC_NATIVE=0; without a built core (no C compiler at install)
-the Python path runs and rank 0 says so in one line.
+the Python path runs and rank 0 says so in one line. The float16/bfloat16 sums' rounding is the
+transport's to set when it starts the core (GRADSYNC_HALF_SUM, read by comm/reduce_ops.py and passed down).
 """
 
 from __future__ import annotations
