@@ -133,7 +133,7 @@ class Segments:
     def slot(self, sender: int) -> int:
         return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
 
-    def connect(self, world: runtime.World, job: str) -> None:
+    def connect(self, world: runtime.World, job: str):
         """Create this rank's segment, map every local peer's, then unlink ours (see Cleanup); agree
         on single-copy reads and on the native core; make the doorbells, rings, counters and staging
         views. Returns the native core's module where every local rank has it, else None."""
