@@ -16,7 +16,7 @@ from gradsync.comm.world_transport import default_transport
 def path_and_bands():
     """Which path this rank's transport runs ("native" or "python"), and what decides the bands:
     the one-shot bound in bytes and the staging half's size."""
-    from gradsync.comm.transport.shm.allreduce_shared import direct_below
+    from gradsync.comm.allreduce_two_shot import direct_below
 
     transport = default_transport()
     return ("native" if transport.core is not None else "python", direct_below(transport), transport.stage_bytes)

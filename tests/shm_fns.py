@@ -324,7 +324,7 @@ def repeated_small_all_reduces(rounds: int):
             gs.all_reduce(values, op=op)
             if not torch.equal(values, expected):
                 mismatches.append((call, op, str(dtype), numel, "plain"))
-    return mismatches, sorted((k[1], str(k[3]), k[4]) for k in default_transport().plans if k[0] == "all_reduce")
+    return mismatches, sorted((k[1], str(k[3]), k[4]) for k in default_transport().context.plans if k[0] == "all_reduce")
 
 
 def plan_then_mismatch(kind: str, numel: int):
@@ -376,7 +376,7 @@ def plan_then_region(numel: int):
         gs.traffic_reset()
         gs.all_reduce(tensor)
         calls.append((gs.traffic()["bytes_received"], torch.equal(tensor, expected)))
-    kept = ("all_reduce", "sum", "auto", torch.float32, numel) in transport.plans
+    kept = ("all_reduce", "sum", "auto", torch.float32, numel) in transport.context.plans
     return calls, kept
 
 

@@ -17,7 +17,7 @@ def device() -> torch.device:
 
 def world_path():
     from gradsync.comm.world_transport import default_transport
-    return gs.world().cuda_path, gs.world().backend, getattr(default_transport(), "stage_cpu", False)
+    return gs.world().cuda_path, gs.world().backend, default_transport().context.stage_cpu
 
 
 def every_collective(numels: list[int], dtypes: list[torch.dtype]):

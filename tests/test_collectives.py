@@ -53,7 +53,7 @@ def sizes(world_size: int):
 TRANSPORTS = {"auto": {},                                          # shared memory on this host
               "tcp": {"GRADSYNC_TRANSPORT": "tcp"},                  # torch.distributed for every peer
               # 2 KiB rings: messages stream and wrap; 4 KiB staging halves: the shared-memory all-reduce
-              # splits what does not fit one half into pieces (allreduce_shared.py), the rest is direct
+              # splits what does not fit one half into pieces (allreduce_two_shot.py), the rest is direct
               "tiny-rings": {"GRADSYNC_SHM_RING_MB": "0.002", "GRADSYNC_SHM_STAGE_MB": "0.004"},
               # the shared-memory collectives' Python path, where the native core runs the others
               "python": {"GRADSYNC_NATIVE": "0"},
@@ -94,7 +94,7 @@ def test_every_op_dtype_and_algorithm_matches_torch_and_a_single_process_fold(wo
 
 
 # From docs/transports.md's direct/split bound up (doc_claims.py: a bound per world size, and at most
-# one staging half) a tensor outside a shared region is staged slice by slice (allreduce_shared.py);
+# one staging half) a tensor outside a shared region is staged slice by slice (allreduce_two_shot.py);
 # the direct all-reduce takes everything below (test_traffic.py checks which path runs on each side). With staging halves of 256 KiB (N=3): every dtype and op
 # just over the bound, sizes not divisible by N, and one that spans 2.5 halves (its last piece short).
 # With the default halves: float32 just over the bound and over 2.5 halves. Against the fold, gloo and
@@ -298,7 +298,7 @@ def test_all_reduce_of_every_tensor_layout_it_accepts(world_of):
 
 
 def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
-    """place.spins: with a core per local rank (shm.py's spin_allowed) every collective polls
+    """place.spins: with a core per local rank (comm/transport/shm/transport.py's spin_allowed) every collective polls
     briefly before it sleeps; with more ranks than cores those on the main thread do, and on another
     thread (a communication thread beside backward) only those below SPIN_BELOW_BYTES."""
     import threading
@@ -306,6 +306,7 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
 
     from gradsync.comm.agree import Fingerprint
     from gradsync.comm.place import SPIN_BELOW_BYTES, spins
+    from gradsync.comm.transport import Transport
 
     small = Fingerprint("all_reduce", 1, 16, torch.float32, "sum", "shared_memory")
     large = Fingerprint("all_reduce", 1, SPIN_BELOW_BYTES // 4, torch.float32, "sum", "shared_memory")
@@ -315,10 +316,10 @@ def test_barriers_poll_at_every_size_only_while_each_rank_has_a_core():
     answers = []
     thread = threading.Thread(target=lambda: answers.extend(
         [spins(own_cores, large), spins(shared_cores, small), spins(shared_cores, large),
-         spins(SimpleNamespace(), large)]))
+         spins(Transport(), large)]))
     thread.start()
     thread.join(30)
-    # off the main thread: a transport without the notion (TCP) goes by size alone
+    # off the main thread: a transport that offers no shared memory (the interface's default, TCP's) goes by size alone
     assert answers == [True, True, False, False]
 
 

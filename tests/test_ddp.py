@@ -161,13 +161,13 @@ def test_timeline_shows_communication_during_backward(world_of, tmp_path):
 
 
 # On one host DDP's buckets live in shared regions and buckets of IN_PLACE_FROM_BYTES and more are
-# all-reduced where backward wrote them (allreduce_shared_in_place.py); smaller ones take the direct
+# all-reduced where backward wrote them (allreduce_in_place.py); smaller ones take the direct
 # all-reduce. Both must train exactly like one process, byte counts as their docstrings say.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_copy_buckets_train_like_one_process_with_exact_traffic(world_of, world_size):
     from gradsync.comm.allreduce_ring import ring_chunks
-    from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+    from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES
 
     steps, local_batch = 3, 4
     results = world_of(world_size).run(ddp_fns.zero_copy_train, steps, local_batch, 0.25)

@@ -24,11 +24,12 @@ import staging_fns
 from cases import contribution, expected_sum
 from nccl_model import run_ranks
 from gradsync.comm import collectives
+from gradsync.comm.context import CommContext
 from gradsync.comm.allreduce_halving_doubling import allreduce_halving_doubling
 from gradsync.comm.allreduce_ring import all_gather_ring, allreduce_ring, reduce_scatter_ring, ring_chunks
 from gradsync.comm.broadcast import broadcast_binomial
 from gradsync.comm.transport.shm import single_copy
-from gradsync.comm.transport.tcp import TorchTransport
+from gradsync.comm.transport.torch_distributed import TorchTransport
 
 
 class _OnGpu(torch.Tensor):
@@ -92,7 +93,8 @@ def test_paired_exchanges_end_with_the_closed_form(world_size):
 def test_bitwise_reductions_of_cuda_tensors_on_nccl_are_staged():
     # NCCL has no BAND, BOR or BXOR: a CUDA tensor of a world on NCCL goes through host staging for
     # them (the CPU algorithms have them) and to NCCL for the rest
-    place = SimpleNamespace(world=SimpleNamespace(cuda_path="nccl", world_size=1), transport=SimpleNamespace())
+    place = SimpleNamespace(world=SimpleNamespace(cuda_path="nccl", world_size=1),
+                            transport=SimpleNamespace(context=CommContext()))
     on_gpu = torch.zeros(4, dtype=torch.int64).as_subclass(_OnGpu)
     for op in ("band", "bor", "bxor"):
         assert collectives._staging(place, on_gpu, op) is not None, op
@@ -105,7 +107,7 @@ def test_a_cuda_tensor_never_takes_the_gloo_group_between_hosts(monkeypatch):
     # only, so a CUDA tensor (NCCL) stays on the world's group whatever its direction
     transport = TorchTransport.__new__(TorchTransport)
     transport.world, transport.downward = SimpleNamespace(joined=False), "gloo, downward"
-    monkeypatch.setattr("gradsync.comm.transport.tcp.runtime.transfer_group", lambda world: "the world's")
+    monkeypatch.setattr("gradsync.comm.transport.torch_distributed.runtime.transfer_group", lambda world: "the world's")
     assert transport._group(torch.zeros(2), 3, 1, 0) == "gloo, downward"
     assert transport._group(torch.zeros(2).as_subclass(_OnGpu), 3, 1, 0) == "the world's"
     assert transport._group(torch.zeros(2).as_subclass(_OnGpu), 1, 3, 0) == "the world's"

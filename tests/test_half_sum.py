@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import half_sum_fns
-from gradsync.comm.transport.shm.allreduce_shared import DIRECT_BELOW_BYTES, DIRECT_BELOW_BYTES_BY_RANKS
-from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+from gradsync.comm.allreduce_two_shot import DIRECT_BELOW_BYTES, DIRECT_BELOW_BYTES_BY_RANKS
+from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES
 
 SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11}
 PATHS = {"native": {}, "python": {"GRADSYNC_NATIVE": "0"}}

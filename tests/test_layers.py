@@ -30,14 +30,19 @@ LEVELS = {
     "gradsync.group.slurm": 1.0,
     # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
     "gradsync.data": 1.5,
-    # collectives: the Transport interface and what needs only it, then the implementations and the
-    # algorithms over any Transport, then what picks a transport or an algorithm for a world
-    "gradsync.comm": 2.0, "gradsync.comm.transport": 2.0, "gradsync.comm.reduce_ops": 2.0,
+    # collectives: the transports (the interface and its implementations), then the algorithms over
+    # them, then what picks a transport or an algorithm for a world
+    "gradsync.comm.transport": 1.9,
+    "gradsync.comm": 2.0, "gradsync.comm.reduce_ops": 2.0, "gradsync.comm.context": 2.0,
     "gradsync.comm.scratch": 2.0, "gradsync.comm.agree": 2.1,
     "gradsync.comm.allreduce_ring": 2.2, "gradsync.comm.allreduce_halving_doubling": 2.2,
     "gradsync.comm.allreduce_tree": 2.2, "gradsync.comm.allreduce_naive": 2.2,
     "gradsync.comm.allreduce_hierarchical": 2.3, "gradsync.comm.broadcast": 2.2, "gradsync.comm.rooted": 2.2,
-    "gradsync.comm.transport.tcp": 2.2, "gradsync.comm.transport.shm": 2.4,
+    "gradsync.comm.allreduce_one_shot": 2.2, "gradsync.comm.allreduce_two_shot": 2.2,
+    "gradsync.comm.allreduce_in_place": 2.2, "gradsync.comm.reduce_scatter_staged": 2.2,
+    "gradsync.comm.reduce_scatter_in_place": 2.2, "gradsync.comm.reduce_scatter_single_copy": 2.2,
+    "gradsync.comm.all_gather_staged": 2.2, "gradsync.comm.all_gather_in_place": 2.2,
+    "gradsync.comm.all_gather_single_copy": 2.2,
     "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.place": 2.55,
     "gradsync.comm.collectives": 2.6,
     # strategies and the torch backend
@@ -172,7 +177,7 @@ def test_the_circle_finder_itself(edges, expected):
     assert find_circles(edges) == expected
 
 
-TRANSPORT_INTERNALS = ("gradsync.comm.transport.shm", "gradsync.comm.transport.tcp")
+TRANSPORT_INTERNALS = ("gradsync.comm.transport.shm", "gradsync.comm.transport.torch_distributed")
 """The transports' implementations: only comm/ reaches them; everything else asks comm's public
 surface (comm/world_transport.py, comm/collectives.py)."""
 

@@ -2,7 +2,7 @@
 Python path it stands in for.
 
 The oracle: every element of a shared-memory all-reduce is computed by a known fold in a known
-order (allreduce_shared*.py): below the one-shot bound, in[0] (op) in[1] (op) ... in rank order;
+order (allreduce_two_shot*.py): below the one-shot bound, in[0] (op) in[1] (op) ... in rank order;
 above it, and in place, slice j of each piece (ring_chunks) by its owner j, its own first, then the
 others in rank order. ``expected`` computes that with torch's own add / maximum / minimum / div; float16
 and bfloat16 sums are added in float32 in that order and rounded once (avg: divided first), as the core
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import native_fns
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, PIECE_BYTES
+from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES, PIECE_BYTES
 from world_pool import RankFailure, WorldPool
 
 SMALL_HALVES = {"GRADSYNC_SHM_STAGE_MB": "0.03125"}   # 32 KiB

@@ -19,7 +19,7 @@ import torch
 import cases
 import nonfinite_cases as nf
 import doc_claims
-from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES
 from gradsync.comm.transport.shm.single_copy import FROM_BYTES
 
 ALGORITHMS = ["ring", "halving_doubling", "tree", "naive", "native", "auto", "hierarchical"]

@@ -64,7 +64,7 @@ def test_shared_memory_all_reduce_over_several_pieces_is_exact_and_metered(monke
     for rank, calls in enumerate(results):
         for x, received, sent in calls:
             assert torch.equal(x, expected) and torch.equal(x, results[0][0][0])
-            # each piece: slice r from the N-1 others, then every other owner's slice (allreduce_shared.py)
+            # each piece: slice r from the N-1 others, then every other owner's slice (allreduce_two_shot.py)
             pieces = [n_ranks * region] * 3 + [numel - 3 * n_ranks * region]
             sizes = [[len(range(c, p, n_ranks)) for c in range(n_ranks)] for p in pieces]  # ring_chunks sizes
             mine = sum((n_ranks - 1) * s[rank] + (p - s[rank]) for p, s in zip(pieces, sizes)) * 8
@@ -300,6 +300,7 @@ def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed
     still blamed. A stand-in for the transport: its doorbell's sleep is where the peer acts."""
     import threading
     import time
+    from types import SimpleNamespace
 
     from gradsync.comm.transport.shm import waiting
     from gradsync.comm.transport import PeerError
@@ -312,37 +313,46 @@ def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed
             time.sleep(waiting.LIVENESS_SLICE)   # a whole slice: the liveness look follows
             self.arrived = self.peer_arrives
 
-    class Stand(waiting.Waiting):
-        def __init__(self, peer_arrives: bool) -> None:
-            self._lock, self._sleepers, self.timeout, self.hold = threading.Lock(), 0, 10.0, None
-            self.rank, self.pids, self._broken, self._bell = 0, {1: 424242}, None, Bell(peer_arrives)
+    class Progress:   # nothing to move: the peer acts in the doorbell's sleep
+        def __init__(self) -> None:
+            self.lock, self.sleepers, self.broken = threading.Lock(), 0, None
 
-        def _advance(self) -> int:
+        def advance(self) -> int:
             return 0
+
+        def break_with(self, error):
+            self.broken = error
+            return error
+
+    def stand(peer_arrives: bool) -> waiting.Waits:
+        segments = SimpleNamespace(bell=Bell(peer_arrives), pids={1: 424242})
+        return waiting.Waits(0, 10.0, segments, Progress(), None, None, spin_allowed=True)
 
     def stuck(waited, limit, what):
         return PeerError(f"barrier {what}", rank=0, peer=1, op="barrier")
 
     monkeypatch.setattr(waiting, "alive", lambda pid: False)   # rank 1 has exited by the time anyone looks
-    arrived = Stand(peer_arrives=True)
-    arrived._wait_until(lambda: arrived._bell.arrived, None, [1], stuck)
-    never = Stand(peer_arrives=False)
+    arrived = stand(peer_arrives=True)
+    arrived.wait_until(lambda: arrived.segments.bell.arrived, None, [1], stuck)
+    never = stand(peer_arrives=False)
     with pytest.raises(PeerError, match=r"barrier failed: rank 1 \(pid 424242\) exited"):
-        never._wait_until(lambda: never._bell.arrived, None, [1], stuck)
+        never.wait_until(lambda: never.segments.bell.arrived, None, [1], stuck)
 
 
 def test_dead_peers_are_the_local_peers_gone_from_proc():
-    """Waiting.dead_peers (Transport.dead_peers on shared memory), which the parameter server asks
+    """Waits.dead_peers (Transport.dead_peers on shared memory), which the parameter server asks
     when gloo's receive from any worker timed out: the peers whose process has exited."""
     import subprocess
     import sys
+
+    from types import SimpleNamespace
 
     from gradsync.comm.transport.shm import waiting
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    stand = waiting.Waiting.__new__(waiting.Waiting)
-    stand.pids = {1: os.getpid(), 2: int(gone.stdout), 3: os.getppid()}
+    segments = SimpleNamespace(pids={1: os.getpid(), 2: int(gone.stdout), 3: os.getppid()})
+    stand = waiting.Waits(0, 10.0, segments, None, None, None, spin_allowed=True)
     assert stand.dead_peers() == [2]
 
 

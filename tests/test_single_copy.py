@@ -1,4 +1,4 @@
-"""comm/single_copy.py against a real second process: what read() takes out of its memory, and
+"""comm/transport/shm/single_copy.py against a real second process: what read() takes out of its memory, and
 probe() saying why when it cannot work."""
 
 import multiprocessing as mp

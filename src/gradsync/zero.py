@@ -24,12 +24,12 @@ is 1/N of the unsharded state on every rank; ``state_bytes()`` measures it.
 
 Gradients: a bucket's gradients live in one flat buffer, in shared memory when every rank is on this
 host over shared memory (collectives.shared_allocator), so the reduce-scatter reads the other ranks'
-chunks where they lie (comm/transport/shm/reduce_scatter_in_place.py). step() copies each new gradient in once and makes
+chunks where they lie (comm/reduce_scatter_in_place.py). step() copies each new gradient in once and makes
 .grad a view of the buffer: after zero_grad(set_to_none=False) backward accumulates into the buffer
 and nothing is copied. On one host the parameters, too, are views of a flat shared buffer per bucket
 (their .data is replaced at construction) and this rank's shard is its chunk of that buffer: the
 wrapped optimizer updates the parameters where they lie, and the all-gather copies the other ranks'
-shards straight into them (comm/transport/shm/all_gather_in_place.py).
+shards straight into them (comm/all_gather_in_place.py).
 
 Clipping: ``clip_grad_norm_(max_norm, norm_type=2.0)`` is torch.nn.utils.clip_grad_norm_ on the
 averaged gradient, what torch DDP + ZeroRedundancyOptimizer + torch's clip_grad_norm_ compute. Call it

@@ -328,7 +328,7 @@ def _formula_bytes(algorithm: str, nbytes: int, n_ranks: int) -> float | None:
     """Predicted bytes sent by the busiest rank; exact uneven chunking for the ring (float32)."""
     if algorithm == "ring":
         return max(ring_bytes_sent(nbytes // 4, n_ranks, rank, 4) for rank in range(n_ranks))
-    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_shared*.py)
+    if algorithm == "shared_memory":  # bytes read out of other ranks' memory (allreduce_one_shot.py, allreduce_two_shot.py, allreduce_in_place.py)
         direct = nbytes < direct_below(n_ranks)
         return (n_ranks - 1) * nbytes if direct else 2 * (n_ranks - 1) / n_ranks * nbytes
     return allreduce_bytes_per_rank(algorithm, nbytes, n_ranks) if algorithm in OURS else None

@@ -2,9 +2,9 @@
 
 gradsync's own DDP wrapper allocates its gradient buckets in shared memory, so the all-reduce reads
 the other ranks' gradients where backward wrote them and writes the result straight into their
-buckets (comm/transport/shm/allreduce_shared_in_place.py). torch's DDP allocates its buckets itself, in
+buckets (comm/allreduce_in_place.py). torch's DDP allocates its buckets itself, in
 ordinary memory, so on this backend each bucket went through the staging halves: copied in, reduced,
-copied out (comm/transport/shm/allreduce_shared.py), (N-1)/N x M bytes each way that the wrapper never moves.
+copied out (comm/allreduce_two_shot.py), (N-1)/N x M bytes each way that the wrapper never moves.
 Here the backend adopts such a bucket as a region in place (comm/transport/shm/regions.py, ``adopt``: torch
 moves the storage into shared memory, every view of it follows), and from then on the bucket is
 all-reduced where it lies, as the wrapper's are.

@@ -61,7 +61,7 @@ from gradsync.comm.reduce_ops import dtype_name, reduction
 from gradsync.comm.rooted import alltoall_pairwise, gather_linear, scatter_linear
 
 P2P_TAG_OFFSET = 1
-"""torch's tag t travels as tag t+1: tagged messages go over TCP (comm/transport/tcp.py), tag 0 is the
+"""torch's tag t travels as tag t+1: tagged messages go over TCP (comm/transport/torch_distributed.py), tag 0 is the
 collectives' own, so a program's sends never meet a collective's bytes."""
 
 

@@ -51,8 +51,9 @@ FINGERPRINT_BYTES = 8 * 8
 
 def next_sequence_of(transport) -> int:
     """The sequence number of ``transport``'s next collective (a fingerprint's second value)."""
-    transport.sequence = getattr(transport, "sequence", 0) + 1
-    return transport.sequence
+    context = transport.context
+    context.sequence += 1
+    return context.sequence
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -153,7 +154,7 @@ def check_everyone(transport: Transport, mine: Fingerprint) -> None:
 
 def uses_staged_check(transport: Transport) -> bool:
     """True when every rank of ``transport`` is on this host with shared fingerprint slots."""
-    return hasattr(transport, "publish") and len(getattr(transport, "local_ranks", ())) == transport.world_size
+    return transport.shares_memory
 
 
 def check_staged(transport, mine: Fingerprint, spin: bool = False) -> None:
@@ -198,9 +199,7 @@ def compare_published(transport, mine: Fingerprint, sizes_differ: bool = False) 
     try:
         return _compare_published(transport, mine, sizes_differ)
     except CollectiveMismatchError:
-        restart = getattr(transport, "restart_halves", None)
-        if restart is not None:
-            restart()
+        transport.restart_halves()
         raise
 
 

@@ -20,7 +20,7 @@ Phases
                     forwarded at once.
 
 Over NCCL's point-to-point (a world on NCCL, CUDA tensors: Transport.pairs_exchanges) each step is
-one exchange instead, the chunk sent and the chunk received posted as one group (transport/tcp.py
+one exchange instead, the chunk sent and the chunk received posted as one group (transport/torch_distributed.py
 says why), and NCCL pipelines the chunk itself: ``_reduce_scatter_by_steps``, ``_all_gather_by_steps``.
 
 Traffic and time (alpha: latency per message, beta: seconds per byte, gamma: seconds per reduced byte)

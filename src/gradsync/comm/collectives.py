@@ -7,9 +7,9 @@
                                                  (any shard sizes; the inverse of reduce_scatter)
     all_gather_in_place(full)                    the same within a shared-region tensor whose chunk
                                                  r this rank wrote (one host; ShardedOptimizer)
-    (both by ring, or on one host over shared memory by transport/shm/reduce_scatter_shared.py / all_gather_shared.py,
+    (both by ring, or on one host over shared memory by reduce_scatter_staged.py / all_gather_staged.py,
     or their single-copy twins where the kernel lets ranks read each other's memory; an input in a
-    shared region is reduce-scattered where it lies, transport/shm/reduce_scatter_in_place.py)
+    shared region is reduce-scattered where it lies, reduce_scatter_in_place.py)
     broadcast(t, src=0)                          in place; returns t
 
 Accepted: dtypes float32, float64, float16, bfloat16, int32, int64, bool, uint8, int8; any shape,
@@ -49,16 +49,16 @@ from gradsync.comm.transport import Transport
 from gradsync.comm.place import Place, here, holds, on_own_core, spins, spins_anywhere  # noqa: F401 - Place, here: callers'
 from gradsync.comm.world_transport import default_transport
 from gradsync.comm.transport.shm import single_copy
-from gradsync.comm.transport.shm.all_gather_in_place import all_gather_in_place as all_gather_region
-from gradsync.comm.transport.shm.all_gather_shared import all_gather_shared
-from gradsync.comm.transport.shm.all_gather_single_copy import all_gather_single_copy
-from gradsync.comm.transport.shm.allreduce_shared import SplitAllReduce, allreduce_shared, direct_below
-from gradsync.comm.transport.shm.allreduce_shared import layout_error as shared_layout_error
-from gradsync.comm.transport.shm.allreduce_shared_direct import DirectAllReduce
-from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES, allreduce_shared_in_place
-from gradsync.comm.transport.shm.reduce_scatter_in_place import reduce_scatter_in_place
-from gradsync.comm.transport.shm.reduce_scatter_shared import reduce_scatter_shared
-from gradsync.comm.transport.shm.reduce_scatter_single_copy import reduce_scatter_single_copy
+from gradsync.comm.all_gather_in_place import all_gather_in_place as all_gather_region
+from gradsync.comm.all_gather_staged import all_gather_staged
+from gradsync.comm.all_gather_single_copy import all_gather_single_copy
+from gradsync.comm.allreduce_two_shot import TwoShotAllReduce, allreduce_two_shot, direct_below
+from gradsync.comm.allreduce_two_shot import layout_error as shared_layout_error
+from gradsync.comm.allreduce_one_shot import OneShotAllReduce
+from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES, allreduce_in_place
+from gradsync.comm.reduce_scatter_in_place import reduce_scatter_in_place
+from gradsync.comm.reduce_scatter_staged import reduce_scatter_staged
+from gradsync.comm.reduce_scatter_single_copy import reduce_scatter_single_copy
 
 ALGORITHMS = ("auto", "ring", "halving_doubling", "tree", "naive", "native", "hierarchical", "shared_memory")
 
@@ -68,7 +68,7 @@ _IMPLEMENTATIONS = {
     "tree": allreduce_tree,
     "naive": allreduce_naive,
     "hierarchical": allreduce_hierarchical,
-    "shared_memory": allreduce_shared,
+    "shared_memory": allreduce_two_shot,
 }
 
 
@@ -85,7 +85,7 @@ def shared_allocator_of(place: Place):
     if place.world.world_size == 1:
         return None
     transport = place.transport
-    return transport.regions.allocate if shared_layout_error(transport) is None else None
+    return transport.regions.allocate if transport.shares_memory else None
 
 
 def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +123,7 @@ def _staging(place: Place, tensor, op: str | None = None) -> host_staging.HostSt
     if tensor.is_cuda:
         if place.world.cuda_path == "nccl" and op not in NCCL_REFUSES:
             return None
-    elif not getattr(place.transport, "stage_cpu", False):
+    elif not place.transport.context.stage_cpu:
         return None
     return host_staging.staging_of(place.transport, shared_allocator_of(place))
 
@@ -165,7 +165,7 @@ def _agree(w: runtime.World, transport: Transport, fingerprint: Fingerprint) -> 
 
 def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
     """Every rank on this host over shared memory, and a CPU tensor: the shared-memory algorithms."""
-    return not tensor.is_cuda and shared_layout_error(transport) is None
+    return not tensor.is_cuda and transport.shares_memory
 
 
 def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
@@ -188,7 +188,7 @@ def resolve_algorithm(place: Place, flat: torch.Tensor, algorithm: str = "auto")
     link auto prices is fixed per world, select.shared_link)."""
     w, transport = place.world, place.transport
     key = (algorithm, flat.numel() * flat.element_size(), flat.is_cuda)
-    choices = transport.__dict__.setdefault("algorithm_choices", {})
+    choices = transport.context.algorithm_choices
     chosen = choices.get(key)
     if chosen is None:
         chosen = _resolve(w, transport, flat, algorithm)
@@ -222,8 +222,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -
 def all_reduce_in(place: Place, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
     """all_reduce on ``place``."""
     transport = place.transport
-    plans = getattr(transport, "plans", None)
-    if plans is not None and type(tensor) is torch.Tensor:   # a shape reduced directly before: straight to its plan
+    plans = transport.context.plans
+    if plans and type(tensor) is torch.Tensor:   # a shape reduced directly before: straight to its plan
         plan = plans.get(("all_reduce", op, algorithm, tensor.dtype, tensor.numel()))
         if (plan is not None and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad
                 and not tensor.is_cuda
@@ -253,12 +253,12 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
     if in_place is not None:  # the tensor lives in a shared region: no staging copy (small ones: direct)
         region, views = in_place
         fingerprint = _entered(transport, "all_reduce", flat, op, "shared_memory_in_place", region=region)
-        allreduce_shared_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
+        allreduce_in_place(flat, transport, views, reduction=chosen, fingerprint=fingerprint,
                                   spin=spins(transport, fingerprint))
     elif algorithm == "shared_memory":  # the fingerprint travels with the data (agree.py: staged)
         fingerprint = _entered(transport, "all_reduce", flat, op, algorithm)
         spin = spins(transport, fingerprint)
-        allreduce_shared(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
+        allreduce_two_shot(flat, transport, reduction=chosen, fingerprint=fingerprint, spin=spin)
         if flat is target:
             _remember_plan(transport, flat, op, requested, chosen, spin)
     else:
@@ -275,21 +275,22 @@ def _all_reduce_in(place: Place, tensor: torch.Tensor, op: str, algorithm: str) 
 
 def _remember_plan(transport: Transport, flat: torch.Tensor, op: str, requested: str, chosen: Reduction,
                    spin: bool) -> None:
-    """Keep a plan for ``flat``'s shape: a DirectAllReduce below allreduce_shared.direct_below, else a
-    SplitAllReduce (told to hold the call and to poll as on_own_core and spins would off the main
+    """Keep a plan for ``flat``'s shape: a OneShotAllReduce below allreduce_two_shot.direct_below, else a
+    TwoShotAllReduce (told to hold the call and to poll as on_own_core and spins would off the main
     thread); all_reduce_in runs it straight from its key, for a tensor of IN_PLACE_FROM_BYTES or more
     only when it does not lie in a shared region (those are reduced in place)."""
     nbytes = flat.numel() * flat.element_size()
-    plans = getattr(transport, "plans", None)
-    if plans is None or getattr(transport, "stage_cpu", False):   # every CPU call staged: no short way
+    context = transport.context
+    if context.stage_cpu:   # every CPU call staged: no short way
         return
+    plans = context.plans
     if len(plans) >= 256:
         plans.clear()
     if nbytes < direct_below(transport):
-        plan = DirectAllReduce(transport, flat.numel(), flat.dtype, chosen, spin)
+        plan = OneShotAllReduce(transport, flat.numel(), flat.dtype, chosen, spin)
     else:
-        plan = SplitAllReduce(transport, flat.numel(), flat.dtype, chosen, spins_anywhere(transport, nbytes),
-                              getattr(transport, "hold", None) if holds(transport, nbytes) else None)
+        plan = TwoShotAllReduce(transport, flat.numel(), flat.dtype, chosen, spins_anywhere(transport, nbytes),
+                              transport.hold if holds(transport, nbytes) else None)
     plans[("all_reduce", op, requested, flat.dtype, flat.numel())] = plan
 
 
@@ -335,7 +336,7 @@ def _reduce_scatter_in(place: Place, tensor: torch.Tensor, op: str) -> torch.Ten
             if shard is not None:
                 return shard   # (None: some rank's input cannot be read where it lies; staged, as on every rank)
         fingerprint = _entered(transport, "reduce_scatter", flat, op, "shared_memory")  # one barrier per staging half
-        return reduce_scatter_shared(flat, transport, reduction=chosen, fingerprint=fingerprint,
+        return reduce_scatter_staged(flat, transport, reduction=chosen, fingerprint=fingerprint,
                                      spin=spins(transport, fingerprint))
     work = tensor.detach().reshape(-1).clone()
     _agree(w, transport, Fingerprint("reduce_scatter", next_sequence_of(transport), work.numel(), work.dtype, op, "ring"))
@@ -381,7 +382,7 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
                 return full
             # a shard that cannot be read where it lies: staged, as on every rank
             mine = _entered(transport, "all_gather", flat_shard, "none", "shared_memory")
-        return all_gather_shared(flat_shard, transport, mine, spin=spins(transport, mine))
+        return all_gather_staged(flat_shard, transport, mine, spin=spins(transport, mine))
     mine = Fingerprint("all_gather", next_sequence_of(transport), flat_shard.numel(), flat_shard.dtype, "none", "ring")
     # Sizes legitimately differ, so every rank learns every fingerprint (they carry the sizes).
     table = gather_control(transport, mine.encode(), "all_gather/agree")
@@ -402,7 +403,7 @@ def _all_gather_in(place: Place, shard: torch.Tensor) -> torch.Tensor:
 def all_gather_in_place(full: torch.Tensor) -> torch.Tensor:
     """All-gather within ``full``, a 1-D tensor in a shared region (``shared_allocator``) whose chunk
     ``ring_chunks(n, N)`` r this rank has written: afterwards every chunk holds its owner's values,
-    copied out of the owners' regions (transport/shm/all_gather_in_place.py). Returns ``full``."""
+    copied out of the owners' regions (all_gather_in_place.py). Returns ``full``."""
     return all_gather_in_place_in(here(), full)
 
 

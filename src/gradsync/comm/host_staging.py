@@ -17,7 +17,7 @@ Vocabulary
                     sent the same way: the copies and their bookkeeping without streams)
     host buffer     where its bytes go: for an all-reduce or a broadcast, a shared region of the
                     transport (every local rank reads it where it lies, so an all-reduce of 256 KiB
-                    or more needs no staging copy: allreduce_shared_in_place.py), page-locked with
+                    or more needs no staging copy: allreduce_in_place.py), page-locked with
                     cudaHostRegister (cuda_runtime.py) so both copies are DMA and asynchronous; else
                     (a reduce-scatter's or an all-gather's, whose sizes may differ by rank) pinned
                     private memory; kept per (dtype, element count), as DDP's buckets repeat the same few
@@ -211,12 +211,13 @@ class HostStaging:
 
 
 def staging_of(transport, allocate) -> HostStaging:
-    """The transport's HostStaging (made on first use; ``allocate``: shared regions or None). The
-    transport closes it (``HostStaging.close``) before its regions."""
-    staging = getattr(transport, "host_staging", None)
-    if staging is None:
-        staging = transport.host_staging = HostStaging(allocate)
-    return staging
+    """The HostStaging of ``transport``'s communicator, kept in its context (context.py; made on first
+    use; ``allocate``: shared regions or None). The context closes it (``HostStaging.close``) before
+    the transport closes its regions."""
+    context = transport.context
+    if context.host_staging is None:
+        context.host_staging = HostStaging(allocate)
+    return context.host_staging
 
 
 def in_place(staging: HostStaging, tensor: torch.Tensor, collective: Callable[[torch.Tensor], None]) -> torch.Tensor:

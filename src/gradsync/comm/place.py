@@ -56,7 +56,7 @@ def on_own_core(collective):
     @functools.wraps(collective)
     def held(place: Place, *args, **kwargs):
         transport = place.transport
-        hold = getattr(transport, "hold", None)
+        hold = transport.hold
         tensor = args[0] if args else None
         if hold is None or (isinstance(tensor, torch.Tensor)
                             and not holds(transport, tensor.numel() * tensor.element_size())):
@@ -76,8 +76,7 @@ def holds(transport: Transport, nbytes: int) -> bool:
     Python path with a core per rank. With the native core, whose barriers come microseconds apart,
     two unheld ranks that the scheduler puts on one core cost a poll and a sleep at every barrier, so
     it holds every size (docs/studies/core-hold.md, "With the native core")."""
-    return (getattr(transport, "core", None) is not None or not getattr(transport, "spin_allowed", False)
-            or nbytes < HOLD_BELOW_BYTES)
+    return transport.core is not None or not transport.spin_allowed or nbytes < HOLD_BELOW_BYTES
 
 
 SPIN_BELOW_BYTES = 4 << 20
@@ -99,4 +98,4 @@ def spins(transport: Transport, fingerprint: Fingerprint) -> bool:
 
 def spins_anywhere(transport: Transport, nbytes: int) -> bool:
     """Whether a collective of ``nbytes`` polls on any thread (spins)."""
-    return getattr(transport, "spin_allowed", False) or nbytes < SPIN_BELOW_BYTES
+    return transport.spin_allowed or nbytes < SPIN_BELOW_BYTES

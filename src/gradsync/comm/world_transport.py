@@ -1,12 +1,13 @@
-"""The transport of a world: which Transport carries its ranks' bytes, made at init().
+"""The transport of a world: which Transport carries its ranks' bytes, made at init() with its context.
 
-Above both implementations, so that neither the interface (transport.py) nor an implementation
-imports this choice: it registers with runtime.on_init, so init() connects the world's transport
-(and shutdown() closes it), and default_transport() hands it to the collectives.
+Above both implementations, so that neither the interface (transport/__init__.py) nor an
+implementation imports this choice: it registers with runtime.on_init, so init() connects the
+world's transport (and shutdown() closes it), and default_transport() hands it to the collectives.
+Each transport it builds gets a new CommContext (context.py): the communicator's own state.
 
     GRADSYNC_TRANSPORT=auto   shared memory between ranks of one host where this machine supports
                               it (transport/shm/doorbell.py says), torch.distributed otherwise (the default)
-    GRADSYNC_TRANSPORT=tcp    torch.distributed for every peer (transport/tcp.py)
+    GRADSYNC_TRANSPORT=tcp    torch.distributed for every peer (transport/torch_distributed.py)
     GRADSYNC_TRANSPORT=shm    shared memory between ranks of one host, an error where unsupported
 
 A world of one rank, or a rank alone on its host, gets a TorchTransport. Every rank takes part in
@@ -27,15 +28,16 @@ import os
 from types import SimpleNamespace
 
 from gradsync.group import device_path, runtime
+from gradsync.comm.context import CommContext
+from gradsync.comm.reduce_ops import half_sum
 from gradsync.comm.transport.shm import doorbell, segment
-from gradsync.comm.transport.shm.allreduce_shared import direct_below as _direct_below
-from gradsync.comm.transport.shm.allreduce_shared import layout_error
-from gradsync.comm.transport.shm.allreduce_shared_in_place import IN_PLACE_FROM_BYTES
+from gradsync.comm.allreduce_two_shot import direct_below as _direct_below
+from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES
 from gradsync.comm.transport.shm.segment import SHM_DIR, job_token
 from gradsync.comm.transport.shm.transport import ShmTransport
 from gradsync.comm.transport.shm.waiting import alive as process_alive
 from gradsync.comm.transport import Transport
-from gradsync.comm.transport.tcp import TorchTransport
+from gradsync.comm.transport.torch_distributed import TorchTransport
 
 __all__ = ["IN_PLACE_FROM_BYTES", "SHM_DIR", "TRANSPORTS", "build", "carrier", "default_transport",
            "direct_below", "process_alive", "shares_memory", "transport_choice"]
@@ -62,25 +64,23 @@ def build(world: runtime.World) -> Transport:
     """A new transport for ``world``'s ranks, chosen by GRADSYNC_TRANSPORT (see TRANSPORTS); under
     GRADSYNC_HOST_STAGING=cpu its CPU tensors go through host staging's copies (device_path.py), the
     "gradsync" backend's groups as the world's."""
-    transport = _chosen(world)
-    transport.stage_cpu = device_path.stage_cpu_tensors()
-    return transport
+    return _chosen(world, CommContext(stage_cpu=device_path.stage_cpu_tensors()))
 
 
-def _chosen(world: runtime.World) -> Transport:
+def _chosen(world: runtime.World, context: CommContext) -> Transport:
     choice = transport_choice()
     local = world.host_ranks
     if choice == "tcp" or world.world_size == 1:
-        return TorchTransport(world)
+        return TorchTransport(world, context=context)
     unsupported = doorbell.supported()
     if unsupported and choice == "shm":
         raise RuntimeError(f"GRADSYNC_TRANSPORT=shm: {unsupported}; use GRADSYNC_TRANSPORT=tcp or auto")
     if unsupported:
-        return TorchTransport(world)
+        return TorchTransport(world, context=context)
     job = job_token(world)  # every rank takes part: rank 0 publishes it even when alone on its host
     if len(local) == 1:
-        return TorchTransport(world)
-    return ShmTransport(world, local, job)
+        return TorchTransport(world, context=context)
+    return ShmTransport(world, local, job, context=context, narrow_half_sums=half_sum() == "narrow")
 
 
 def _connect(world: runtime.World) -> None:
@@ -90,9 +90,7 @@ def _connect(world: runtime.World) -> None:
 
 def _disconnect() -> None:
     for transport in _TRANSPORTS.values():
-        close = getattr(transport, "close", None)
-        if close is not None:
-            close()
+        transport.close()
     _TRANSPORTS.clear()
 
 
@@ -119,7 +117,7 @@ def carrier(transport: Transport | None = None) -> str:
 def shares_memory(transport: Transport) -> bool:
     """Whether every rank of ``transport`` is on this host over shared memory, so that the intra-host
     algorithms (and shared regions, and the transport's own barrier) serve it."""
-    return layout_error(transport) is None
+    return transport.shares_memory
 
 
 def direct_below(n_ranks: int) -> int:

@@ -26,7 +26,7 @@ rebuilt, every rank takes rank 0's ready order (ddp/reducer.py).
 Where the flat buffers live: ``allocate(numel, dtype)`` may put them in shared memory (the
 wrapper does when every rank is on this host and the reduction is gradsync's own:
 comm/transport/shm/regions.py), so the other ranks read a bucket's gradients where backward wrote them and
-the all-reduce copies nothing in (comm/transport/shm/allreduce_shared_in_place.py); otherwise, or when it
+the all-reduce copies nothing in (comm/allreduce_in_place.py); otherwise, or when it
 returns None, ordinary zeroed memory.
 
 Example: four float32 parameters of 1, 2, 3 and 4 MiB registered in that order, cap 5 MiB:

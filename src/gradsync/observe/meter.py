@@ -89,7 +89,7 @@ class TrafficMeter:
         record_exchanges) and ``control_each`` control bytes each way with each of those peers, for
         ``control_op``: its caller adds 1 to ``counter[0]`` after each call, and the meter counts
         the calls' bytes when it is read or reset, so the call itself takes no lock (a repeated
-        small all-reduce: comm/transport/shm/allreduce_shared_direct.py). Only the caller writes the counter; the meter
+        small all-reduce: comm/allreduce_one_shot.py). Only the caller writes the counter; the meter
         keeps how many of its calls it has counted. One counter per distinct set of arguments, kept
         while the meter lives; None once MAX_TALLIES are kept (the caller records each call with
         record_exchanges instead), so a program of ever new shapes does not grow the meter."""

@@ -51,7 +51,7 @@ for the others to post) describes a moment long gone: it is dropped."""
 def entered(fingerprint, sequence: int | None = None) -> None:
     """Record the collective this rank is in (described only if a report is ever printed); its
     ``sequence`` number when given, else the fingerprint's (a plan's fingerprint has none of its own:
-    comm/transport/shm/allreduce_shared_direct.py)."""
+    comm/allreduce_one_shot.py)."""
     _NOW[0] = (fingerprint, fingerprint.sequence if sequence is None else sequence, time.monotonic())
 
 

@@ -1,17 +1,14 @@
-"""The shared-memory transport between ranks of one host, and its intra-host algorithms.
+"""The shared-memory transport between ranks of one host: ShmTransport and its machinery.
 
-The transport (ShmTransport), assembled from its parts:
-    transport.py        posting sends and receives; the state the parts share
-    segment.py          each rank's shared segment: layout, set-up, clean-up
-    staging.py          fingerprint slots and staging halves (what the algorithms below read)
-    progress.py         moving sends and receives through the rings
-    waiting.py          sleeping on the doorbell, barriers, liveness and timeouts
+The transport (ShmTransport, transport.py) owns its parts as objects:
+    segment.py          Segments: each rank's shared segment (layout, set-up, clean-up)
+    staging.py          Staging: fingerprint slots and staging halves (what the intra-host algorithms read)
+    progress.py         Progress: the sends and receives in flight, moved through the rings
+    waiting.py          Waits: sleeping on the doorbell, barriers, liveness and timeouts
 and its machinery: ring.py (one ordered pair's byte ring), doorbell.py (futex sleep and wake),
 hold.py (a collective's thread on its rank's core), regions.py (tensors every local rank can
-read), single_copy.py (reads out of another process's memory).
+read), single_copy.py (reads out of another process's memory), native/ (the native core: its
+doorbells, barriers, fingerprint slots, hold and reductions in C, and the extension module).
 
-The algorithms that only make sense on it, each reading the other ranks' memory directly:
-    allreduce_shared.py, allreduce_shared_direct.py, allreduce_shared_in_place.py
-    reduce_scatter_shared.py, reduce_scatter_single_copy.py, reduce_scatter_in_place.py
-    all_gather_shared.py, all_gather_single_copy.py, all_gather_in_place.py
+The algorithms that run on it (comm/allreduce_one_shot.py and its kin) live above, with the others.
 """

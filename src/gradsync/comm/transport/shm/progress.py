@@ -18,6 +18,9 @@ peer asleep on it (waiting.py) wakes to take them or to write more.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import torch
 
 from gradsync.comm.transport.shm.ring import Ring
@@ -25,7 +28,7 @@ from gradsync.comm.transport import Handle, PeerError
 
 
 class ShmOp(Handle):
-    """A posted shared-memory send or receive; progress is made by the transport."""
+    """A posted shared-memory send or receive; its transport's progress moves it, its waits wait for it."""
 
     __slots__ = ("transport", "peer", "op", "nbytes", "data", "reduce_into", "combine", "control", "sent", "order",
                  "header_done", "offset", "finished")
@@ -48,41 +51,91 @@ class ShmOp(Handle):
 
     def done(self) -> bool:
         if not self.finished:
-            self.transport._progress_locked()
+            self.transport.progress.advance_locked()
         return self.finished
 
     def wait(self, timeout: float | None = None) -> int:
         if not self.finished:
-            self.transport._wait_for(self, timeout)
+            self.transport.waits.wait_for(self, timeout)
         return self.peer
 
 
 class Progress:
-    """ShmTransport's progress: every method here runs with the transport's lock held, except
-    _progress_locked, which takes it."""
+    """A ShmTransport's sends and receives in flight, and what moves them (module docstring).
 
-    def _progress_locked(self) -> None:
-        with self._lock:
-            self._advance()
+    ``lock`` guards the queues and the rings: every method here runs with it held, except
+    ``advance_locked`` and ``break_with``, which take it. ``broken``: the error that broke the
+    transport (a failed or timed-out wait, a malformed frame), raised by every later operation.
+    ``sleepers``: how many of this process's threads sleep on its doorbell (waiting.py)."""
 
-    def _advance(self) -> int:
+    def __init__(self, rank: int, segments, meter) -> None:
+        self.rank = rank
+        self.meter = meter
+        self.lock = threading.Lock()
+        self.sleepers = 0
+        self.broken: Exception | None = None
+        self._segments = segments
+        self._order = 0
+        peers = [r for r in segments.local_ranks if r != rank]
+        self._sends: dict[int, collections.deque] = {r: collections.deque() for r in peers}
+        self._recvs: dict[int, collections.deque] = {r: collections.deque() for r in peers}
+        self._any: collections.deque = collections.deque()
+        self._to_ring: set[int] = set()
+
+    def local(self, peer: int) -> bool:
+        """Whether ``peer`` is another rank of this host (its messages go through shared memory)."""
+        return peer in self._sends
+
+    def post(self, transport, tensor, peer, op, sent, control, combine=None) -> ShmOp:
+        """Queue a send to (or a receive from) ``peer`` (None: any rank) and move what can move."""
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            self._order += 1
+            handle = ShmOp(transport, peer, op, tensor, sent, control, self._order, combine)
+            if sent:
+                self._sends[peer].append(handle)
+            elif peer is None:
+                self._any.append(handle)
+            else:
+                self._recvs[peer].append(handle)
+            self.move()
+        return handle
+
+    def advance_locked(self) -> None:
+        with self.lock:
+            self.advance()
+
+    def advance(self) -> int:
         """Lock held: fail if broken, move what can move, wake our other sleeping threads; returns the
         doorbell value read before moving anything (what a following sleep must compare against)."""
-        if self._broken is not None:
-            raise self._broken
-        seen = self._bell.read()
-        if self._progress() and self._sleepers:
-            self._bell.ring()  # another thread sleeps on our bell and its operation may be done
+        if self.broken is not None:
+            raise self.broken
+        bell = self._segments.bell
+        seen = bell.read()
+        if self.move() and self.sleepers:
+            bell.ring()  # another thread sleeps on our bell and its operation may be done
         return seen
 
-    def _progress(self) -> int:
+    def break_with(self, error: Exception) -> Exception:
+        """Keep ``error`` as the transport's: every later operation raises it. Returns it."""
+        with self.lock:
+            self.broken = error
+        return error
+
+    def has_pending(self) -> bool:
+        """True while any shared-memory send or receive of this rank is unfinished."""
+        return (any(self._sends.values()) or any(self._recvs.values()) or bool(self._any)
+                or any(ring.current is not None for ring in self._segments.rings_in.values()))
+
+    def move(self) -> int:
         """Move every byte that can move now; returns how many operations finished. Lock held."""
         finished = 0
         try:
             for peer, queue in self._sends.items():
                 while queue and self._push(queue[0]):
                     finished += self._finish(queue.popleft())
-            for peer, ring in self._in.items():
+            for peer, ring in self._segments.rings_in.items():
                 while True:
                     if ring.current is None and not self._match(peer, ring):
                         break
@@ -91,11 +144,12 @@ class Progress:
                     finished += self._finish(ring.current)
                     ring.current = None
         except PeerError as exc:
-            self._broken = exc
+            self.broken = exc
             raise
         finally:
+            bells = self._segments.bells
             for peer in self._to_ring:
-                self._bells[peer].ring()
+                bells[peer].ring()
             self._to_ring.clear()
         return finished
 
@@ -107,7 +161,7 @@ class Progress:
 
     def _push(self, handle: ShmOp) -> bool:
         """Write as much of ``handle`` into the peer's ring as fits; True when all of it is in."""
-        moved, done = self._out[handle.peer].write(handle)
+        moved, done = self._segments.rings_out[handle.peer].write(handle)
         if moved:
             self._to_ring.add(handle.peer)
         return done

@@ -1,10 +1,10 @@
 """Shared regions: tensors that every rank of a host can read in every other rank's memory.
 
 The shared-memory all-reduce copies a tensor into a staging half so that the other ranks can read
-it (allreduce_shared.py). A tensor that already lives in shared memory needs no such copy: a
+it (allreduce_two_shot.py). A tensor that already lives in shared memory needs no such copy: a
 region is one such tensor per rank, allocated together by all local ranks, the same size on each.
 DDP allocates its gradient buckets as regions (ddp/buckets.py), so a bucket's gradients are
-readable by the other ranks the moment backward has written them (allreduce_shared_in_place.py).
+readable by the other ranks the moment backward has written them (allreduce_in_place.py).
 
 Vocabulary
     region k     the k-th region this transport allocated; every local rank allocates regions in
@@ -43,10 +43,11 @@ from gradsync.comm.transport.shm.segment import SHM_DIR
 
 
 class SharedRegions:
-    """The regions of one shared-memory transport."""
+    """The regions of one shared-memory transport, made over its segments (segment.py's Segments:
+    the local ranks, their process ids, the store reads that notice a dead peer)."""
 
-    def __init__(self, transport, store, job_prefix: str) -> None:
-        self._transport = transport
+    def __init__(self, segments, store, job_prefix: str) -> None:
+        self._segments = segments
         self._store = store
         self._prefix = job_prefix
         self._mappings: list[dict[int, mmap.mmap]] = []
@@ -57,7 +58,7 @@ class SharedRegions:
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Region k: a zeroed 1-D tensor of ``numel`` x ``dtype`` in shared memory, or None when every
         local rank agrees that /dev/shm cannot hold it (then no rank allocates). Collective."""
-        t = self._transport
+        t = self._segments
         k = len(self._mappings)
         used = numel * torch.empty((), dtype=dtype).element_size()
         nbytes = max(1, used)  # a mapping cannot be empty
@@ -113,7 +114,7 @@ class SharedRegions:
         adopted (a 1-D contiguous CPU tensor that is the whole of its storage). True when every rank
         offered and mapped every other rank's storage; then ``tensor`` lies in shared memory, at a new
         address, with every view of its storage (see the module docstring)."""
-        t = self._transport
+        t = self._segments
         k = len(self._mappings)
         key = f"gradsync/shm/{self._prefix}region{k}"
         wait = timedelta(seconds=t.timeout)
@@ -175,7 +176,7 @@ class SharedRegions:
                 if views is None:
                     offset = start - base
                     views = [torch.frombuffer(self._mappings[k][r], dtype=torch.uint8, count=nbytes, offset=offset)
-                             .view(tensor.dtype) if nbytes else tensor for r in self._transport.local_ranks]
+                             .view(tensor.dtype) if nbytes else tensor for r in self._segments.local_ranks]
                     if len(self._views) >= 1024:
                         self._views.clear()
                     self._views[key] = views

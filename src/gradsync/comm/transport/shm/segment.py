@@ -1,4 +1,4 @@
-"""The shared segments of a ShmTransport (transport.py): their layout, set-up and clean-up.
+"""The shared segments of a ShmTransport (transport.py): their layout, set-up and clean-up (Segments).
 
 Segment layout (rank d's segment; slot i is the ring from local rank i to d)
     [0, 4)                           doorbell (u32): rung by anyone who wrote to d or freed space for d
@@ -11,7 +11,7 @@ Segment layout (rank d's segment; slot i is the ring from local rank i to d)
                                      where its tensor lies for single-copy reads; they alternate,
                                      like the staging halves (staging.py)
     then 2 staging halves of S bytes (GRADSYNC_SHM_STAGE_MB): d's contribution to a collective that
-                                     reads every rank's memory directly (allreduce_shared.py)
+                                     reads every rank's memory directly (allreduce_two_shot.py)
 
 Cleanup: each rank creates its segment, every local peer maps it, and then the name is unlinked at
 once, so from then on the memory lives only as long as the mappings: a SIGKILLed job leaves
@@ -30,7 +30,6 @@ import ctypes
 import mmap
 import os
 import secrets
-import threading
 import time
 from datetime import timedelta
 
@@ -40,8 +39,7 @@ from gradsync.group import runtime
 from gradsync.comm.transport.shm import native, single_copy
 from gradsync.comm.transport.shm.doorbell import Doorbell
 from gradsync.comm.transport.shm.ring import FRAME, Ring, slot_bytes
-from gradsync.comm.transport.shm.waiting import (BACKGROUND_SPIN_SECONDS, LIVENESS_SLICE, SPIN_SECONDS,
-                                                 YIELD_SECONDS, alive)
+from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE, alive
 from gradsync.comm.transport import PeerError, abandoned
 
 DEFAULT_RING_MB = 2
@@ -97,40 +95,64 @@ def job_token(world: runtime.World) -> str:
 
 
 class Segments:
-    """ShmTransport's segments: where each part of one lies (module docstring), creating and mapping
-    them at set-up, and unmapping them at close(). Sets the transport's mappings, doorbells, rings,
-    barrier counters and staging views."""
+    """The segments of one ShmTransport (transport.py): where each part of one lies (module docstring),
+    creating and mapping them at set-up (``connect``), and unmapping them at ``close``. Holds the
+    mappings, this rank's doorbell and its peers', the rings in and out, the barrier counter words
+    and the staging halves, as the other parts of the transport read them."""
 
-    def _segment_bytes(self) -> int:
-        return self._stage_offset() + 2 * self.stage_bytes
+    def __init__(self, rank: int, local_ranks: tuple[int, ...], timeout: float) -> None:
+        self.rank = rank
+        self.local_ranks = local_ranks
+        self.local_index = {r: i for i, r in enumerate(local_ranks)}
+        self.timeout = timeout
+        self.capacity = ring_bytes()
+        self.stage_bytes = stage_bytes()
+        self.mappings: dict[int, mmap.mmap] = {}
+        self.pids: dict[int, int] = {}           # local peer -> its process id, once it created its segment
+        self.native_problem: str | None = None  # why the native core does not run here (None: it does)
+        self.single_copy = False
+        self.single_copy_problem: str | None = "not probed"
+        self.bell: Doorbell | None = None        # this rank's doorbell
+        self.bells: dict[int, Doorbell] = {}     # each peer's doorbell
+        self.rings_in: dict[int, Ring] = {}      # peer -> the ring from it, in this rank's segment
+        self.rings_out: dict[int, Ring] = {}     # peer -> the ring to it, in its segment
+        self.counters: dict[int, ctypes.c_uint64] = {}   # every local rank's barrier counter word
+        self.peer_counters: list[ctypes.c_uint64] = []
+        self.ordered_peers: list[int] = []
+        self.stages: dict[int, torch.Tensor] = {}   # every local rank's two staging halves, uint8
 
-    def _fingerprint_offset(self) -> int:
+    def segment_bytes(self) -> int:
+        return self.stage_offset() + 2 * self.stage_bytes
+
+    def fingerprint_offset(self) -> int:
         return FRAME + len(self.local_ranks) * slot_bytes(self.capacity)
 
-    def _stage_offset(self) -> int:
-        return self._fingerprint_offset() + 4 * FRAME
+    def stage_offset(self) -> int:
+        return self.fingerprint_offset() + 4 * FRAME
 
-    def _slot(self, sender: int) -> int:
+    def slot(self, sender: int) -> int:
         return FRAME + self.local_index[sender] * slot_bytes(self.capacity)
 
-    def _connect(self, world: runtime.World, job: str) -> None:
-        """Create this rank's segment, map every local peer's, then unlink ours (see Cleanup)."""
+    def connect(self, world: runtime.World, job: str):
+        """Create this rank's segment, map every local peer's, then unlink ours (see Cleanup); agree
+        on single-copy reads and on the native core; make the doorbells, rings, counters and staging
+        views. Returns the native core's module where every local rank has it, else None."""
         store, wait = world.store, timedelta(seconds=world.timeout)
         key = f"gradsync/shm/{job}"
         path = os.path.join(SHM_DIR, f"{segment_prefix(job)}{self.rank}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, self._segment_bytes())
-            self._mappings[self.rank] = mmap.mmap(fd, self._segment_bytes())
+            os.ftruncate(fd, self.segment_bytes())
+            self.mappings[self.rank] = mmap.mmap(fd, self.segment_bytes())
             os.close(fd)
             fd = -1
-            own = self._mappings[self.rank]
-            own[self._fingerprint_offset():self._fingerprint_offset() + 16] = secrets.token_bytes(16)
+            own = self.mappings[self.rank]
+            own[self.fingerprint_offset():self.fingerprint_offset() + 16] = secrets.token_bytes(16)
             base = ctypes.addressof(ctypes.c_char.from_buffer(own))
             extension, self.native_problem = native.load()
             store.set(f"{key}/created/{self.rank}",
                       f"{os.getpid()} {self.capacity} {self.stage_bytes} {base} {int(extension is not None)}")
-            self.pids, bases = {}, {}
+            bases = {}
             for peer in self.local_ranks:
                 if peer == self.rank:
                     continue
@@ -145,10 +167,10 @@ class Segments:
                 self.pids[peer] = pid
                 peer_fd = os.open(os.path.join(SHM_DIR, f"{segment_prefix(job)}{peer}"), os.O_RDWR)
                 try:
-                    self._mappings[peer] = mmap.mmap(peer_fd, self._segment_bytes())
+                    self.mappings[peer] = mmap.mmap(peer_fd, self.segment_bytes())
                 finally:
                     os.close(peer_fd)
-            problems = [self._probe(peer, bases[peer]) for peer in self.pids]
+            problems = [self.probe(peer, bases[peer]) for peer in self.pids]
             mine = next((f"rank {self.rank}: {p}" for p in problems if p), "")
             store.set(f"{key}/opened/{self.rank}", f"1 {mine}")
             theirs = [self.store_get(store, f"{key}/opened/{peer}", wait, peer, "map its segment")[2:]
@@ -164,42 +186,34 @@ class Segments:
                 pass
         me = self.local_index[self.rank]
         extension = native.load()[0] if self.native_problem is None else None
-        self._bell = Doorbell(self._mappings[self.rank], 0, me, extension)
-        self._bells = {peer: Doorbell(self._mappings[peer], 0, me, extension) for peer in self.pids}
-        self._in = {peer: Ring(self._mappings[self.rank], self._slot(peer), self.capacity) for peer in self.pids}
-        self._out = {peer: Ring(self._mappings[peer], self._slot(self.rank), self.capacity) for peer in self.pids}
-        self._counters = {rank: ctypes.c_uint64.from_buffer(self._mappings[rank], 8) for rank in self.local_ranks}
-        self._peer_counters = [self._counters[peer] for peer in self.pids]
-        self._ordered_peers = sorted(self.pids)
-        self._stages = {rank: torch.frombuffer(self._mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
-                                               offset=self._stage_offset()) for rank in self.local_ranks}
-        if extension is not None:
-            self._start_core(extension)
-        elif self.native_problem is not None and self.local_index[self.rank] == 0:
+        self.bell = Doorbell(self.mappings[self.rank], 0, me, extension)
+        self.bells = {peer: Doorbell(self.mappings[peer], 0, me, extension) for peer in self.pids}
+        self.rings_in = {peer: Ring(self.mappings[self.rank], self.slot(peer), self.capacity) for peer in self.pids}
+        self.rings_out = {peer: Ring(self.mappings[peer], self.slot(self.rank), self.capacity) for peer in self.pids}
+        self.counters = {rank: ctypes.c_uint64.from_buffer(self.mappings[rank], 8) for rank in self.local_ranks}
+        self.peer_counters = [self.counters[peer] for peer in self.pids]
+        self.ordered_peers = sorted(self.pids)
+        self.stages = {rank: torch.frombuffer(self.mappings[rank], dtype=torch.uint8, count=2 * self.stage_bytes,
+                                              offset=self.stage_offset()) for rank in self.local_ranks}
+        if extension is None and self.native_problem is not None and me == 0:
             native.notice(self.native_problem)
+        return extension
 
-    def _start_core(self, extension) -> None:
-        """The native core over this transport's memory (native/module.c's Core); it keeps the counters
-        and the hold from now on, so that both paths share them."""
+    def core_addresses(self) -> dict:
+        """Where the native core finds each local rank's counter, doorbell, fingerprint slots and staging
+        halves (native/module.c's Core), as keyword arguments."""
         ranks = self.local_ranks
-        bases = [ctypes.addressof(self._counters[rank]) - 8 for rank in ranks]   # the counter is at byte 8
-        slots = [base + self._fingerprint_offset() + parity * 2 * FRAME for base in bases for parity in (0, 1)]
-        stages = [self._stages[rank].data_ptr() + half * self.stage_bytes for rank in ranks for half in (0, 1)]
-        self.core = extension.Core(
-            n=len(ranks), me=self.local_index[self.rank], counters=[base + 8 for base in bases], bells=bases,
-            slots=slots, stages=stages, stage_bytes=self.stage_bytes, spin_allowed=self.spin_allowed,
-            spin_seconds=SPIN_SECONDS, background_spin_seconds=BACKGROUND_SPIN_SECONDS, yield_seconds=YIELD_SECONDS,
-            slice_seconds=LIVENESS_SLICE, main_thread=threading.main_thread().ident,
-            own_core=-1 if self.own_core is None else self.own_core, on_slice=self.on_slice)
-        self.counters = self.core
-        if self.hold is not None:
-            self.hold = native.NativeHold(self.core, self.own_core)
+        bases = [ctypes.addressof(self.counters[rank]) - 8 for rank in ranks]   # the counter is at byte 8
+        return dict(n=len(ranks), me=self.local_index[self.rank], counters=[base + 8 for base in bases], bells=bases,
+                    slots=[base + self.fingerprint_offset() + parity * 2 * FRAME for base in bases for parity in (0, 1)],
+                    stages=[self.stages[rank].data_ptr() + half * self.stage_bytes for rank in ranks for half in (0, 1)],
+                    stage_bytes=self.stage_bytes)
 
-    def _probe(self, peer: int, base: int) -> str | None:
+    def probe(self, peer: int, base: int) -> str | None:
         """Why single-copy reads from ``peer`` do not work here (None when they do): read the token at
         the start of its fingerprint slots and compare it with what its mapping shows (single_copy.probe)."""
-        offset = self._fingerprint_offset()
-        expected = bytes(self._mappings[peer][offset:offset + 16])
+        offset = self.fingerprint_offset()
+        expected = bytes(self.mappings[peer][offset:offset + 16])
         return single_copy.probe(self.pids[peer], base + offset, expected)
 
     def store_get(self, store, key: str, wait: timedelta, peer: int, what: str) -> str:
@@ -214,7 +228,7 @@ class Segments:
                     raise TimeoutError(f"timed out after {now - started:.1f} s")
                 if now - looked >= LIVENESS_SLICE:
                     looked = now
-                    pid = getattr(self, "pids", {}).get(peer)   # known once the peer created its segment
+                    pid = self.pids.get(peer)   # known once the peer created its segment
                     why = f"rank {peer} (pid {pid}) exited" if pid is not None and not alive(pid) else abandoned()
                     if why is not None:
                         raise RuntimeError(why)
@@ -226,25 +240,18 @@ class Segments:
                             op="shm/connect") from exc
 
     def close(self) -> None:
-        """Unmap every segment (their names are already gone)."""
-        with self._lock:
-            staging = getattr(self, "host_staging", None)   # comm/host_staging.py, where CUDA tensors were staged
-            if staging is not None:
-                staging.close()   # CUDA's page-locking of a region goes before the region is unmapped
-            if hasattr(self, "regions"):
-                self.regions.close()
-            for ring in list(getattr(self, "_in", {}).values()) + list(getattr(self, "_out", {}).values()):
-                ring.release()
-            for bell in [getattr(self, "_bell", None), *getattr(self, "_bells", {}).values()]:
-                if bell is not None:
-                    bell.release()
-            self.core = None   # its addresses go with the mappings
-            self._in, self._out, self._bells, self._counters, self._stages = {}, {}, {}, {}, {}
-            self._views, self.plans, self._peer_counters = {}, {}, []
-            for mapping in self._mappings.values():
-                try:
-                    mapping.close()
-                except BufferError:  # a tensor view still exists; the mapping goes with the process
-                    pass
-            self._mappings = {}
-            self._broken = self._broken or RuntimeError("the shared-memory transport was closed (gradsync.shutdown)")
+        """Release the rings and doorbells and unmap every segment (their names are already gone)."""
+        for ring in [*self.rings_in.values(), *self.rings_out.values()]:
+            ring.release()
+        for bell in [self.bell, *self.bells.values()]:
+            if bell is not None:
+                bell.release()
+        self.bell = None
+        self.rings_in, self.rings_out, self.bells, self.counters, self.stages = {}, {}, {}, {}, {}
+        self.peer_counters = []
+        for mapping in self.mappings.values():
+            try:
+                mapping.close()
+            except BufferError:  # a tensor view still exists; the mapping goes with the process
+                pass
+        self.mappings = {}

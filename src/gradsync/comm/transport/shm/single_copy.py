@@ -35,7 +35,7 @@ ENV = "GRADSYNC_SHM_SINGLE_COPY"
 FROM_BYTES = 256 << 10
 """Reduce-scatter inputs and all-gather shards of at least this many bytes are read where they lie;
 smaller ones go through the staging halves (one barrier fewer). (The all-reduce always stages:
-allreduce_shared.py says why.)"""
+allreduce_two_shot.py says why.)"""
 
 
 class SingleCopyError(OSError):

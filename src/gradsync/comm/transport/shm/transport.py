@@ -18,32 +18,32 @@ one ShmTransport serves a whole job; waiting for one of those keeps the shared-m
 moving (waiting.py's Delegated). A receive from any rank on tag 0 needs every rank on this host (it
 cannot also listen on TCP); otherwise it raises and asks for a tag.
 
-The transport is assembled from its parts, one file each, along the seams of the segment it runs
-on: segment.py (layout, set-up, clean-up), staging.py (fingerprint slots and staging halves, for
-the collectives that read each other's memory), progress.py (moving sends and receives through the
-rings), waiting.py (sleeping on the doorbell, barriers, liveness and timeouts). This file posts
-operations and holds the state they share.
+The transport owns its parts as objects, one file each, along the seams of the segment it runs on:
+``segments`` (segment.py: layout, set-up, clean-up), ``staging`` (staging.py: fingerprint slots and
+staging halves, for the collectives that read each other's memory), ``progress`` (progress.py: the
+sends and receives in flight and moving them through the rings), ``waits`` (waiting.py: sleeping on
+the doorbell, barriers, liveness and timeouts). This file makes them, posts operations, and offers
+what the Transport interface declares (comm/transport/__init__.py), each from the part that keeps it.
 """
 
 from __future__ import annotations
 
-import collections
-import mmap
 import os
 import threading
 
 import torch
 
 from gradsync.group import runtime
+from gradsync.comm.transport.shm import native
 from gradsync.comm.transport.shm.hold import CoreHold
 from gradsync.comm.transport.shm.native import Counters
 from gradsync.comm.transport.shm.progress import Progress, ShmOp
 from gradsync.comm.transport.shm.regions import SharedRegions
-from gradsync.comm.transport.shm.ring import FRAME
-from gradsync.comm.transport.shm.segment import Segments, ring_bytes, segment_prefix, stage_bytes
+from gradsync.comm.transport.shm.segment import Segments, segment_prefix
 from gradsync.comm.transport.shm.staging import Staging
-from gradsync.comm.transport.shm.waiting import Delegated, Waiting
-from gradsync.comm.transport.tcp import TorchTransport
+from gradsync.comm.transport.shm.waiting import (BACKGROUND_SPIN_SECONDS, LIVENESS_SLICE, SPIN_SECONDS, YIELD_SECONDS,
+                                                 Delegated, Waits)
+from gradsync.comm.transport.torch_distributed import TorchTransport
 from gradsync.comm.transport import Transport
 from gradsync.observe.meter import METER, TrafficMeter
 
@@ -59,53 +59,90 @@ def _usable_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
+class ShmTransport(Transport):
     """Shared memory between ranks of one host, torch.distributed for everything else."""
 
     segment_bytes = SEGMENT_BYTES
 
-    def __init__(self, world: runtime.World, local_ranks: tuple[int, ...], job: str,
-                 meter: TrafficMeter = METER) -> None:
+    def __init__(self, world: runtime.World, local_ranks: tuple[int, ...], job: str, *, context,
+                 meter: TrafficMeter = METER, narrow_half_sums: bool = False) -> None:
+        """``context``: the communicator's (comm/context.py), made at init; ``narrow_half_sums``: the
+        native core rounds float16/bfloat16 sums after every add, as the Python path does under
+        GRADSYNC_HALF_SUM=narrow (comm/reduce_ops.py)."""
         self.rank = world.rank
         self.world_size = world.world_size
         self.timeout = world.timeout
         self.meter = meter
         self.hosts = world.hosts
-        self.tcp = TorchTransport(world, meter)
+        self.context = context
+        self.tcp = TorchTransport(world, context=context, meter=meter)
         self.local_ranks = local_ranks
-        self.local_index = {r: i for i, r in enumerate(local_ranks)}
-        self.capacity = ring_bytes()
-        self.stage_bytes = stage_bytes()
-        self._fingerprint_slots = (self._fingerprint_offset(), self._fingerprint_offset() + 2 * FRAME)
-        self.counters = Counters()   # barriers, published, half, split_in_half; the native core's own once connected
-        self.core = None             # the native core (native/), where every local rank has it: segment.py
-        self._views: dict[tuple, list[torch.Tensor]] = {}
-        self.plans: dict[tuple, object] = {}   # small collectives made ready per shape (collectives.py)
+        self.shares_memory = len(local_ranks) == world.world_size
+        # holding and polling: where this rank's thread runs, and whether a wait may poll (waiting.py)
         cores = _usable_cores()
         self.ranks_per_core = -(-len(local_ranks) // len(cores))   # sharing a core and its cache
         self.spin_allowed = self.ranks_per_core == 1
         holdable = len(local_ranks) > 1 and hasattr(os, "sched_setaffinity")   # not on every OS
-        self.own_core = cores[self.local_index[self.rank] % len(cores)] if holdable else None
+        self.own_core = cores[local_ranks.index(self.rank) % len(cores)] if holdable else None
         self.hold = CoreHold(self.own_core) if holdable else None
-        self._lock = threading.Lock()
-        self._sleepers = 0
-        self._order = 0
-        self._broken: Exception | None = None
-        self._sends: dict[int, collections.deque] = {r: collections.deque() for r in local_ranks if r != self.rank}
-        self._recvs: dict[int, collections.deque] = {r: collections.deque() for r in local_ranks if r != self.rank}
-        self._any: collections.deque = collections.deque()
-        self._to_ring: set[int] = set()
-        self._mappings: dict[int, mmap.mmap] = {}
-        self.single_copy = False
-        self.single_copy_problem = "not probed"
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-        self._connect(world, job)
-        self.regions = SharedRegions(self, world.store, segment_prefix(job))
+        self.core = None               # the native core (native/), where every local rank has it
+        self.counters = Counters()     # barriers, published, half, split_in_half; the native core's own once it runs
+        # the parts
+        self.segments = Segments(self.rank, local_ranks, self.timeout)
+        extension = self.segments.connect(world, job)
+        self.stage_bytes = self.segments.stage_bytes
+        self.single_copy = self.segments.single_copy
+        self.single_copy_problem = self.segments.single_copy_problem
+        self.progress = Progress(self.rank, self.segments, meter)
+        self.waits = Waits(self.rank, self.timeout, self.segments, self.progress, self.counters, self.hold,
+                           self.spin_allowed)
+        if extension is not None:
+            self._start_core(extension, narrow_half_sums)
+        self.staging = Staging(self.rank, self.segments, self.counters, meter)
+        self.regions = SharedRegions(self.segments, world.store, segment_prefix(job))
+        # the shared-memory offers the Transport interface declares, bound to the parts that keep them
+        # (bound once: a small collective calls several of them, and a forwarding call costs as much)
+        staging, waits = self.staging, self.waits
+        self.publish, self.first_differing, self.published = staging.publish, staging.first_differing, staging.published
+        self.published_address, self.read_from, self.scratch = (staging.published_address, staging.read_from,
+                                                                staging.scratch)
+        self.next_half, self.split_half, self.restart_halves = (staging.next_half, staging.split_half,
+                                                                staging.restart_halves)
+        self.stage, self.staged_views = staging.stage, staging.staged_views
+        self.barrier, self.native, self.dead_peers = waits.barrier, waits.native, waits.dead_peers
+
+    def _start_core(self, extension, narrow_half_sums: bool) -> None:
+        """The native core over this transport's memory (native/module.c's Core); it keeps the counters
+        and the hold from now on, so that both paths share them."""
+        extension.set_narrow_half_sums(narrow_half_sums)
+        self.core = extension.Core(
+            **self.segments.core_addresses(), spin_allowed=self.spin_allowed, spin_seconds=SPIN_SECONDS,
+            background_spin_seconds=BACKGROUND_SPIN_SECONDS, yield_seconds=YIELD_SECONDS,
+            slice_seconds=LIVENESS_SLICE, main_thread=threading.main_thread().ident,
+            own_core=-1 if self.own_core is None else self.own_core, on_slice=self.waits.on_slice)
+        self.counters = self.core
+        if self.hold is not None:
+            self.hold = native.NativeHold(self.core, self.own_core)
+        self.waits.use_core(self.core, self.hold)
 
     def interrupt(self, why: str) -> None:
         """Transport.interrupt: what travels over TCP is ended there; the shared-memory waits see the same
         verdict through abandoned() within a liveness slice."""
         self.tcp.interrupt(why)
+
+    def close(self) -> None:
+        """Close the context first (host staging's page-locked regions go before the regions are
+        unmapped; kept native plans hold the core's addresses), then the regions and the segments;
+        every later operation raises."""
+        self.context.close()
+        progress = self.progress
+        with progress.lock:
+            self.regions.close()
+            self.staging.close()
+            self.core = self.waits.core = None   # its addresses go with the mappings
+            self.segments.close()
+            progress.broken = progress.broken or RuntimeError("the shared-memory transport was closed "
+                                                              "(gradsync.shutdown)")
 
     # --- posting --------------------------------------------------------------------------------
     def _routed_here(self, tensor: torch.Tensor, peer: int | None, tag: int) -> bool:
@@ -117,32 +154,20 @@ class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
                                  f"memory and TCP at once (this job spans several hosts); give the messages a tag "
                                  f"(tagged messages travel over torch.distributed) or set GRADSYNC_TRANSPORT=tcp")
             return True
-        return peer in self._sends
+        return self.progress.local(peer)
 
     def _post(self, tensor, peer, op, sent, control, combine=None) -> ShmOp:
-        self.tcp._check(tensor, peer, op)
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            self._order += 1
-            handle = ShmOp(self, peer, op, tensor, sent, control, self._order, combine)
-            if sent:
-                self._sends[peer].append(handle)
-            elif peer is None:
-                self._any.append(handle)
-            else:
-                self._recvs[peer].append(handle)
-            self._progress()
-        return handle
+        self.tcp.check(tensor, peer, op)
+        return self.progress.post(self, tensor, peer, op, sent, control, combine)
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
         if not self._routed_here(tensor, dst, tag):
-            return Delegated(self.tcp.isend(tensor, dst, op, control=control, tag=tag), self, dst, op)
+            return Delegated(self.tcp.isend(tensor, dst, op, control=control, tag=tag), self.waits, dst, op)
         return self._post(tensor, dst, op, True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
         if not self._routed_here(tensor, src, tag):
-            return Delegated(self.tcp.irecv(tensor, src, op, control=control, tag=tag), self, src, op)
+            return Delegated(self.tcp.irecv(tensor, src, op, control=control, tag=tag), self.waits, src, op)
         return self._post(tensor, src, op, False, control)
 
     def pairs_exchanges(self, tensor):
@@ -151,9 +176,10 @@ class ShmTransport(Segments, Staging, Progress, Waiting, Transport):
     def exchange(self, send, dst, recv, src, op):
         if not self.pairs_exchanges(send):
             return super().exchange(send, dst, recv, src, op)
-        return Delegated(self.tcp.exchange(send, dst, recv, src, op), self, src, op)
+        return Delegated(self.tcp.exchange(send, dst, recv, src, op), self.waits, src, op)
 
     def irecv_reduce(self, tensor, src, op, *, staging, combine=torch.Tensor.add_):
         if not self._routed_here(tensor, src, 0):
-            return Delegated(self.tcp.irecv_reduce(tensor, src, op, staging=staging, combine=combine), self, src, op)
+            return Delegated(self.tcp.irecv_reduce(tensor, src, op, staging=staging, combine=combine), self.waits,
+                             src, op)
         return self._post(tensor, src, op, False, False, combine=combine)

@@ -1,4 +1,4 @@
-"""Waiting in a ShmTransport (transport.py): sleeping on the doorbell, barriers, liveness, timeouts.
+"""Waiting in a ShmTransport (transport.py): sleeping on the doorbell, barriers, liveness, timeouts (Waits).
 
 No busy-wait: a waiting rank sleeps on its doorbell (doorbell.py) in slices of LIVENESS_SLICE
 seconds; after each slice it checks that the peers it waits for are still alive (same host, so
@@ -81,56 +81,70 @@ class Delegated(Handle):
     transfer. With nothing pending it is torch's own blocking wait.
     """
 
-    __slots__ = ("inner", "transport", "peer", "op")
+    __slots__ = ("inner", "waits", "peer", "op")
 
-    def __init__(self, inner: Handle, transport: "Waiting", peer, op) -> None:
-        self.inner, self.transport, self.peer, self.op = inner, transport, peer, op
+    def __init__(self, inner: Handle, waits: "Waits", peer, op) -> None:
+        self.inner, self.waits, self.peer, self.op = inner, waits, peer, op
 
     def done(self) -> bool:
         return self.inner.done()
 
     def wait(self, timeout: float | None = None) -> int:
-        t = self.transport
-        limit = t.timeout if timeout is None else timeout
+        waits = self.waits
+        limit = waits.timeout if timeout is None else timeout
         started = time.monotonic()
-        while t.has_pending() and not self.inner.done():
+        while waits.progress.has_pending() and not self.inner.done():
             waited = time.monotonic() - started
             if waited >= limit:
                 who = "any rank" if self.peer is None else f"rank {self.peer}"
-                raise t._broken_by(PeerError(f"rank {t.rank}: {self.op}: transfer with {who} over torch.distributed "
-                                             f"timed out after {waited:.1f} s (timeout {limit:.0f} s)",
-                                             rank=t.rank, peer=self.peer, op=self.op))
-            t.nap(min(POLL_SLICE, limit - waited))
+                raise waits.progress.break_with(PeerError(
+                    f"rank {waits.rank}: {self.op}: transfer with {who} over torch.distributed timed out after "
+                    f"{waited:.1f} s (timeout {limit:.0f} s)", rank=waits.rank, peer=self.peer, op=self.op))
+            waits.nap(min(POLL_SLICE, limit - waited))
         return self.inner.wait(None if timeout is None else max(0.0, limit - (time.monotonic() - started)))
 
 
-class Waiting:
-    """ShmTransport's waits: every one makes progress (progress.py) and sleeps on this rank's
-    doorbell until its condition holds, a peer it waits for has died, or the timeout has passed."""
+class Waits:
+    """A ShmTransport's waits: every one makes progress (progress.py) and sleeps on this rank's
+    doorbell until its condition holds, a peer it waits for has died, or the timeout has passed.
+
+    Reads the segments' doorbell, process ids and barrier counter words, the transport's counters
+    (``counters``: the native core once it runs, which keeps them for both paths) and its hold."""
+
+    def __init__(self, rank: int, timeout: float, segments, progress, counters, hold, spin_allowed: bool) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.segments = segments
+        self.progress = progress
+        self.counters = counters
+        self.hold = hold
+        self.spin_allowed = spin_allowed
+        self.core = None   # the native core, once it runs (use_core)
+
+    def use_core(self, core, hold) -> None:
+        """From now on the native core keeps the counters and the hold, and barriers are its own."""
+        self.core, self.counters, self.hold = core, core, hold
 
     def dead_peers(self) -> list[int]:
         """The local peers whose process is gone (Transport.dead_peers)."""
-        return [peer for peer, pid in self.pids.items() if not alive(pid)]
-
-    def has_pending(self) -> bool:
-        """True while any shared-memory send or receive of this rank is unfinished."""
-        return (any(self._sends.values()) or any(self._recvs.values()) or bool(self._any)
-                or any(ring.current is not None for ring in self._in.values()))
+        return [peer for peer, pid in self.segments.pids.items() if not alive(pid)]
 
     def nap(self, seconds: float) -> None:
         """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
-        with self._lock:
-            seen = self._advance()
+        progress = self.progress
+        with progress.lock:
+            seen = progress.advance()
         if self.hold is not None:
             self.hold.before_sleep()
-        self._bell.sleep(seen, seconds)
+        self.segments.bell.sleep(seen, seconds)
 
-    def _wait_for(self, handle: ShmOp, timeout: float | None) -> None:
-        peers = [handle.peer] if handle.peer is not None else list(self.pids)
-        self._wait_until(lambda: handle.finished, timeout, peers,
-                         lambda waited, limit, what: self._stuck(handle, waited, limit, what))
+    def wait_for(self, handle: ShmOp, timeout: float | None) -> None:
+        """Until the posted send or receive ``handle`` has finished."""
+        peers = [handle.peer] if handle.peer is not None else list(self.segments.pids)
+        self.wait_until(lambda: handle.finished, timeout, peers,
+                        lambda waited, limit, what: self._stuck(handle, waited, limit, what))
 
-    def _wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
+    def wait_until(self, is_done, timeout: float | None, peers: list[int], stuck, spin: bool = False) -> None:
         """Make progress and sleep on our doorbell until ``is_done()``; a dead peer among ``peers`` or
         the timeout raises ``stuck(waited, limit, what)``. ``spin``: first poll ``is_done`` alone, for
         ``poll_seconds``, moving nothing (for conditions the other ranks make true, as a barrier's; a
@@ -146,43 +160,39 @@ class Waiting:
                     os.sched_yield()
                 if is_done():
                     return
+        progress, pids = self.progress, self.segments.pids
         while True:
-            with self._lock:
-                seen = self._advance()
+            with progress.lock:
+                seen = progress.advance()
                 if is_done():
                     return
-                self._sleepers += 1
+                progress.sleepers += 1
             waited = time.monotonic() - started
             try:
                 if waited >= limit:
-                    raise self._broken_by(stuck(waited, limit, "timed out"))
+                    raise progress.break_with(stuck(waited, limit, "timed out"))
                 if self.hold is not None:
                     self.hold.before_sleep()
-                self._bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
+                self.segments.bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
                 if time.monotonic() - started >= LIVENESS_SLICE:
-                    dead = [peer for peer in peers if not alive(self.pids[peer])]
+                    dead = [peer for peer in peers if not alive(pids[peer])]
                     why = None if dead else abandoned()   # live mode: a rank this wait does not name has died
                     if (dead or why is not None) and not self._done_after_all(is_done):
-                        raise self._broken_by(stuck(time.monotonic() - started, limit,
-                                                    f"failed: rank {dead[0]} (pid {self.pids[dead[0]]}) exited"
-                                                    if dead else f"was abandoned: {why}"))
+                        raise progress.break_with(stuck(time.monotonic() - started, limit,
+                                                        f"failed: rank {dead[0]} (pid {pids[dead[0]]}) exited"
+                                                        if dead else f"was abandoned: {why}"))
                     if dead or why is not None:
                         return
             finally:
-                with self._lock:
-                    self._sleepers -= 1
+                with progress.lock:
+                    progress.sleepers -= 1
 
     def _done_after_all(self, is_done) -> bool:
         """One more look before a death is blamed: a peer may have done its part (arrived at the
         barrier, written its data) and exited while this rank slept."""
-        with self._lock:
-            self._advance()
+        with self.progress.lock:
+            self.progress.advance()
             return is_done()
-
-    def _broken_by(self, error: PeerError) -> PeerError:
-        with self._lock:
-            self._broken = error
-        return error
 
     def _stuck(self, handle: ShmOp, waited: float, limit: float, what: str) -> PeerError:
         verb = "send to" if handle.sent else "receive from"
@@ -201,17 +211,18 @@ class Waiting:
             return
         self.counters.barriers += 1
         count = self.counters.barriers
-        self._counters[self.rank].value = count
-        for bell in self._bells.values():
+        segments = self.segments
+        segments.counters[self.rank].value = count
+        for bell in segments.bells.values():
             bell.ring()
-        counters = self._peer_counters
+        counters = segments.peer_counters
         if spin and all(c.value >= count for c in counters):   # all here: none of the wait's set-up
             return
-        self._wait_until(lambda: all(c.value >= count for c in counters), None, list(self.pids),
-                         lambda waited, limit, what: self._barrier_stuck(op, count, waited, limit, what), spin)
+        self.wait_until(lambda: all(c.value >= count for c in counters), None, list(segments.pids),
+                        lambda waited, limit, what: self._barrier_stuck(op, count, waited, limit, what), spin)
 
     def _barrier_stuck(self, op: str, count: int, waited: float, limit: float, what: str) -> PeerError:
-        behind = [peer for peer in self.pids if self._counters[peer].value < count]
+        behind = [peer for peer in self.segments.pids if self.segments.counters[peer].value < count]
         return PeerError(f"rank {self.rank}: {op}: barrier {count} on shared memory {what} after {waited:.1f} s "
                          f"(timeout {limit:.0f} s); not arrived: {', '.join(f'rank {p}' for p in behind)}",
                          rank=self.rank, peer=behind[0] if behind else None, op=op)
@@ -219,27 +230,27 @@ class Waiting:
     def native(self, call, *args):
         """``call(*args)``, a call into the native core that may wait: the transport's error first if
         it is broken, and a failed wait breaks it, as any wait here does."""
-        if self._broken is not None:
-            raise self._broken
+        if self.progress.broken is not None:
+            raise self.progress.broken
         try:
             return call(*args)
         except PeerError as exc:
-            raise self._broken_by(exc) from None
+            raise self.progress.break_with(exc) from None
 
     def on_slice(self, op: str, count: int, waited: float) -> PeerError | None:
         """The native core's question once a wait for barrier ``count`` has lasted a liveness slice
         (native/signal.c): the error to raise (the timeout passed, a local peer exited, the live world
-        was abandoned) or None to go on. As _wait_until's checks; the core looks once more before it
+        was abandoned) or None to go on. As wait_until's checks; the core looks once more before it
         raises. Moves this rank's point-to-point traffic too, as any wait here does."""
-        with self._lock:
-            self._advance()
+        self.progress.advance_locked()
         if waited >= self.timeout:
             return self._barrier_stuck(op, count, waited, self.timeout, "timed out")
-        dead = [peer for peer in self.pids if not alive(self.pids[peer])]
+        pids = self.segments.pids
+        dead = [peer for peer in pids if not alive(pids[peer])]
         why = None if dead else abandoned()
         if dead:
             return self._barrier_stuck(op, count, waited, self.timeout,
-                                       f"failed: rank {dead[0]} (pid {self.pids[dead[0]]}) exited")
+                                       f"failed: rank {dead[0]} (pid {pids[dead[0]]}) exited")
         if why is not None:
             return self._barrier_stuck(op, count, waited, self.timeout, f"was abandoned: {why}")
         return None

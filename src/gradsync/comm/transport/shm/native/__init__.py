@@ -1,8 +1,9 @@
 """The native core of the shared-memory transport: its hot path in plain C, the Python path beside it.
 
-What it is: a small C extension (module.c and the files beside it; built by setup.py at
+What it is: a small C extension (module.c and the files beside it, and each collective's C variant
+beside its Python variant in comm/; one module, built by setup.py at
 ``pip install -e .``, optional, no torch headers, the GIL released while it works) that runs the
-shared-memory all-reduce's phases on the same shared memory as the Python path: the barrier
+shared-memory collectives' phases on the same shared memory as the Python path: the barrier
 counters, doorbells, fingerprint slots and staging halves of segment.py. A call costs a handful
 of Python operations around one C call, where the Python path spends about 2 us on each of its
 copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
@@ -13,14 +14,11 @@ copies, folds, barriers and slot reads (docs/studies/small-call-cost.md).
     reduce.c              sum, avg, max, min on float32/64, float16, bfloat16, int32/64, bit for bit
                           as the Python path computes them (float16/bfloat16 sums in float32,
                           rounded once: reduce_ops.py)
-    allreduce_one_shot.c  the direct all-reduce (allreduce_shared_direct.py's twin)
-    allreduce_two_shot.c  the split all-reduce (allreduce_shared.py's twin)
-    allreduce_in_place.c  the all-reduce of a shared region (allreduce_shared_in_place.py's twin)
-    reduce_scatter_staged.c, reduce_scatter_in_place.c, all_gather_in_place.c
-                          the reduce-scatter and all-gather FSDP (on the backend) and ZeRO-1 run
-                          (reduce_scatter_shared.py's, reduce_scatter_in_place.py's and
-                          all_gather_in_place.py's twins)
-    module.c              Core and Plan, as Python calls them
+    module.c              Core and Plan, as Python calls them: a Plan runs one collective's C variant
+    comm/allreduce_one_shot.c, allreduce_two_shot.c, allreduce_in_place.c, reduce_scatter_staged.c,
+    reduce_scatter_in_place.c, all_gather_in_place.c
+                          the collectives, each beside its Python variant of the same name, which is
+                          its fallback and its oracle (core.h declares them)
 
 Results are bit-identical to the Python path's for every dtype and op the core takes (the same
 memory, the same order of operations, the same rounding); product, the bitwise ops, bool and 8-bit
@@ -28,7 +26,8 @@ dtypes stay on the Python path. The Python path is the fallback and the oracle: 
 
 Which path runs: the core's wherever every local rank loaded it (agreed when the transport
 connects: segment.py), unless GRADSYNC_NATIVE=0; without a built core (no C compiler at install)
-the Python path runs and rank 0 says so in one line.
+the Python path runs and rank 0 says so in one line. The float16/bfloat16 sums' rounding is the
+transport's to set when it starts the core (GRADSYNC_HALF_SUM, read by comm/reduce_ops.py and passed down).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ import os
 import sys
 
 import torch
-
-from gradsync.comm.reduce_ops import half_sum
 
 ENV = "GRADSYNC_NATIVE"
 """GRADSYNC_NATIVE=0 runs the Python path even where the native core is built (1, the default: the core)."""
@@ -65,7 +62,6 @@ def load():
         else:
             try:
                 from gradsync.comm.transport.shm.native import _core
-                _core.set_narrow_half_sums(half_sum() == "narrow")   # the Python path's setting (reduce_ops.py)
                 _LOADED[:] = [_core, None]
             except ImportError as exc:
                 _LOADED[:] = [None, f"the native core is not built ({exc})"]
@@ -121,19 +117,9 @@ def plan(transport, algorithm: int, numel: int, dtype: torch.dtype, op: str, fin
     transport has no core or the core does not reduce ``dtype`` with ``op`` (the Python path runs;
     an all-gather's op is "none"). ``fingerprint``: the agreement's Fingerprint (its sequence number
     is the run's), or None."""
-    core = getattr(transport, "core", None)
+    core = transport.core
     op = "sum" if algorithm == ALL_GATHER_IN_PLACE else op
     if core is None or not supports(dtype, op):
         return None
     values = None if fingerprint is None else fingerprint.values()
     return core.plan(algorithm, numel, DTYPE_CODES[dtype], OP_CODES[op], values, name, spin, hold, piece_bytes)
-
-
-def kept_plan(transport, key: tuple, *args):
-    """plan(transport, *args), kept in the transport's plans under ``key`` (None too: the Python path)."""
-    plans = transport.plans
-    if key not in plans:
-        if len(plans) >= 256:
-            plans.clear()
-        plans[key] = plan(transport, *args)
-    return plans[key]

@@ -30,7 +30,7 @@
 /* dtypes and operations the core reduces; everything else stays on the Python path */
 enum dtype { F32, F64, F16, BF16, I32, I64, N_DTYPES };
 enum op { SUM, AVG, MAX, MIN, N_OPS };
-/* the collectives, one file each */
+/* the collectives, one file each, in comm/ beside their Python variants */
 enum algorithm { ONE_SHOT, TWO_SHOT, IN_PLACE, REDUCE_SCATTER_STAGED, REDUCE_SCATTER_IN_PLACE, ALL_GATHER_IN_PLACE,
                  N_ALGORITHMS };
 
@@ -94,7 +94,8 @@ int dtype_size(int dtype);
 void reduce_inputs(int dtype, int op, void *out, const void *const *inputs, int n_inputs, size_t n, int n_ranks);
 void set_narrow_half_sums(int narrow);
 
-/* the algorithms: each returns -1 when done, a rank whose fingerprint differs (>= 0), or -2 with a
+/* the algorithms, each in comm/<name>.c beside its Python variant comm/<name>.py (setup.py builds both
+ * folders into one module): each returns -1 when done, a rank whose fingerprint differs (>= 0), or -2 with a
  * Python exception set */
 int allreduce_one_shot(Core *core, char *data, size_t numel, int dtype, int op, const int64_t *fingerprint,
                        PyObject *name, int spin, PyThreadState **saved);

@@ -1,6 +1,6 @@
 /* In-place all-reduce of a tensor that lies in a shared region: no staging copy.
  *
- * The native twin of allreduce_shared_in_place.py (DDP's gradient buckets, torch DDP's adopted
+ * The native twin of allreduce_in_place.py (DDP's gradient buckets, torch DDP's adopted
  * buckets). views[j] is rank j's copy of the tensor, mapped here; slice j = ring_chunks(n, N)
  * chunk j, owned by rank j.
  *
@@ -14,7 +14,7 @@
  *               it is still in cache)
  *     barrier   every rank has scattered its slice: every tensor holds the whole result
  *
- * Why two barriers are enough: allreduce_shared_in_place.py says it, for the same memory.
+ * Why two barriers are enough: allreduce_in_place.py says it, for the same memory.
  * Traffic: 2(N-1)/N x M per rank.
  */
 #include "core.h"

@@ -1,9 +1,9 @@
 /* Two-shot all-reduce: reduce-scatter then all-gather through the staging halves, piece by piece.
  *
- * The native twin of allreduce_shared.py's split all-reduce, above the one-shot band. Same regions,
+ * The native twin of allreduce_two_shot.py's split all-reduce, above the one-shot band. Same regions,
  * same order, same bits; the pieces' phases run here without a Python operation between them.
  *
- * Vocabulary (allreduce_shared.py's)
+ * Vocabulary (allreduce_two_shot.py's)
  *     region j    R bytes at j x R of a staging half (R: region_bytes, a multiple of 64, so of every
  *                 dtype's size): what is staged for rank j, or on rank j itself its result
  *     piece       a run of at most N x R bytes of the tensor; slice j = ring_chunks(piece, N) chunk j
@@ -19,7 +19,7 @@
  *     gather     rank r copies region j of rank j's half into slice j of its tensor
  *
  * Why two barriers per piece are enough, and why the next split may use the same half with no
- * barrier in between: allreduce_shared.py says it, for the same memory.
+ * barrier in between: allreduce_two_shot.py says it, for the same memory.
  * Traffic: 2(N-1)/N x M per rank, as the ring's, nothing forwarded. Time per piece: two barriers
  * and about 2 x N x R bytes copied, the piece in cache.
  */

@@ -1,6 +1,6 @@
 /* Staged reduce-scatter: each rank stages its input, piece by piece, and reduces its own chunk.
  *
- * The native twin of reduce_scatter_shared.py (the "gradsync" backend's reduce_scatter_tensor, as
+ * The native twin of reduce_scatter_staged.py (the "gradsync" backend's reduce_scatter_tensor, as
  * FSDP calls it). chunk r = ring_chunks(n, N) chunk r is rank r's result (out).
  *
  * Phases, per piece of S bytes (a staging half)
@@ -10,7 +10,7 @@
  *     reduce    the piece's part of chunk r: its own staged copy first, then the others' in rank
  *               order, into out
  * and at the end avg divides the whole chunk by N. No closing barrier: a half is rewritten two
- * pieces later, after the barrier of the piece between (allreduce_shared.py says why).
+ * pieces later, after the barrier of the piece between (allreduce_two_shot.py says why).
  * Traffic: received from j = |chunk r|, sent to j = |chunk j|.
  */
 #include "core.h"

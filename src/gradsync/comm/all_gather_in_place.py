@@ -2,7 +2,7 @@
 the others copy it out of there.
 
 For ranks of one host, and a tensor inside a shared region (regions.py; ShardedOptimizer keeps
-its parameters there). The staged and single-copy all-gathers (all_gather_shared.py,
+its parameters there). The staged and single-copy all-gathers (all_gather_staged.py,
 all_gather_single_copy.py) return a new tensor, which the caller copies where it is needed; here
 the result is written there, into the parameters.
 
@@ -37,10 +37,11 @@ def all_gather_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor]
     op = "all_gather/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
     chunks = ring_chunks(flat.numel(), n_ranks)
-    plan = None if fingerprint is None else native.kept_plan(
-        transport, ("all_gather_in_place", fingerprint.region, flat.numel(), flat.dtype, spin),
-        native.ALL_GATHER_IN_PLACE, flat.numel(), flat.dtype, "none", fingerprint, op, spin, False)
-    if plan is not None:   # the same phases in C (native/all_gather_in_place.c)
+    plan = None if fingerprint is None else transport.context.kept_plan(
+        ("all_gather_in_place", fingerprint.region, flat.numel(), flat.dtype, spin),
+        native.plan, transport, native.ALL_GATHER_IN_PLACE, flat.numel(), flat.dtype,
+        "none", fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (all_gather_in_place.c, beside this file)
         if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views]) >= 0:
             compare_published(transport, fingerprint)   # raises the mismatch the core found
         transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),

@@ -1,12 +1,12 @@
 """In-place reduce-scatter: inputs that live in a shared region are read where they lie.
 
 For ranks of one host, and inputs inside a shared region (regions.py; ShardedOptimizer's
-gradient buffers are allocated there). The staged reduce-scatter (reduce_scatter_shared.py) first
+gradient buffers are allocated there). The staged reduce-scatter (reduce_scatter_staged.py) first
 copies each whole input into a staging half; the single-copy one (reduce_scatter_single_copy.py)
 reads each chunk through the kernel into a scratch buffer. Here rank r reads chunk r of every other
 rank's input through its mapping of that rank's region: no copy in, no system call.
 
-Vocabulary as reduce_scatter_shared.py: N ranks, n elements, chunk r = ring_chunks(n, N) chunk r,
+Vocabulary as reduce_scatter_staged.py: N ranks, n elements, chunk r = ring_chunks(n, N) chunk r,
 the result rank r returns.
 
 Phases
@@ -44,10 +44,11 @@ def reduce_scatter_in_place(flat: torch.Tensor, transport, views: list[torch.Ten
     n_ranks, rank = transport.world_size, transport.rank
     chunks = ring_chunks(flat.numel(), n_ranks)
     shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
-    plan = None if fingerprint is None else native.kept_plan(
-        transport, ("reduce_scatter_in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin),
-        native.REDUCE_SCATTER_IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint, op, spin, False)
-    if plan is not None:   # the same phases in C (native/reduce_scatter_in_place.c)
+    plan = None if fingerprint is None else transport.context.kept_plan(
+        ("reduce_scatter_in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin),
+        native.plan, transport, native.REDUCE_SCATTER_IN_PLACE, flat.numel(), flat.dtype,
+        reduction.name, fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (reduce_scatter_in_place.c, beside this file)
         if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views],
                             shard.data_ptr()) >= 0:
             compare_published(transport, fingerprint)   # raises the mismatch the core found

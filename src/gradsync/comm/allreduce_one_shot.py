@@ -1,6 +1,8 @@
-"""Direct shared-memory all-reduce for small messages: one barrier, every rank folds every input itself.
+"""One-shot all-reduce over shared memory, for small messages: one barrier, every rank folds every
+input itself (the "direct" all-reduce; its C variant beside it: allreduce_one_shot.c; the bands in
+which it runs: docs/studies/direct-or-split.md).
 
-For ranks of one host only, and for messages that fit one staging half (allreduce_shared.py picks
+For ranks of one host only, and for messages that fit one staging half (allreduce_two_shot.py picks
 it below direct_below, a bound per world size). The split all-reduce there needs two barriers per
 piece (staged, reduced) so that each slice is reduced once, by its owner; for a small message the
 barriers are the whole cost. Here there is one:
@@ -39,7 +41,6 @@ import torch
 from gradsync.observe import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.reduce_ops import SUM, Reduction
-from gradsync.comm.transport import PeerError
 from gradsync.comm.transport.shm import native
 
 OP = "all_reduce/shared_memory"
@@ -47,7 +48,7 @@ AGREE = "all_reduce/agree"
 
 
 class KeptPlan:
-    """What a kept all-reduce plan (DirectAllReduce, allreduce_shared.SplitAllReduce) does the same way
+    """What a kept all-reduce plan (OneShotAllReduce, allreduce_two_shot.TwoShotAllReduce) does the same way
     whatever its algorithm: a call through the native core, and a call counted for the meter. Needs
     ``native``, ``fingerprint``, ``nbytes``, ``exchanges``, ``_agreements`` and ``_calls``."""
 
@@ -58,13 +59,7 @@ class KeptPlan:
         if fingerprint is None:
             fingerprint = self.fingerprint._replace(sequence=next_sequence_of(transport))
             stall.entered(self.fingerprint, fingerprint.sequence)
-        if transport._broken is not None:
-            raise transport._broken
-        try:
-            differs = self.native.run(flat.data_ptr(), fingerprint.sequence)
-        except PeerError as exc:
-            raise transport._broken_by(exc) from None
-        if differs >= 0:
+        if transport.native(self.native.run, flat.data_ptr(), fingerprint.sequence) >= 0:
             compare_published(transport, fingerprint)   # raises the mismatch the core found
 
     def _count(self, transport) -> None:
@@ -77,7 +72,7 @@ class KeptPlan:
             transport.meter.record_exchanges(self._agreements, op=AGREE, control=True)
 
 
-class DirectAllReduce(KeptPlan):
+class OneShotAllReduce(KeptPlan):
     """The direct all-reduce of one shape (element count, dtype, reduction), made ready once: both
     staging halves' views, the meter's exchanges and the fingerprint's fixed values. collectives.py
     keeps one per small all-reduce a program repeats (``transport.plans``) and runs a repeated call
@@ -96,11 +91,12 @@ class DirectAllReduce(KeptPlan):
         self.fingerprint = Fingerprint("all_reduce", 0, numel, dtype, reduction.name, "shared_memory")
         kind, _, *rest = self.fingerprint.values()
         self._kind, self._rest = kind, tuple(rest)
-        self._hold = getattr(transport, "hold", None)
+        self._hold = transport.hold
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
         self._agreements = [(other, FINGERPRINT_BYTES) for other, _ in self.exchanges]
+        # the same phases in C (allreduce_one_shot.c, beside this file)
         self.native = native.plan(transport, native.ONE_SHOT, numel, dtype, reduction.name, self.fingerprint, OP, spin,
-                                  self._hold is not None)   # the same phases in C (native/allreduce_one_shot.c)
+                                  self._hold is not None)
 
     def __call__(self, flat: torch.Tensor, transport, fingerprint: Fingerprint | None = None) -> None:
         """All-reduce ``flat`` (this plan's shape, 1-D, contiguous, on the CPU) in place."""
@@ -156,7 +152,7 @@ class DirectAllReduce(KeptPlan):
         self.reduction.reduce(flat, inputs, len(stages))
 
 
-def allreduce_shared_direct(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+def allreduce_one_shot(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
                             fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor of at most one staging half."""
-    DirectAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)
+    OneShotAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)

@@ -1,9 +1,10 @@
-"""Shared-memory reduce-scatter: every rank reduces its own chunk straight out of the others' staging.
+"""Staged reduce-scatter over shared memory: every rank reduces its own chunk straight out of the others'
+staging (its C variant beside it: reduce_scatter_staged.c).
 
 For ranks of one host (ShmTransport). The ring reduce-scatter forwards partial sums N-1 times; here
 each rank stages its whole input once and then reads only its own chunk from every other rank.
 
-Vocabulary (as allreduce_shared.py): N ranks; n elements; chunk r = ring_chunks(n, N) chunk r, the
+Vocabulary (as allreduce_two_shot.py): N ranks; n elements; chunk r = ring_chunks(n, N) chunk r, the
 result rank r returns; piece = at most S bytes of the input (one staging half), pieces alternating
 between the two halves.
 
@@ -32,7 +33,7 @@ from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport.shm import native
 
 
-def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+def reduce_scatter_staged(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
                           fingerprint: Fingerprint | None = None, spin: bool = False) -> torch.Tensor:
     """This rank's reduced chunk (a new tensor) of the 1-D contiguous CPU tensor ``flat`` (unchanged)."""
     op = "reduce_scatter/shared_memory"
@@ -40,10 +41,11 @@ def reduce_scatter_shared(flat: torch.Tensor, transport, *, reduction: Reduction
     esize = flat.element_size()
     chunks = ring_chunks(flat.numel(), n_ranks)
     shard = torch.empty(chunks.sizes[rank], dtype=flat.dtype)
-    plan = None if fingerprint is None else native.kept_plan(
-        transport, ("reduce_scatter_staged", flat.numel(), flat.dtype, reduction.name, spin),
-        native.REDUCE_SCATTER_STAGED, flat.numel(), flat.dtype, reduction.name, fingerprint, op, spin, False)
-    if plan is not None:   # the same phases in C (native/reduce_scatter_staged.c)
+    plan = None if fingerprint is None else transport.context.kept_plan(
+        ("reduce_scatter_staged", flat.numel(), flat.dtype, reduction.name, spin),
+        native.plan, transport, native.REDUCE_SCATTER_STAGED, flat.numel(), flat.dtype,
+        reduction.name, fingerprint, op, spin, False)
+    if plan is not None:   # the same phases in C (reduce_scatter_staged.c, beside this file)
         if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, None, shard.data_ptr()) >= 0:
             compare_published(transport, fingerprint)   # raises the mismatch the core found
         transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),

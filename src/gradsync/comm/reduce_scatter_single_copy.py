@@ -1,11 +1,11 @@
 """Single-copy reduce-scatter: every rank reduces its own chunk straight out of the others' inputs.
 
 For ranks of one host whose kernel allows cross-memory reads (single_copy.py) and inputs of
-single_copy.FROM_BYTES or more. The staged reduce-scatter (reduce_scatter_shared.py) copies each
+single_copy.FROM_BYTES or more. The staged reduce-scatter (reduce_scatter_staged.py) copies each
 whole input into a staging half first; here each rank publishes its input's address and the others
 read only the chunk they reduce, with process_vm_readv, in one kernel copy.
 
-Vocabulary as reduce_scatter_shared.py: N ranks, n elements, chunk r = ring_chunks(n, N) chunk r,
+Vocabulary as reduce_scatter_staged.py: N ranks, n elements, chunk r = ring_chunks(n, N) chunk r,
 the result rank r returns.
 
 Phases

@@ -1,7 +1,7 @@
 """In-place shared-memory all-reduce: tensors that live in a shared region need no staging copy.
 
 For ranks of one host, and tensors inside a shared region (regions.py; DDP's gradient buckets
-are allocated there). The split all-reduce (allreduce_shared.py) first copies each rank's tensor into
+are allocated there). The split all-reduce (allreduce_two_shot.py) first copies each rank's tensor into
 its staging half so the others can read it; here every rank reads the others' tensors where they
 are. Same vocabulary: N ranks, slice j = ring_chunks(n, N) chunk j, owned by rank j.
 
@@ -50,22 +50,22 @@ a core: piece_bytes), so a finished piece is copied out while it is still in cac
 
 IN_PLACE_FROM_BYTES = 256 << 10
 """Tensors in a shared region of at least this many bytes are all-reduced in place; smaller ones
-take the direct all-reduce (allreduce_shared_direct.py)."""
+take the direct all-reduce (allreduce_one_shot.py)."""
 
 
 def piece_bytes(transport) -> int:
     """PIECE_BYTES, divided among the local ranks that share a core and so its cache."""
-    return PIECE_BYTES // getattr(transport, "ranks_per_core", 1)
+    return PIECE_BYTES // transport.ranks_per_core
 
 
-def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
+def allreduce_in_place(flat: torch.Tensor, transport, views: list[torch.Tensor], *,
                               reduction: Reduction = SUM, fingerprint: Fingerprint | None = None,
                               spin: bool = False) -> None:
     """In-place all-reduce of ``flat``, which is ``views[rank]``; ``views[j]`` is rank j's copy."""
     op = "all_reduce/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank
     plan = _native_plan(flat, transport, reduction, fingerprint, spin)
-    if plan is not None:   # the same phases in C (native/allreduce_in_place.c)
+    if plan is not None:   # the same phases in C (allreduce_in_place.c, beside this file)
         if transport.native(plan.run, flat.data_ptr(), fingerprint.sequence, [view.data_ptr() for view in views]) >= 0:
             compare_published(transport, fingerprint)   # raises the mismatch the core found
         transport.meter.record_exchanges(((other, FINGERPRINT_BYTES) for other in range(n_ranks) if other != rank),
@@ -84,12 +84,12 @@ def allreduce_shared_in_place(flat: torch.Tensor, transport, views: list[torch.T
 
 def _native_plan(flat: torch.Tensor, transport, reduction: Reduction, fingerprint: Fingerprint | None, spin: bool):
     """The native core's plan for this call (kept per region, shape, op and spin), or None."""
-    if fingerprint is None or getattr(transport, "core", None) is None:
+    if fingerprint is None or transport.core is None:
         return None
-    return native.kept_plan(transport, ("all_reduce_in_place", fingerprint.region, flat.numel(), flat.dtype,
-                                        reduction.name, spin),
-                            native.IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint,
-                            "all_reduce/shared_memory", spin, False, piece_bytes(transport))
+    return transport.context.kept_plan(
+        ("all_reduce_in_place", fingerprint.region, flat.numel(), flat.dtype, reduction.name, spin),
+        native.plan, transport, native.IN_PLACE, flat.numel(), flat.dtype, reduction.name, fingerprint,
+        "all_reduce/shared_memory", spin, False, piece_bytes(transport))
 
 
 def _reduce_and_scatter(flat: torch.Tensor, transport, views: list[torch.Tensor], reduction: Reduction,

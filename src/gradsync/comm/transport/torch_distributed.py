@@ -1,4 +1,4 @@
-"""TorchTransport: the Transport (transport.py) over torch.distributed point-to-point.
+"""TorchTransport: the Transport (comm/transport/__init__.py) over torch.distributed point-to-point.
 
 TorchTransport carries the bytes with torch.distributed point-to-point on the world's group
 (runtime.transfer_group: gloo on CPU, NCCL on GPU). When the world spans hosts, the collectives'
@@ -134,13 +134,15 @@ class TorchTransport(Transport):
     """Transport over torch.distributed send/recv of the world's process group (runtime.transfer_group;
     CUDA tensors of a joined world over the program's default group, which has NCCL where it was set up)."""
 
-    def __init__(self, world: runtime.World, meter: TrafficMeter = METER) -> None:
+    def __init__(self, world: runtime.World, *, context, meter: TrafficMeter = METER) -> None:
+        """``context``: the communicator's (comm/context.py), made at init."""
         self.rank = world.rank
         self.world_size = world.world_size
         self.hosts = world.hosts
         self.timeout = world.timeout
         self.wait_timeout = timedelta(seconds=world.timeout)
         self.meter = meter
+        self.context = context
         self.world = world
         self.interrupted: str | None = None
         """Why interrupt() ended this transport's waits (None while it has not)."""
@@ -156,7 +158,9 @@ class TorchTransport(Transport):
             return self.downward
         return runtime.transfer_group(self.world)
 
-    def _check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
+    def check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
+        """Raise ValueError where ``tensor`` cannot travel to or from ``peer`` here (ShmTransport asks
+        it too, for what it carries itself)."""
         if tensor.is_cuda and self.world.cuda_path != "nccl":
             raise ValueError(f"{op}: a CUDA tensor sent point-to-point in a world whose CUDA tensors go through host "
                              f"memory (device_path.py: ranks share a GPU, or no NCCL); copy it to the CPU first "
@@ -168,18 +172,18 @@ class TorchTransport(Transport):
                              f"(this is rank {self.rank})")
 
     def isend(self, tensor, dst, op, *, control=False, tag=0):
-        self._check(tensor, dst, op)
+        self.check(tensor, dst, op)
         group = self._group(tensor, self.rank, dst, tag)
         return self._posted(lambda: group.send([tensor], dst, tag), tensor, dst, op, True, control)
 
     def irecv(self, tensor, src, op, *, control=False, tag=0):
-        self._check(tensor, src, op)
+        self.check(tensor, src, op)
         group = self._group(tensor, src, self.rank, tag)
         return self._posted(lambda: (group.recv_anysource([tensor], tag) if src is None
                                      else group.recv([tensor], src, tag)), tensor, src, op, False, control)
 
     def pairs_exchanges(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda   # a CUDA tensor here travels on NCCL (_check refuses it otherwise)
+        return tensor.is_cuda   # a CUDA tensor here travels on NCCL (check refuses it otherwise)
 
     def refuse_if_interrupted(self) -> None:
         """After interrupt(), a transfer posted or waited for fails at once: one posted after gloo closed its
@@ -208,8 +212,8 @@ class TorchTransport(Transport):
     def exchange(self, send, dst, recv, src, op):
         if not self.pairs_exchanges(send):
             return super().exchange(send, dst, recv, src, op)
-        self._check(send, dst, op)
-        self._check(recv, src, op)
+        self.check(send, dst, op)
+        self.check(recv, src, op)
         group = self._group(send, self.rank, dst, 0)
         # an empty tensor is not posted at all: its peer's counterpart is empty too (the same chunk)
         pair = [dist.P2POp(operation, tensor, group=group, group_peer=peer)

@@ -1,4 +1,9 @@
-"""Shared-memory all-reduce: each rank stages only what the others need, and keeps its own slice home.
+"""Two-shot all-reduce over shared memory: each rank stages only what the others need, and keeps its own slice home.
+
+A reduce-scatter then an all-gather through every rank's staging halves, piece by piece; the C
+variant beside it (allreduce_two_shot.c) runs the same phases on the same memory. The choice of
+band against the one-shot all-reduce, and the region size, are measured in
+docs/studies/direct-or-split.md and docs/studies/split-regions.md.
 
 For ranks of one host only (ShmTransport, GRADSYNC_TRANSPORT auto or shm). Point-to-point
 algorithms make each byte travel: copied into a ring, copied or added out of it, once per step.
@@ -10,13 +15,13 @@ Vocabulary
     N        ranks, all on this host; rank r
     S        bytes in one staging half (GRADSYNC_SHM_STAGE_MB); each rank has two
     region   region j of a half: R bytes from j x R, R = S/N or PIECE_BYTES if less (the in-place
-             all-reduce's cache-sized piece; allreduce_shared_in_place.py), rounded down to 64:
+             all-reduce's cache-sized piece; allreduce_in_place.py), rounded down to 64:
              whatever is staged for rank j, or on rank j itself its result, lies at the same place in
              every piece
     piece    a run of at most N x R bytes of the tensor, processed start to end
     slice    slice j of a piece is ring_chunks(piece, N) chunk j; rank j reduces it
 
-Messages below direct_below(transport) take the direct all-reduce instead (allreduce_shared_direct.py:
+Messages below direct_below(transport) take the direct all-reduce instead (allreduce_one_shot.py:
 one barrier, every rank folds every input itself): a bound per world size (DIRECT_BELOW_BYTES,
 DIRECT_BELOW_BYTES_BY_RANKS), within one staging half. The rest go piece by piece:
 
@@ -65,8 +70,8 @@ import torch
 from gradsync.observe import stall
 from gradsync.comm.agree import FINGERPRINT_BYTES, Fingerprint, compare_published, next_sequence_of
 from gradsync.comm.allreduce_ring import ring_chunks
-from gradsync.comm.transport.shm.allreduce_shared_direct import KeptPlan, allreduce_shared_direct
-from gradsync.comm.transport.shm.allreduce_shared_in_place import PIECE_BYTES
+from gradsync.comm.allreduce_one_shot import KeptPlan, allreduce_one_shot
+from gradsync.comm.allreduce_in_place import PIECE_BYTES
 from gradsync.comm.reduce_ops import SUM, Reduction
 from gradsync.comm.transport import Transport
 from gradsync.comm.transport.shm import native
@@ -95,8 +100,7 @@ def direct_below(transport) -> int:
 
 def layout_error(transport: Transport) -> str | None:
     """None when the shared-memory all-reduce can run on ``transport``, else why not."""
-    local = getattr(transport, "local_ranks", ())
-    if len(local) != transport.world_size or not hasattr(transport, "stage"):
+    if not transport.shares_memory:
         return ("the shared-memory all-reduce needs every rank on this host and the shared-memory transport "
                 "(GRADSYNC_TRANSPORT=auto or shm)")
     return None
@@ -106,11 +110,8 @@ def _region_elems(transport, dtype: torch.dtype) -> int:
     """Elements in one region of a staging half: S/N bytes or PIECE_BYTES if less, rounded down to 64
     (a multiple of every dtype's size, so regions lie at the same bytes whatever the dtype). Capped so
     each piece's phases find what the phase before wrote still in cache (the in-place all-reduce's
-    pieces, allreduce_shared_in_place.py, have the same size). Against S/N with 4 MiB halves, each
-    call from a fresh input as the bench makes them (slowest rank, medians of six blocks, us): N=2 4
-    MiB 664 -> 507, 16 MiB 3,519 -> 2,919, 64 MiB 14,167 -> 12,278; N=3 1 MiB 407 -> 402, 4 MiB
-    2,378 -> 1,864, 16 MiB 8,486 -> 7,112; N=4 4 MiB 2,918 -> 2,576, 16 MiB 10,813 -> 8,634, 64 MiB
-    38,654 -> 30,788 (docs/studies/split-regions.md)."""
+    pieces, allreduce_in_place.py, have the same size): 10-20% faster than S/N from 4 MiB up at
+    N=2..4 (the table: docs/studies/split-regions.md)."""
     region_bytes = min(transport.stage_bytes // transport.world_size, PIECE_BYTES) // 64 * 64
     if region_bytes == 0:
         raise RuntimeError(f"all_reduce: staging halves of {transport.stage_bytes} bytes are too small for "
@@ -127,13 +128,13 @@ class _Piece(NamedTuple):
     results: list[torch.Tensor]   # region j of each other rank j's half: j's reduced slice
 
 
-class SplitAllReduce(KeptPlan):
+class TwoShotAllReduce(KeptPlan):
     """The split all-reduce of one shape (element count, dtype, reduction), made ready once: every
     piece's chunk sizes (one ``flat.split`` per call cuts every slice of every piece) and, for each
     staging half, the region views of a whole piece and of a short last one, the meter's exchanges
-    and the fingerprint's fixed values. allreduce_shared() makes one for a call; collectives.py keeps
+    and the fingerprint's fixed values. allreduce_two_shot() makes one for a call; collectives.py keeps
     one per large all-reduce a program repeats (``transport.plans``) and runs a repeated call with
-    ``run``, as allreduce_shared_direct.DirectAllReduce does: a 4 MiB call at N=2 spent 60-80 of its
+    ``run``, as allreduce_one_shot.OneShotAllReduce does: a 4 MiB call at N=2 spent 60-80 of its
     600 us making views and choosing (docs/studies/staging-or-single-copy.md)."""
 
     def __init__(self, transport, numel: int, dtype: torch.dtype, reduction: Reduction = SUM,
@@ -160,7 +161,7 @@ class SplitAllReduce(KeptPlan):
         self._calls = transport.meter.tally(self.exchanges, op=OP, control_each=FINGERPRINT_BYTES, control_op=AGREE)
         self._agreements = [(other, FINGERPRINT_BYTES) for other in self.others]
         self.native = native.plan(transport, native.TWO_SHOT, numel, dtype, reduction.name, self.fingerprint, OP, spin,
-                                  hold is not None, region * dtype.itemsize)   # native/allreduce_two_shot.c
+                                  hold is not None, region * dtype.itemsize)   # allreduce_two_shot.c, beside this file
 
     def _views(self, staged: list[torch.Tensor], sizes: list[int], region: int) -> _Piece:
         rank = self.rank
@@ -180,7 +181,7 @@ class SplitAllReduce(KeptPlan):
         transport.meter.record_exchanges(self.exchanges, op=OP)
 
     def run(self, flat: torch.Tensor, transport) -> None:
-        """A repeated call, whole, as DirectAllReduce.run: held where the plan was given a hold, the next
+        """A repeated call, whole, as OneShotAllReduce.run: held where the plan was given a hold, the next
         sequence number, the stall inspector told, the fingerprint published with the first piece and
         compared after its first barrier, the call counted for the meter (with the native core, the
         pieces are one C call, which holds the thread itself)."""
@@ -232,7 +233,7 @@ class SplitAllReduce(KeptPlan):
                 chunk.copy_(region)
 
 
-def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
+def allreduce_two_shot(flat: torch.Tensor, transport, *, reduction: Reduction = SUM,
                      fingerprint: Fingerprint | None = None, spin: bool = False) -> None:
     """In-place all-reduce of a 1-D contiguous CPU tensor through the ranks' staging halves (direct
     below direct_below, else split); ``fingerprint``: agree on it with the first piece; ``spin``:
@@ -240,6 +241,6 @@ def allreduce_shared(flat: torch.Tensor, transport, *, reduction: Reduction = SU
     if transport.world_size == 1:
         return
     if flat.numel() * flat.element_size() < direct_below(transport):
-        allreduce_shared_direct(flat, transport, reduction=reduction, fingerprint=fingerprint, spin=spin)
+        allreduce_one_shot(flat, transport, reduction=reduction, fingerprint=fingerprint, spin=spin)
         return
-    SplitAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)
+    TwoShotAllReduce(transport, flat.numel(), flat.dtype, reduction, spin)(flat, transport, fingerprint)

@@ -1,7 +1,7 @@
 """Single-copy all-gather: large shards are read where they lie, small ones through staging.
 
 For ranks of one host whose kernel allows cross-memory reads (single_copy.py; ShmTransport agrees
-on it at set-up). The staged all-gather (all_gather_shared.py) copies every shard into its owner's
+on it at set-up). The staged all-gather (all_gather_staged.py) copies every shard into its owner's
 staging first; a large shard (ZeRO-1's parameters, FSDP's) need not be: its owner publishes its
 address and the others read it with process_vm_readv straight into their result. Shards may differ
 in size, so each rank chooses for its own shard, and the readers follow what each owner published.
@@ -19,7 +19,7 @@ Phases
     barrier   only when some rank published an address (every rank knows whether one did): that
               rank may not return, and let its caller change the shard, before every rank has read it
 Without an address the staging half is reused two collectives later, after a barrier no rank passes
-before every rank has read it (as in all_gather_shared.py).
+before every rank has read it (as in all_gather_staged.py).
 
 A shard of T bytes or more that cannot be read where it lies (single_copy.readable: pinned memory a
 driver mapped as device memory) is published with address 0. Every rank knows every size after the

@@ -1,4 +1,4 @@
-"""Shared-memory all-gather: every rank copies every shard straight out of its owner's staging.
+"""Staged all-gather over shared memory: every rank copies every shard straight out of its owner's staging.
 
 For ranks of one host (ShmTransport). Shards may differ in size (reduce_scatter's uneven chunks
 do): each rank publishes its fingerprint with its own shard's element count, so the one barrier
@@ -13,7 +13,7 @@ Per piece
     barrier   every rank has staged (first piece: fingerprints compared, sizes learnt; the number
               of pieces, ceil(max s_r / P), is then the same on every rank)
     copy      rank r copies piece p of shard j out of rank j's staging into the result, for every j
-No closing barrier (a half is reused two pieces later, after a barrier; see allreduce_shared.py).
+No closing barrier (a half is reused two pieces later, after a barrier; see allreduce_two_shot.py).
 
 Traffic (bytes read out of another rank's memory): received from j = s_j, sent to j = s_r;
 total received = M - s_r (the ring all-gather's figure, with no forwarding).
@@ -26,7 +26,7 @@ import torch
 from gradsync.comm.agree import Fingerprint, compare_published
 
 
-def all_gather_shared(shard: torch.Tensor, transport, fingerprint: Fingerprint, spin: bool = False) -> torch.Tensor:
+def all_gather_staged(shard: torch.Tensor, transport, fingerprint: Fingerprint, spin: bool = False) -> torch.Tensor:
     """The concatenation of every rank's 1-D contiguous CPU ``shard`` in rank order (a new tensor)."""
     op = "all_gather/shared_memory"
     n_ranks, rank = transport.world_size, transport.rank

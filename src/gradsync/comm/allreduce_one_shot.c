@@ -1,7 +1,7 @@
 /* One-shot all-reduce: every rank stages its whole tensor, one barrier, every rank reduces all N.
  *
- * The native twin of allreduce_shared_direct.py, for messages of one staging half or less (the
- * band where N x M is small: allreduce_shared.direct_below). Same memory, same order, same bits.
+ * The native twin of allreduce_one_shot.py, for messages of one staging half or less (the
+ * band where N x M is small: allreduce_two_shot.direct_below). Same memory, same order, same bits.
  *
  * Phases
  *     stage     rank r copies its M bytes into its next staging half h (halves alternate across
