@@ -107,7 +107,7 @@ def test_a_cuda_tensor_never_takes_the_gloo_group_between_hosts(monkeypatch):
     # only, so a CUDA tensor (NCCL) stays on the world's group whatever its direction
     transport = TorchTransport.__new__(TorchTransport)
     transport.world, transport.downward = SimpleNamespace(joined=False), "gloo, downward"
-    monkeypatch.setattr("gradsync.comm.transport.torch_distributed.runtime.transfer_group", lambda world: "the world's")
+    monkeypatch.setattr("gradsync.comm.transport.torch_distributed.transfer_group", lambda world: "the world's")
     assert transport._group(torch.zeros(2), 3, 1, 0) == "gloo, downward"
     assert transport._group(torch.zeros(2).as_subclass(_OnGpu), 3, 1, 0) == "the world's"
     assert transport._group(torch.zeros(2).as_subclass(_OnGpu), 1, 3, 0) == "the world's"

@@ -2,9 +2,14 @@
 
 Read, not run: every ``import`` and ``from ... import`` in every module of src/gradsync, those inside
 functions too (a lazy import is still a dependency), is resolved to the module it names
-(``from gradsync.group import runtime`` names gradsync.group.runtime, not the package). Each module has a level
-(LEVELS: the longest matching prefix); a module may import its own level or lower ones. A circle
-is an error even within one level.
+(``from gradsync.group import runtime`` names gradsync.group.runtime, not the package).
+
+The layers are rooms, highest first (LAYERS): a folder, or a module that is a room of its own. A
+module is in the layer of the most specific room that holds it and may import its own layer and the
+ones below, never one above; a ``__main__`` module is a command line (``python -m gradsync.train``,
+torchrun's entry, and ``python -m gradsync.cluster``) and sits with cli/. No file has a level of its
+own and there are no exceptions: a module that needs one is in the wrong room. A circle is an error
+even within one layer. A new room (a folder or a loose module) fails until it is given its layer.
 """
 
 import ast
@@ -14,50 +19,40 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gradsync"
 
-LEVELS = {
-    # beside everything, importing nothing above: counters, timelines, checkpoints, the cost model
-    "gradsync.observe": 0, "gradsync.observe.meter": 0, "gradsync.observe.trace": 0, "gradsync.observe.stall": 0,
-    "gradsync.observe.display": 0, "gradsync.observe.grad_watch": 0,
-    "gradsync.checkpoint": 0, "gradsync.sim": 0, "gradsync.clip": 0, "gradsync.compile_guard": 0,
-    # a store call with a deadline: torch's Store alone, so the stall inspector can bound its calls too
-    "gradsync.group.bounded_store": 0,
-    # process group set-up: the World record and host exchange that init() and join share, then
-    # joining a program's world, then init() itself (which may join), then spawn (which inits): its
-    # signals, its start-up through the forkserver and its failure report first
-    "gradsync.group": 1.0, "gradsync.group.world_info": 1.0, "gradsync.group.device_path": 1.05,
-    "gradsync.group.join": 1.1, "gradsync.group.runtime": 1.2, "gradsync.group.job_signals": 1.0,
-    "gradsync.group.spawn_report": 1.0, "gradsync.group.forkserver": 1.25, "gradsync.group.launch": 1.3,
-    "gradsync.group.slurm": 1.0,
-    # DistributedSampler reads the world (rank and size) to shard, so it sits just above set-up
-    "gradsync.data": 1.5,
-    # collectives: the transports (the interface and its implementations), then the algorithms over
-    # them, then what picks a transport or an algorithm for a world
-    "gradsync.comm.transport": 1.9,
-    "gradsync.comm": 2.0, "gradsync.comm.reduce_ops": 2.0, "gradsync.comm.context": 2.0,
-    "gradsync.comm.scratch": 2.0, "gradsync.comm.agree": 2.1,
-    "gradsync.comm.allreduce_ring": 2.2, "gradsync.comm.allreduce_halving_doubling": 2.2,
-    "gradsync.comm.allreduce_tree": 2.2, "gradsync.comm.allreduce_naive": 2.2,
-    "gradsync.comm.allreduce_hierarchical": 2.3, "gradsync.comm.broadcast": 2.2, "gradsync.comm.rooted": 2.2,
-    "gradsync.comm.allreduce_one_shot": 2.2, "gradsync.comm.allreduce_two_shot": 2.2,
-    "gradsync.comm.allreduce_in_place": 2.2, "gradsync.comm.reduce_scatter_staged": 2.2,
-    "gradsync.comm.reduce_scatter_in_place": 2.2, "gradsync.comm.reduce_scatter_single_copy": 2.2,
-    "gradsync.comm.all_gather_staged": 2.2, "gradsync.comm.all_gather_in_place": 2.2,
-    "gradsync.comm.all_gather_single_copy": 2.2,
-    "gradsync.comm.select": 2.5, "gradsync.comm.world_transport": 2.5, "gradsync.comm.place": 2.55,
-    "gradsync.comm.collectives": 2.6,
-    # strategies and the torch backend
-    "gradsync.replicas": 3, "gradsync.ddp": 3, "gradsync.ps": 3, "gradsync.zero": 3, "gradsync.c10d": 3,
-    "gradsync.diloco": 3,
-    # live fault tolerance: DDP rebuilt over a new world when a rank dies
-    "gradsync.live": 3.5,
-    # the public names (DESIGN.md): the package gathers the strategies and collectives below it, and
-    # the main job is written with them (``import gradsync as gs``), so it sits between the two
-    "gradsync": 4.5,
-    # the main job
-    "gradsync.train": 5, "gradsync.bench": 5, "gradsync.cluster": 5,
-    # the command line, and `python -m gradsync.train` (torchrun's entry point: the command's train) and `.cluster`
-    "gradsync.cli": 6, "gradsync.train.__main__": 6, "gradsync.cluster.__main__": 6,
-}
+LAYERS = (
+    ("the command line", ("gradsync.cli",)),
+    ("benchmarks and the emulated cluster", ("gradsync.bench", "gradsync.cluster")),
+    ("the main job", ("gradsync.train",)),
+    # the public names (``import gradsync as gs``): the package gathers them from the layers below, and
+    # the main job is written with them
+    ("the public names", ("gradsync",)),
+    ("live fault tolerance", ("gradsync.live",)),
+    ("strategies", ("gradsync.ddp", "gradsync.ps", "gradsync.zero", "gradsync.diloco", "gradsync.replicas")),
+    ("the torch.distributed backend", ("gradsync.c10d",)),
+    ("collective algorithms, and what picks an algorithm and a transport", ("gradsync.comm",)),
+    ("transports", ("gradsync.comm.transport",)),
+    # beside them, importing nothing above: DistributedSampler, checkpoints, clipping
+    ("set-up, observation, the cost model, and beside them", ("gradsync.group", "gradsync.observe", "gradsync.sim",
+                                                               "gradsync.data", "gradsync.checkpoint", "gradsync.clip",
+                                                               "gradsync.compile_guard")),
+)
+ROOMS = {room: len(LAYERS) - height for height, (_, rooms) in enumerate(LAYERS) for room in rooms}
+"""Each room's layer: higher numbers above."""
+
+
+def level(module: str) -> int:
+    if module.endswith(".__main__"):
+        return ROOMS["gradsync.cli"]
+    # the package's own entry holds only itself: a new loose module must be given a layer, not inherit
+    # the public names' one
+    rooms = [room for room in ROOMS if module == room or (module.startswith(room + ".") and room != "gradsync")]
+    if not rooms:
+        raise AssertionError(f"{module} is in no room of tests/test_layers.py's LAYERS: give its room a layer")
+    return ROOMS[max(rooms, key=len)]
+
+
+def layer_name(module: str) -> str:
+    return LAYERS[len(LAYERS) - level(module)][0]
 
 
 def modules() -> dict[str, Path]:
@@ -67,15 +62,6 @@ def modules() -> dict[str, Path]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = path
     return found
-
-
-def level(module: str) -> float:
-    # the package's own entry is the package alone: a new module must be given a level, not inherit the
-    # public names' one
-    prefixes = [p for p in LEVELS if module == p or (module.startswith(p + ".") and p != "gradsync")]
-    if not prefixes:
-        raise AssertionError(f"{module} has no level in tests/test_layers.py's LEVELS: give it one")
-    return LEVELS[max(prefixes, key=len)]
 
 
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -115,8 +101,8 @@ def test_every_module_has_a_level():
 
 def test_no_module_imports_a_higher_layer():
     known = modules()
-    upward = [f"{known[name].relative_to(PACKAGE.parent)} (level {level(name)}) imports "
-              f"{known[target].relative_to(PACKAGE.parent)} (level {level(target)})"
+    upward = [f"{known[name].relative_to(PACKAGE.parent)} ({layer_name(name)}) imports "
+              f"{known[target].relative_to(PACKAGE.parent)} ({layer_name(target)})"
               for name, targets in sorted(graph().items()) for target in sorted(targets)
               if level(target) > level(name)]
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
@@ -215,19 +201,3 @@ def private_imports() -> list[str]:
 def test_no_module_imports_another_modules_private_name():
     found = private_imports()
     assert not found, "private names imported from another module:\n" + "\n".join(found)
-
-
-LOOSE_MODULES = 8
-"""At most this many modules sit loose in src/gradsync/ (the package's __init__ among them); the rest
-live in a folder named for their purpose (group/, observe/, comm/, ...)."""
-SOURCE_LINES = 500
-"""No source file (Python or the native core's C) is longer than this."""
-
-
-def test_the_top_level_is_grouped_and_no_source_file_is_long():
-    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
-    assert len(loose) <= LOOSE_MODULES, f"{len(loose)} modules loose in src/gradsync/: {loose}"
-    long = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*"))
-            if path.suffix in (".py", ".c", ".h") for lines in [len(path.read_text().splitlines())]
-            if lines > SOURCE_LINES}
-    assert not long, f"source files over {SOURCE_LINES} lines: {long}"

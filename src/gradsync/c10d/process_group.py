@@ -454,9 +454,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Stop the thread and close the transport (torch calls it when the group is destroyed)."""
         self._thread.close()
-        close = getattr(self.place.transport, "close", None)
-        if close is not None:
-            close()
+        self.place.transport.close()
         release_group(self.place.world.group_key)
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.group import runtime
+from gradsync.group.world_info import transfer_group
 from gradsync.observe import stall
 from gradsync.comm import host_staging, select
 from gradsync.comm.agree import (DTYPES, Fingerprint, check_everyone, check_neighbours, check_staged,
@@ -170,7 +171,7 @@ def _shared(transport: Transport, tensor: torch.Tensor) -> bool:
 
 def _native_all_reduce(flat: torch.Tensor, chosen: Reduction, w: runtime.World) -> None:
     """torch.distributed's own all-reduce on gradsync's process group (the benchmarks' baseline)."""
-    group = dist.distributed_c10d._get_default_group() if flat.is_cuda and w.joined else runtime.transfer_group(w)
+    group = dist.distributed_c10d._get_default_group() if flat.is_cuda and w.joined else transfer_group(w)
     group.allreduce([flat], _allreduce_options(_NATIVE_OPS[chosen.name])).wait()
     chosen.finish(flat, w.world_size)
 

@@ -17,7 +17,6 @@ publishes it.
 The public surface: code outside comm/ asks these, never the transports' internals.
     carrier(transport)          "shm" or "tcp": what carries the world's bytes
     shares_memory(transport)    every rank on this host over shared memory (the intra-host algorithms run)
-    process_alive(pid)          whether a process of this host is alive (not a zombie), as /proc says
     direct_below(n_ranks)       the shared-memory all-reduce's one-shot band: messages below it
     IN_PLACE_FROM_BYTES, SHM_DIR
 """
@@ -35,12 +34,11 @@ from gradsync.comm.allreduce_two_shot import direct_below as _direct_below
 from gradsync.comm.allreduce_in_place import IN_PLACE_FROM_BYTES
 from gradsync.comm.transport.shm.segment import SHM_DIR, job_token
 from gradsync.comm.transport.shm.transport import ShmTransport
-from gradsync.comm.transport.shm.waiting import alive as process_alive
 from gradsync.comm.transport import Transport
 from gradsync.comm.transport.torch_distributed import TorchTransport
 
 __all__ = ["IN_PLACE_FROM_BYTES", "SHM_DIR", "TRANSPORTS", "build", "carrier", "default_transport",
-           "direct_below", "process_alive", "shares_memory", "transport_choice"]
+           "direct_below", "shares_memory", "transport_choice"]
 
 
 TRANSPORTS = ("auto", "tcp", "shm")

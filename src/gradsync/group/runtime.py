@@ -48,7 +48,6 @@ import torch.distributed as dist
 from gradsync.group import device_path, join, slurm
 from gradsync.observe import stall
 from gradsync.group.world_info import DEFAULT_TIMEOUT, World, debug_from_env, exchange_hosts, release_group
-from gradsync.group.world_info import transfer_group  # noqa: F401 - comm/ still calls it runtime.transfer_group
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 

@@ -1,7 +1,7 @@
 """TorchTransport: the Transport (comm/transport/__init__.py) over torch.distributed point-to-point.
 
 TorchTransport carries the bytes with torch.distributed point-to-point on the world's group
-(runtime.transfer_group: gloo on CPU, NCCL on GPU). When the world spans hosts, the collectives'
+(world_info.transfer_group: gloo on CPU, NCCL on GPU). When the world spans hosts, the collectives'
 own messages (tag 0) from a higher to a lower rank travel on a second gloo group of their own, so
 that each direction between two ranks has its own connection: gloo moves one connection's two
 directions one after the other (two hosts at 200 Mbit/s exchanging 4 MiB each way: 272 ms on one
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.group import runtime
+from gradsync.group.world_info import transfer_group
 from gradsync.comm.transport import Handle, PeerError, Transport
 from gradsync.observe.meter import METER, TrafficMeter
 
@@ -131,7 +132,7 @@ class _PairHandle(Handle):
 
 
 class TorchTransport(Transport):
-    """Transport over torch.distributed send/recv of the world's process group (runtime.transfer_group;
+    """Transport over torch.distributed send/recv of the world's process group (world_info.transfer_group;
     CUDA tensors of a joined world over the program's default group, which has NCCL where it was set up)."""
 
     def __init__(self, world: runtime.World, *, context, meter: TrafficMeter = METER) -> None:
@@ -153,10 +154,10 @@ class TorchTransport(Transport):
 
     def _group(self, tensor: torch.Tensor, source: int | None, target: int, tag: int) -> dist.ProcessGroup:
         if tensor.is_cuda:   # NCCL: the program's default group where gradsync joined it, else the world's
-            return dist.distributed_c10d._get_default_group() if self.world.joined else runtime.transfer_group(self.world)
+            return dist.distributed_c10d._get_default_group() if self.world.joined else transfer_group(self.world)
         if self.downward is not None and tag == 0 and source is not None and source > target:
             return self.downward
-        return runtime.transfer_group(self.world)
+        return transfer_group(self.world)
 
     def check(self, tensor: torch.Tensor, peer: int | None, op: str) -> None:
         """Raise ValueError where ``tensor`` cannot travel to or from ``peer`` here (ShmTransport asks
@@ -197,7 +198,7 @@ class TorchTransport(Transport):
             return
         self.interrupted = why   # first: a transfer posted from now on fails at once (refuse_if_interrupted)
         try:
-            groups = [runtime.transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
+            groups = [transfer_group(self.world)] + ([self.downward] if self.downward is not None else [])
         except RuntimeError:   # the world was shut down meanwhile: its groups are gone with their waits
             return
         for group in groups:

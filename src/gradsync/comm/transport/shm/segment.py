@@ -39,7 +39,8 @@ from gradsync.group import runtime
 from gradsync.comm.transport.shm import native, single_copy
 from gradsync.comm.transport.shm.doorbell import Doorbell
 from gradsync.comm.transport.shm.ring import FRAME, Ring, slot_bytes
-from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE, alive
+from gradsync.comm.transport.shm.waiting import LIVENESS_SLICE
+from gradsync.group.liveness import process_alive
 from gradsync.comm.transport import PeerError, abandoned
 
 DEFAULT_RING_MB = 2
@@ -229,7 +230,7 @@ class Segments:
                 if now - looked >= LIVENESS_SLICE:
                     looked = now
                     pid = self.pids.get(peer)   # known once the peer created its segment
-                    why = f"rank {peer} (pid {pid}) exited" if pid is not None and not alive(pid) else abandoned()
+                    why = f"rank {peer} (pid {pid}) exited" if pid is not None and not process_alive(pid) else abandoned()
                     if why is not None:
                         raise RuntimeError(why)
                 time.sleep(0.002)

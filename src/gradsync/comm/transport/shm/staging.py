@@ -23,7 +23,7 @@ import torch
 
 from gradsync.comm.transport.shm import single_copy
 from gradsync.comm.transport.shm.ring import FRAME
-from gradsync.comm.transport.shm.waiting import alive
+from gradsync.group.liveness import process_alive
 from gradsync.comm.transport import PeerError
 
 _FINGERPRINT = struct.Struct("8q")
@@ -95,7 +95,7 @@ class Staging:
         try:
             single_copy.read(pids[rank], address, into)
         except single_copy.SingleCopyError as exc:
-            gone = "" if alive(pids[rank]) else f" (rank {rank} has exited)"
+            gone = "" if process_alive(pids[rank]) else f" (rank {rank} has exited)"
             raise PeerError(f"rank {self.rank}: {op}: reading rank {rank}'s tensor failed{gone}: {exc}",
                             rank=self.rank, peer=rank, op=op) from exc
 

@@ -29,6 +29,7 @@ import threading
 import time
 
 from gradsync.comm.transport.shm.progress import ShmOp
+from gradsync.group.liveness import process_alive
 from gradsync.comm.transport import Handle, PeerError, abandoned
 
 POLL_SLICE = 0.0005
@@ -59,15 +60,6 @@ def poll_seconds(spin_allowed: bool) -> float:
     if not spin_allowed:
         return YIELD_SECONDS
     return SPIN_SECONDS if threading.current_thread() is threading.main_thread() else BACKGROUND_SPIN_SECONDS
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 class Delegated(Handle):
@@ -127,7 +119,7 @@ class Waits:
 
     def dead_peers(self) -> list[int]:
         """The local peers whose process is gone (Transport.dead_peers)."""
-        return [peer for peer, pid in self.segments.pids.items() if not alive(pid)]
+        return [peer for peer, pid in self.segments.pids.items() if not process_alive(pid)]
 
     def nap(self, seconds: float) -> None:
         """Make what progress there is, then sleep on the doorbell for at most ``seconds``."""
@@ -175,7 +167,7 @@ class Waits:
                     self.hold.before_sleep()
                 self.segments.bell.sleep(seen, min(LIVENESS_SLICE, limit - waited))
                 if time.monotonic() - started >= LIVENESS_SLICE:
-                    dead = [peer for peer in peers if not alive(pids[peer])]
+                    dead = [peer for peer in peers if not process_alive(pids[peer])]
                     why = None if dead else abandoned()   # live mode: a rank this wait does not name has died
                     if (dead or why is not None) and not self._done_after_all(is_done):
                         raise progress.break_with(stuck(time.monotonic() - started, limit,
@@ -246,7 +238,7 @@ class Waits:
         if waited >= self.timeout:
             return self._barrier_stuck(op, count, waited, self.timeout, "timed out")
         pids = self.segments.pids
-        dead = [peer for peer in pids if not alive(pids[peer])]
+        dead = [peer for peer in pids if not process_alive(pids[peer])]
         why = None if dead else abandoned()
         if dead:
             return self._barrier_stuck(op, count, waited, self.timeout,
