@@ -13,6 +13,7 @@ even within one layer. A new room (a folder or a loose module) fails until it is
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,63 @@ def private_imports() -> list[str]:
 def test_no_module_imports_another_modules_private_name():
     found = private_imports()
     assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+TESTS = PACKAGE.parent.parent / "tests"
+
+
+def registered_objects() -> dict[str, str]:
+    """Every class the package loads by name (``module:Class``): each strategy's objects (train/strategies/
+    registry.py) and each tracker (train/trackers); name -> module:Class."""
+    from gradsync.train.strategies.registry import STRATEGIES
+    from gradsync.train.trackers import TRACKERS
+
+    found = {f"tracker {name}": kind.object for name, kind in TRACKERS.items()}
+    for name, strategy in STRATEGIES.items():
+        found[f"strategy {name}"] = strategy.object
+        if strategy.live_object is not None:
+            found[f"strategy {name}, live"] = strategy.live_object
+    return found
+
+
+def test_every_class_the_registries_name_loads_with_its_interface():
+    from gradsync.train.strategies.base import StrategyObject
+    from gradsync.train.strategies.registry import STRATEGIES
+    from gradsync.train.trackers import TRACKERS
+    from gradsync.train.trackers.base import Tracker
+
+    for name, strategy in STRATEGIES.items():
+        for live in (False, True) if strategy.live_object is not None else (False,):
+            loaded = strategy.load(live)
+            assert isinstance(loaded, type) and issubclass(loaded, StrategyObject), (name, live, loaded)
+    for name, kind in TRACKERS.items():
+        loaded = kind.load()
+        assert isinstance(loaded, type) and issubclass(loaded, Tracker), (name, loaded)
+
+
+def test_every_module_is_reached_by_a_test():
+    """A module no test imports, directly or through the modules it imports, runs as ``python -m``, or loads
+    from a registry is a room nobody checks. Reached: the modules tests/*.py import or name
+    (``gradsync.x.y``, also in a subprocess's command), a package's ``__main__`` where a test runs
+    ``-m`` on it, the classes the registries name; then everything those import."""
+    known = modules()
+    roots = set()
+    for path in TESTS.glob("*.py"):
+        text = path.read_text()
+        for named in re.findall(r"gradsync(?:\.\w+)*", text) + [f"gradsync.{m}" for m in
+                                                                 re.findall(r"from gradsync import (\w+)", text)]:
+            while named and named not in known:
+                named = named.rpartition(".")[0]
+            if named:
+                roots.add(named)
+        for package in re.findall(r"""["']-m["'],\s*["'](gradsync(?:\.\w+)*)["']""", text):
+            roots.add(f"{package}.__main__")
+    roots |= {target.partition(":")[0] for target in registered_objects().values()}
+    edges, reached, stack = graph(), set(), [root for root in roots if root in known]
+    while stack:
+        module = stack.pop()
+        if module not in reached:
+            reached.add(module)
+            stack.extend(edges[module])
+    unreached = sorted(set(known) - reached)
+    assert not unreached, "modules no test reaches:\n" + "\n".join(unreached)
