@@ -99,7 +99,7 @@ def detect_death(report_dir: str):
         time.sleep(0.01)
     victim = int(pid_file.read_text())
     checks, observable = [], []
-    real_alive = waiting.alive
+    real_alive = waiting.process_alive
 
     def recorded_alive(pid):
         started = time.monotonic()
@@ -118,7 +118,7 @@ def detect_death(report_dir: str):
             time.sleep(0.001)
         observable.append(time.monotonic())
 
-    waiting.alive = recorded_alive
+    waiting.process_alive = recorded_alive
     killer = threading.Thread(target=kill_once_waiting, daemon=True)
     killer.start()
     try:
@@ -127,7 +127,7 @@ def detect_death(report_dir: str):
     except PeerError as exc:
         error, error_at = str(exc), time.monotonic()
     finally:
-        waiting.alive = real_alive
+        waiting.process_alive = real_alive
     killer.join(10)
     Path(report_dir, "report.json").write_text(json.dumps(
         {"pid": victim, "checks": checks, "observable": observable[0] if observable else None,

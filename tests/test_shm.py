@@ -331,7 +331,7 @@ def test_a_peer_that_did_its_part_and_exited_while_this_rank_slept_is_not_blamed
     def stuck(waited, limit, what):
         return PeerError(f"barrier {what}", rank=0, peer=1, op="barrier")
 
-    monkeypatch.setattr(waiting, "alive", lambda pid: False)   # rank 1 has exited by the time anyone looks
+    monkeypatch.setattr(waiting, "process_alive", lambda pid: False)   # rank 1 has exited by the time anyone looks
     arrived = stand(peer_arrives=True)
     arrived.wait_until(lambda: arrived.segments.bell.arrived, None, [1], stuck)
     never = stand(peer_arrives=False)
