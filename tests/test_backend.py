@@ -250,7 +250,7 @@ fewer than N, not a multiple of N, two dimensions; two of over 256 KiB a piece, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [3, 5])
+@pytest.mark.parametrize("world_size", [3, pytest.param(5, marks=pytest.mark.slow)])   # 5: a larger world
 def test_list_and_rooted_collectives_match_gloo_at_odd_world_sizes(world_of, world_size):
     """dist.reduce_scatter of a list, dist.all_gather into a list, dist.all_to_all, and dist.gather and
     dist.scatter from every root (0 and the non-zero ones) on the "gradsync" backend give gloo's outputs

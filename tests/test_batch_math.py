@@ -164,6 +164,7 @@ def test_eight_workers_with_the_default_flags_reach_96_percent(tmp_path):
     assert results[0]["summary"]["steps"] == 138
 
 
+@pytest.mark.slow   # a larger world: test_diloco.py trains DiLoCo against ring DDP by default
 @pytest.mark.timeout(400)
 def test_diloco_with_its_defaults_ends_within_a_point_of_ring_ddp_on_four_workers(tmp_path):
     """`gradsync train --strategy diloco --workers 4` against `--algorithm ring` at the same samples

@@ -63,9 +63,10 @@ SETUPS = ([(n, "auto") if n not in (5, 6, 7, 8) else pytest.param(n, "auto", mar
            for n in WORLD_SIZES]
           + [(2, "tcp"), (3, "tcp"), pytest.param(5, "tcp", marks=pytest.mark.slow)]
           + [(n, "tiny-rings") for n in (2, 4)]
-          + [(2, "python"), (3, "python"), (4, "tiny-rings-python")])
+          + [(2, "python"), (3, "python"), pytest.param(4, "tiny-rings-python", marks=pytest.mark.slow)])
 """N = 5 to 8 on shared memory (larger worlds than 4, which also puts two ranks on a core here),
-and N = 5 over TCP (odd, as 3), run with -m slow."""
+N = 5 over TCP (odd, as 3), and the Python path through tiny rings (the native one runs them, the
+Python one runs N = 2 and 3), run with -m slow."""
 
 
 @pytest.mark.timeout(900)

@@ -106,6 +106,7 @@ def test_hierarchical_all_reduce_over_two_hosts_of_two_ranks(two_hosts):
         assert ring["off_host_sent"] + ring["on_host_sent"] == 3 * m // 2
 
 
+@pytest.mark.slow   # a second trial: test_partition.py's host cut for good finds it and bounds both sides
 @pytest.mark.timeout(300)
 def test_link_down_mid_training_is_detected_on_both_hosts(two_hosts, tmp_path):
     """Take the veth down while the two nodes train: both sides must fail, not hang."""
@@ -166,6 +167,7 @@ def _starts(out) -> list[tuple[int, int, int]]:
     return [tuple(run) for run in runs]
 
 
+@pytest.mark.slow   # another route to a node lost and taken back: test_partition.py's healed host rejoins
 @pytest.mark.timeout(420)
 def test_elastic_torchrun_goes_on_without_a_lost_node_and_admits_it_back(two_hosts, tmp_path):
     """torchrun --nnodes 1:2 on each host, c10d rendezvous on host 0, --out shared: every process of

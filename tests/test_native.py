@@ -126,7 +126,7 @@ def sizes(world_size: int):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 8))])
 def test_both_paths_equal_the_fold_across_the_bands(world_of, world_size):
     combos = COMBOS + MIXED
     pools = {"native": world_of(world_size, **SMALL_HALVES),

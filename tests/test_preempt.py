@@ -197,6 +197,7 @@ def test_sigterm_mid_round_then_resume_is_bit_identical_diloco(tmp_path):
         assert torch.equal(value, weights[name]), name
 
 
+@pytest.mark.slow   # a longer chain: test_train.py and test_batch_math.py resume 2 workers on 4 by default
 @pytest.mark.timeout(500)
 def test_preempted_on_2_3_2_then_1_worker_sees_every_sample_once(tmp_path):
     """One 2-epoch job cut three times and regrouped 2 -> 3 -> 2 -> 1 workers: each resume says what it changed

@@ -291,6 +291,7 @@ def test_train_cli_ssp_live_deals_the_dead_workers_steps_to_the_survivors(tmp_pa
         "samples lost or repeated"
 
 
+@pytest.mark.slow   # a second trial of the floor: test_live.py's DDP one is in the default run
 @pytest.mark.timeout(300)
 def test_train_cli_ps_live_below_min_workers_stops_as_a_preemption(tmp_path):
     """`gradsync train --strategy ps-sync --workers 4 --fault-tolerance live --min-workers 3` (1 server, 3

@@ -21,9 +21,11 @@ SEED_DRAWING = {0: 1, 1: 0, 2: 3}
 
 
 # ps-async's and ssp's trials (a worker killed under the parameter server: test_ps.py's dead-worker
-# test kills one in CI too, ps-sync's trial kills the server) run with -m slow
+# test kills one in CI too, ps-sync's trial kills the server) and zero1's (the launcher ends it as it
+# ends ddp's) run with -m slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s in ("ps-async", "ssp") else s
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s in ("ps-async", "ssp", "zero1")
+                                      else s
                                       for s in faults.STRATEGIES])
 def test_sigkill_of_a_rank_ends_the_job_cleanly(strategy):
     victim = VICTIMS[strategy]

@@ -210,6 +210,7 @@ def test_a_requeued_job_resumes_and_ends_bit_identical(cluster, uninterrupted, t
     assert all(torch.equal(mine[name], reference[name]) for name in mine), "the resumed run's parameters differ"
 
 
+@pytest.mark.slow   # a second trial: test_multihost.py's live torchrun node loss is in the default run
 @pytest.mark.timeout(300)
 def test_live_mode_a_nodes_tasks_killed_the_others_train_on(cluster, tmp_path):
     """`srun gradsync train --fault-tolerance live` on 2 nodes x 2 tasks: both tasks on the second node are

@@ -16,7 +16,7 @@ def test_ring_chunks_worked_examples():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, 3, 4, *(pytest.param(n, marks=pytest.mark.slow) for n in (5, 8))])
 def test_ring_sends_exactly_2_n_minus_1_over_n_times_m(world_of, world_size):
     pool = world_of(world_size)
     numel = 1024 * world_size * 3  # divisible by N (each chunk fits one segment; test_collectives crosses many)

@@ -84,6 +84,7 @@ def test_grad_accum_and_bf16_compression_equal_one_process_with_the_global_batch
     assert replay.update_error(results[0]["params"], initial, oracle) < 2e-2
 
 
+@pytest.mark.slow   # another route: test_your_model.py trains ps-sync, ps-async and ssp through the main job by default
 @pytest.mark.timeout(300)
 def test_parameter_server_strategies_train_digits(tmp_path):
     """1 server + 2 workers; async and SSP see the same samples as sync and land within a few points."""
