@@ -172,6 +172,7 @@ def test_bench_ps_rows_and_exact_link_bytes(tmp_path, workers, steps):
         assert r["transport"] == "tcp" if r["impl"] != "ring DDP" else r["transport"] in ("tcp", "shm")
 
 
+@pytest.mark.slow   # another route: test_ps_sparse.py trains word2vec's sparse rows under the PS by default
 @pytest.mark.timeout(300)
 def test_bench_ps_word2vec_rows(tmp_path, monkeypatch):
     """`gradsync bench ps --model word2vec` on a small corpus (the bench reads 4M tokens; here the first

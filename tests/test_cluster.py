@@ -64,6 +64,7 @@ def _check_link(measured: float, payload: float, what: str) -> None:
     assert payload <= measured <= most, f"{what}: kernel {measured:,.0f} B/step, formula {payload:,.0f}"
 
 
+@pytest.mark.slow   # a second trial: the ring's link bytes here, the PS's exact bytes in test_bench.py
 @pytest.mark.timeout(240)
 def test_sync_parameter_server_link_bytes_match_the_formula(can_build):
     """1 server + 2 workers on 3 hosts: the server's link carries W*M each way per step, a worker's M."""

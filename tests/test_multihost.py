@@ -74,6 +74,7 @@ def _torchrun_on_both(two_hosts, nproc: int, target: list[str], wait_s: float = 
     return outputs
 
 
+@pytest.mark.slow   # a second trial: torchrun across emulated hosts trains in the live node loss and partitions
 @pytest.mark.timeout(300)
 def test_torchrun_two_nodes_over_a_veth_pair(two_hosts, tmp_path):
     outputs = _torchrun_on_both(two_hosts, 2, ["-m", "gradsync.train", "--steps", "5", "--quiet",

@@ -53,7 +53,7 @@ def test_ring_uneven_chunking_formula(world_of, world_size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 4, 5])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(5, marks=pytest.mark.slow)])   # 5: a larger world
 def test_naive_is_the_parameter_server_pattern(world_of, world_size):
     pool = world_of(world_size)
     numel = 777
