@@ -210,6 +210,7 @@ def test_bench_zero1_rows(tmp_path):
     assert zero["bytes_sent_per_step"] == ddp["params"] * 4     # N=2: 2(N-1)/N*M = M
 
 
+@pytest.mark.slow   # another route to test_preempt.py's trials
 @pytest.mark.timeout(300)
 def test_bench_faults_preempt_trial(tmp_path):
     """`gradsync bench faults --preempt` (docs/reliability.md), one trial of the one-process strategy:

@@ -30,7 +30,7 @@ def _run_script(nproc: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])   # 3: a larger world
 def test_script_with_its_own_process_group(nproc):
     rows = _run_script(nproc)
     assert [row["rank"] for row in rows] == list(range(nproc))

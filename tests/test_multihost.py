@@ -238,6 +238,7 @@ def test_elastic_torchrun_goes_on_without_a_lost_node_and_admits_it_back(two_hos
     assert summary["steps"] == 25 * 45 and summary["accuracy"] >= 0.95, summary
 
 
+@pytest.mark.slow   # another route: test_partition.py's host cut for good, the survivors train on under torchrun
 @pytest.mark.timeout(300)
 def test_live_torchrun_a_node_lost_the_other_trains_on(two_hosts, tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 2 -m gradsync.train --fault-tolerance live`: every process of

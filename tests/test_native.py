@@ -145,7 +145,7 @@ def test_both_paths_equal_the_fold_across_the_bands(world_of, world_size):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])   # 2 ranks: the test above
 def test_both_paths_equal_the_fold_with_the_bands_as_shipped_and_in_place(world_of, world_size):
     # default 4 MiB halves: one-shot up to 2 MiB (N=2) or 512 KiB (N=3), two-shot above; and tensors
     # in shared regions (DDP's buckets), reduced where they lie from 256 KiB up

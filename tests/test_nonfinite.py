@@ -101,8 +101,11 @@ def check_nonfinite(pool, world_size: int, env: dict, shared_memory: bool) -> No
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("setup", ["shm-3", "tcp-3", "shm-3-python",   # tiny rings: test_collectives.py
-                                   *(pytest.param(s, marks=pytest.mark.slow) for s in ("shm-4-tiny", "shm-2"))])
+# with -m slow: tiny rings (test_collectives.py runs every op through them), the Python path (test_collectives.py's
+# [3-python] runs every op through it) and a world of 2
+@pytest.mark.parametrize("setup", ["shm-3", "tcp-3",
+                                   *(pytest.param(s, marks=pytest.mark.slow) for s in ("shm-4-tiny", "shm-3-python",
+                                                                                      "shm-2"))])
 def test_nan_and_inf_through_every_op_algorithm_and_path_match_torch_and_gloo(world_of, setup):
     world_size, env, shared_memory = SETUPS[setup]
     pool = world_of(world_size, **env)

@@ -132,7 +132,8 @@ def _each_id_once_per_epoch(seen: dict[int, Counter], epochs: int) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("target", ["group", pytest.param("launcher", marks=pytest.mark.slow)])  # group: launcher too
+# with -m slow: test_your_model.py's command-line trial sends SIGTERM to the whole job and resumes bit-identically
+@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.slow) for t in ("group", "launcher")])
 def test_sigterm_then_resume_is_bit_identical_ddp(straight, tmp_path, target):
     """SIGTERM mid-epoch to `gradsync train` (launcher) or to every process of the job at once (group:
     `timeout`, Slurm, `kill -- -PGID`; the forkserver, the ranks' parent, must survive it): exit 75
