@@ -26,6 +26,24 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
 
 
+def keep_global_step(live, cursor, x, y, trained: dict):
+    """The keep-global recipe's train_step for LiveDDP.run_step: this rank's share of the step at the live
+    progress, its loss a sum of per-sample losses x W / G (the ranks' average is the step's mean loss);
+    the ids it trained go to ``trained`` under the step they make."""
+    def train_step(ddp):
+        epoch, position = live.progress["epoch"], live.progress["position"]
+        w = live.world
+        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
+        step_size = cursor.step_size(position)
+        loss = ((ddp(x[share]) - y[share]) ** 2).sum() * (w.world_size / step_size)
+        loss.backward()
+        trained[live.step + 1] = share
+        position += step_size
+        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+
+    return train_step
+
+
 def train_with_a_kill(victim: int, kill_step: int, epochs: int, log_dir: str, steps_before_growth: int | None = None
                       ) -> dict:
     """Train ``epochs`` epochs of the keep-global recipe with LiveDDP; member ``victim`` SIGKILLs itself
@@ -108,16 +126,7 @@ def train_with_a_pause(victim: int, pause_step: int, seconds: float, epochs: int
     log = open(Path(log_dir) / f"samples.{live.member}", "a", buffering=1)  # noqa: SIM115
     sizes = open(Path(log_dir) / f"sizes.{live.member}", "a", buffering=1)  # noqa: SIM115
 
-    def train_step(ddp):
-        epoch, position = live.progress["epoch"], live.progress["position"]
-        w = live.world
-        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
-        step_size = cursor.step_size(position)
-        loss = ((ddp(x[share]) - y[share]) ** 2).sum() * (w.world_size / step_size)
-        loss.backward()
-        trained[live.step + 1] = share
-        position += step_size
-        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+    train_step = keep_global_step(live, cursor, x, y, trained)
 
     paused, since_change = False, 0
     while live.step < total:
@@ -300,15 +309,7 @@ def train_past_a_collective(steps: int) -> dict:
         calls.append(live.world.world_size)
         return gs.all_reduce(torch.zeros(2, dtype=torch.int64), op="max")
 
-    def train_step(ddp):
-        epoch, position = live.progress["epoch"], live.progress["position"]
-        w = live.world
-        share = cursor.share(cursor.order(epoch), position, w.world_size, w.rank)
-        step_size = cursor.step_size(position)
-        loss = ((ddp(x[share]) - y[share]) ** 2).sum() * (w.world_size / step_size)
-        loss.backward()
-        position += step_size
-        return {"epoch": epoch + 1, "position": 0} if position >= cursor.n else {"epoch": epoch, "position": position}
+    train_step = keep_global_step(live, cursor, x, y, {})
 
     while live.step < steps:
         if live.step == 2 and not live.recoveries:
