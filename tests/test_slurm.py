@@ -197,7 +197,7 @@ def test_a_requeued_job_resumes_and_ends_bit_identical(cluster, uninterrupted, t
     assert fields["Restarts"] == "1" and "RESTART 0" in text and "RESTART 1" in text, fields
     # the job completion log: the requeue (the job already pending again), then the requeued run's end
     assert [(row["State"], row["ExitCode"]) for row in cluster.sacct(job)] == [("PENDING", "0:0"), ("COMPLETED", "0:0")]
-    assert f"requeued Slurm job {job}" in text and "--resume auto: continuing the run" in text, text[-4000:]
+    assert f"requeueing Slurm job {job}" in text and "--resume auto: continuing the run" in text, text[-4000:]
     records = _records(out)
     (preempted,) = [r for r in records if r["event"] == "preempted"]
     starts = [i for i, r in enumerate(records) if r["event"] == "start"]

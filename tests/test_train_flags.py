@@ -9,6 +9,7 @@ an empty directory.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -20,7 +21,7 @@ import pytest
 import gradsync as gs
 from gradsync import checkpoint
 from gradsync.cli import main
-from gradsync.train import resume
+from gradsync.train import requeue, resume
 from gradsync.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +130,33 @@ def test_resume_auto_continues_a_checkpoint_or_starts_a_run(no_ranks, monkeypatc
     # the ranks' own decision (a TrainConfig made without the command line)
     assert resume.wanted(TrainConfig(resume="auto", out=str(run)))
     assert not resume.wanted(TrainConfig(resume="auto", out=str(tmp_path / "new")))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exit_status", [0, 1])
+def test_requeue_says_so_before_asking_and_a_refusal_is_one_line(monkeypatch, tmp_path, capsys, exit_status):
+    """--requeue on rank 0 after a preemption's checkpoint: the line naming the requeue comes before
+    `scontrol requeue` runs (Slurm ends the job's tasks as it accepts); a refusal adds one line naming the
+    command and Slurm's words, and after_checkpoint says whether Slurm accepted. A stand-in scontrol on PATH
+    records its arguments."""
+    called = tmp_path / "called"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" > {called}\n"
+                        + ("echo 'Requested operation is presently disabled' >&2\n" if exit_status else "")
+                        + f"exit {exit_status}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    cfg = TrainConfig(requeue=True)
+    assert not requeue.after_checkpoint(cfg, 1, "preempted") and not requeue.after_checkpoint(cfg, 0, "interrupted")
+    assert not called.exists(), "only rank 0 requeues, and only a preemption"
+    assert requeue.after_checkpoint(cfg, 0, "preempted") == (exit_status == 0)
+    assert called.read_text().split() == ["requeue", "4242"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("gradsync train: requeueing Slurm job 4242 (scontrol requeue 4242)")
+    assert lines[1:] == ([] if exit_status == 0 else [
+        "gradsync train: --requeue: 'scontrol requeue 4242' failed: Requested operation is presently disabled "
+        "(submit with sbatch --requeue); the checkpoint is written: resubmit the job to continue"])
 
 
 def _tour_train_commands() -> list[tuple[str | None, list[str]]]:

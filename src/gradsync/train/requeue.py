@@ -71,6 +71,10 @@ def after_checkpoint(cfg: TrainConfig, rank: int, reason: str | None) -> bool:
         return False
     job = slurm.job_id()
     command = ["scontrol", "requeue", str(job)]
+    # Said before asking: once slurmctld accepts, it ends every task of the job at once, and a line written
+    # after that may never reach the job's output (srun is stopped with its tasks).
+    print(f"gradsync train: requeueing Slurm job {job} ({' '.join(command)}): it runs again and continues from "
+          f"this checkpoint with --resume auto", file=sys.stderr, flush=True)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT)
         refusal = None if done.returncode == 0 else (done.stderr.strip() or done.stdout.strip()
@@ -78,8 +82,6 @@ def after_checkpoint(cfg: TrainConfig, rank: int, reason: str | None) -> bool:
     except (OSError, subprocess.TimeoutExpired) as exc:
         refusal = str(exc)
     if refusal is None:
-        print(f"gradsync train: requeued Slurm job {job} ({' '.join(command)}): it runs again and continues from "
-              f"this checkpoint with --resume auto", file=sys.stderr, flush=True)
         return True
     print(f"gradsync train: --requeue: '{' '.join(command)}' failed: {refusal.splitlines()[0]} (submit with "
           f"sbatch --requeue); the checkpoint is written: resubmit the job to continue", file=sys.stderr, flush=True)
