@@ -326,3 +326,41 @@ def train_past_a_collective(steps: int) -> dict:
     return {"member": live.member, "step": live.step, "world_size": live.world.world_size, "calls": calls,
             "undone": undone, "recoveries": [r.__dict__ for r in live.recoveries],
             "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def train_two_collectives_apart(steps: int) -> dict:
+    """train_with_a_kill's recipe for ``steps`` steps, where after step 2 member 2 dies at the boundary and
+    the two others stand one collective apart, as a ring all-reduce can leave them when a peer is lost in it:
+    member 1 has finished the first collective outside the step (a verdict; in the old world it ended on
+    member 1 before the death, here by returning at once) and is in the second (statistics), member 0 is
+    still in the first. Both are 2-element int64 sums, so run against each other they would not fail: they
+    would mix. Returns each collective's (world size, result) on this member and its recoveries."""
+    x, y = dataset()
+    module = model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0})
+    cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
+    seen: dict[str, list] = {"verdict": [], "statistics": []}
+
+    def summed(name: str, values: list[int]):
+        if name == "verdict" and live.member == 1 and not seen[name]:
+            seen[name].append((live.world.world_size, None))   # it ended here in the old world
+            return None
+        t = torch.tensor(values, dtype=torch.int64)
+        gs.all_reduce(t, op="sum")
+        seen[name].append((live.world.world_size, t.tolist()))
+        return t
+
+    train_step = keep_global_step(live, cursor, x, y, {})
+    while live.step < steps:
+        if live.step == 2 and not live.recoveries:
+            if live.member == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            live.collective(lambda: summed("verdict", [live.member + 1, 10 * (live.member + 1)]))
+            live.collective(lambda: summed("statistics", [100 * (live.member + 1)] * 2))
+        live.run_step(train_step)
+    live.check_replicas()
+    live.close()
+    return {"member": live.member, "step": live.step, "world_size": live.world.world_size, "seen": seen,
+            "recoveries": [r.__dict__ for r in live.recoveries],
+            "params": [p.detach().clone() for p in module.parameters()]}

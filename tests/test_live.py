@@ -558,3 +558,24 @@ def test_a_survivor_past_a_collective_is_met_in_the_next_step_not_in_that_collec
         assert recovery["lost"] == (2,) and recovery["step"] == 2 and recovery["in_step"], recovery
         assert r["step"] == 6 and r["world_size"] == 2, r
     assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
+
+
+@pytest.mark.timeout(120)
+def test_survivors_one_collective_apart_meet_in_the_first_one_again():
+    """A peer lost in a collective outside a step can leave one survivor past it, in the next collective, and
+    another still in it. After the recovery the one ahead runs the finished one again with the others (its
+    result set aside) before its own, rather than meet the other's first collective with its second (the
+    same shape here: they would mix, silently). Oracle: the closed-form sums of the two survivors' values."""
+    results = gs.spawn(live_fns.train_two_collectives_apart, nprocs=3, args=(6,), timeout=20,
+                       fault_tolerance="live")
+    assert results[2] is None, "the killed member returned a value"
+    first, second = results[0], results[1]
+    assert first["seen"] == {"verdict": [(2, [1 + 2, 10 + 20])], "statistics": [(2, [100 + 200] * 2)]}, first["seen"]
+    assert second["seen"] == {"verdict": [(3, None), (2, [1 + 2, 10 + 20])],
+                              "statistics": [(2, [100 + 200] * 2)]}, second["seen"]
+    for r, caught_up in ((first, False), (second, True)):
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (2,) and recovery["step"] == 2 and not recovery["in_step"], recovery
+        assert recovery["caught_up"] == caught_up, recovery
+        assert r["step"] == 6 and r["world_size"] == 2, r
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))

@@ -105,6 +105,23 @@ def test_sync_a_survivor_whose_push_failed_trains_the_step_again_from_no_gradien
 
 
 @pytest.mark.timeout(120)
+def test_after_training_survivors_one_collective_apart_meet_in_the_first_one_again(tmp_path):
+    """LivePS's collectives after training, as LiveDDP's outside a step (test_live.py's trial of it): a
+    worker that had finished the collective the others are still in runs it again with them first, so the
+    second is not met by the first (one shape: they would mix). Oracle: the survivors' closed-form sums."""
+    results = gs.spawn(ps_live_fns.collectives_apart_after_training, nprocs=4, args=(3, str(tmp_path)),
+                       timeout=20, fault_tolerance="live", join_timeout=60)
+    assert results[3] is None, "the killed member returned a value"
+    verdict, statistics = [1 + 2 + 3, 10 + 20 + 30], [100 + 200 + 300] * 2
+    for r in results[:3]:
+        (recovery,) = r["recoveries"]
+        assert recovery["lost"] == (3,) and recovery["caught_up"] == (r["member"] == 2), recovery
+        assert r["seen"] == {"verdict": [(4, None)] * (r["member"] == 2) + [(3, verdict)],
+                             "statistics": [(3, statistics)]}, (r["member"], r["seen"])
+    assert [r["step"] for r in results[1:3]] == [3, 3]
+
+
+@pytest.mark.timeout(120)
 def test_a_server_dies_and_every_survivor_ends_naming_it(tmp_path):
     """2 servers, 1 worker; server rank 1 dies after its 3rd version: each survivor raises
     ServerLostError naming rank 1 and what was lost, well within the 20 s timeout."""

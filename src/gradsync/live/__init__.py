@@ -9,6 +9,7 @@ restart and without reading a checkpoint.
     transfer.py     the training state sent from rank 0 to a joiner over the transport
     heartbeat.py    how a member on another host is found dead: its counter in the store stops
     failures.py     whether an error was a member's death; a collective run again after one
+    catch_up.py     survivors left one collective apart by a death meet in the first one again
     ps.py           LivePS: the parameter server whose workers may die (a dead server ends the job)
 
 Run it under gs.spawn(fn, nprocs, fault_tolerance="live") (the launcher then lets the survivors run

@@ -86,8 +86,9 @@ from gradsync.comm.world_transport import default_transport
 from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.group.launch import NotNeeded
 from gradsync.live import growth, transfer
+from gradsync.live.catch_up import CatchUp
 from gradsync.live.failures import (BelowFloor, LostContact, StepUndone, caused_by_peer, default_floor,
-                                    first_line_freed, rerun)
+                                    first_line_freed)
 from gradsync.live.membership import PREFIX, Evicted, Generation, Membership
 from gradsync.observe import stall
 from gradsync.replicas import first_mismatch
@@ -121,6 +122,9 @@ class Recovery:
     """Some survivor met the failure inside a training step: it had gone past any collective outside a step
     that another survivor was still in (a ring all-reduce can end on one rank while another still waits for
     the lost peer's piece), so that collective is not run again (LiveDDP.collective)."""
+    caught_up: bool = False
+    """This rank had finished the collective outside a step that another survivor was still in, and was in
+    the next one: it ran the finished one again in the new world with the others first (LiveDDP.collective)."""
 
 
 class LiveDDP:
@@ -161,7 +165,8 @@ class LiveDDP:
         joiner receives them."""
         self._snapshot: tuple | None = None
         self._in_step = False   # inside run_step: a recovery's agreement tells the others (Recovery.in_step)
-        self._survivor_in_step = False
+        self._survivor_in_step = self._caught_up = False
+        self._outside = CatchUp()   # the collectives outside a step since the last one began (collective())
         self.model = None
         joining = runtime.replacement()
         if joining is not None:
@@ -226,6 +231,7 @@ class LiveDDP:
         (default optimizer.step(); a gradient scaler's unscale, check and step)."""
         failure = joiner = None
         self._in_step = True
+        self._outside.step_began()
         try:
             joiner = self.door.decide(self.world.rank) if self._admits() else None   # the boundary (growth.py)
             if joiner is None:
@@ -257,7 +263,14 @@ class LiveDDP:
     def collective(self, fn: Callable[[], object]):
         """``fn()`` (collectives outside a training step: evaluation, statistics), run again in the new
         world if a member dies during it. At most once per member of the current world. StepUndone when the
-        recovery took back this rank's last step (failures.py): the caller trains it again first."""
+        recovery took back this rank's last step (failures.py): the caller trains it again first.
+
+        Every member runs the same collectives outside a step, in the same order, but a death can leave
+        the survivors one collective apart (a ring all-reduce ends on a rank once it has its pieces): one
+        still in the boundary's verdict, another past it in the next collective or in the next step. The
+        recovery's agreement says how far each had got (_agree_on_step): one in the next step sends the others
+        back to training (StepUndone); one in the next collective first runs the one it had finished again,
+        with the others, its result set aside (catch_up.py)."""
         def recover(why: str) -> None:
             record = self.recover(why)
             if record.rolled_back or self.member in record.joined:
@@ -268,7 +281,7 @@ class LiveDDP:
                 raise StepUndone(f"member {self.member}: a survivor had gone on to step {self.step + 1} past "
                                  f"{getattr(fn, '__name__', 'the collective')}: train that step")
 
-        return rerun(fn, len(self.membership.current.members), self._failure, recover)
+        return self._outside.run(fn, len(self.membership.current.members), self._failure, recover)
 
     def _failure(self, exc: Exception) -> str:
         """The first line of ``exc`` when a member's death caused it (failures.py); otherwise ``exc`` is
@@ -397,7 +410,7 @@ class LiveDDP:
         rewrap -> check_replicas. True if this rank rolled back."""
         self._rejoin(self._settings, generation)
         self.membership.watch.arm(generation.index, default_transport())
-        rolled_back, missing, self._survivor_in_step = self._agree_on_step()
+        rolled_back, missing, self._survivor_in_step, self._caught_up = self._agree_on_step()
         if self._has_state and self.on_resize is not None and old_world != len(generation.members):
             self.on_resize(self, old_world)
         if missing:
@@ -413,7 +426,8 @@ class LiveDDP:
         record = Recovery(generation.index, generation.members,
                           tuple(m for m in before.members if m not in generation.members), self.step,
                           rolled_back, time.monotonic() - started, why,
-                          tuple(m for m in generation.members if m not in before.members), self._survivor_in_step)
+                          tuple(m for m in generation.members if m not in before.members), self._survivor_in_step,
+                          self._caught_up)
         self.recoveries.append(record)
         return record
 
@@ -450,23 +464,29 @@ class LiveDDP:
                        local.index(self.member), len(local), prefix=f"{PREFIX}/{generation.index}/world",
                        generation=generation.index)
 
-    def _agree_on_step(self) -> tuple[bool, bool, bool]:
-        """Committed steps: max and min over the ranks holding the state; a rank ahead rolls back. Returns
-        (this rank rolled back, some rank has no state: a joiner, some rank was inside a step)."""
+    def _agree_on_step(self) -> tuple[bool, bool, bool, bool]:
+        """Committed steps: max and min over the ranks holding the state; a rank ahead rolls back; and the
+        collectives outside a step the ranks in one had finished (min over them). Returns (this rank rolled
+        back, some rank has no state: a joiner, some rank was inside a step, this rank had finished a
+        collective outside a step that another is still in)."""
         step = self.step if self._has_state else MISSING
+        outside = self._outside
         steps = torch.tensor([step, -step if self._has_state else MISSING, 0 if self._has_state else 1,
-                              int(self._in_step)], dtype=torch.int64)
+                              int(self._in_step), -outside.finished if outside.inside else MISSING],
+                             dtype=torch.int64)   # MISSING: a rank in no collective takes no part in the min
         all_reduce(steps, op="max")
         newest, oldest, missing, in_step = int(steps[0]), -int(steps[1]), bool(steps[2]), bool(steps[3])
+        fewest_finished = -int(steps[4])
         if newest == MISSING:
             raise RuntimeError(f"member {self.member}: no member of generation {self.membership.current.index} "
                                f"holds the training state (every one that did died during a join)")
         assert newest - oldest <= 1, f"committed steps {oldest}..{newest} differ by more than one"
+        caught_up = outside.settle(None if fewest_finished == -MISSING else fewest_finished, in_step)
         if not self._has_state or self.step == oldest:
-            return False, missing, in_step
+            return False, missing, in_step, caught_up
         self._roll_back()
         assert self.step == oldest, (self.step, oldest)
-        return True, missing, in_step
+        return True, missing, in_step, caught_up
 
     def check_replicas(self) -> None:
         """Raise ReplicaMismatchError unless parameters and optimizer state are bitwise the same on

@@ -91,7 +91,8 @@ from gradsync.comm.collectives import all_gather, all_reduce
 from gradsync.comm.transport import set_abandon_check
 from gradsync.comm.world_transport import default_transport
 from gradsync.live.ddp import Recovery
-from gradsync.live.failures import LostContact, caused_by_peer, default_floor, first_line_freed, rerun
+from gradsync.live.catch_up import CatchUp
+from gradsync.live.failures import LostContact, caused_by_peer, default_floor, first_line_freed
 from gradsync.live.membership import CHECK_SECONDS, PREFIX, Membership
 from gradsync.ps import protocol as wire
 from gradsync.ps.parameter_server import ParameterServer
@@ -237,6 +238,7 @@ class LivePS:
         self.recoveries: list[PSRecovery] = []
         self._previous_progress: dict = {}
         self._pending_progress: dict | None = None
+        self._outside = CatchUp()   # every rank runs the same collectives, none inside a step: counted from the start
         if self._relay is not None:
             self._relay.start()
         self.membership.watch.arm(0, _Interrupter(self, default_transport()))
@@ -312,10 +314,11 @@ class LivePS:
         return self.ps.stopping
 
     def collective(self, fn: Callable[[], object]):
-        """``fn()`` (a collective after training: evaluation, statistics), run again in the new world if a
-        member dies during it (failures.rerun). Every worker has closed by then, so a server that
-        recovers here has no one left to serve."""
-        return rerun(fn, len(self.membership.current.members), self._failure, self.recover)
+        """``fn()`` (a collective before or after training: the layout, evaluation, statistics), run again
+        in the new world if a member dies during it (failures.rerun); a rank that had finished the one
+        another survivor is still in runs it again with it first (catch_up.py). After training every worker
+        has closed, so a server that recovers there has no one left to serve."""
+        return self._outside.run(fn, len(self.membership.current.members), self._failure, self.recover)
 
     def _commit(self, progress: dict) -> None:
         self._previous_progress, self.progress = self.progress, progress
@@ -379,14 +382,14 @@ class LivePS:
                            len(generation.members), local.index(self.member), len(local),
                            prefix=f"{PREFIX}/{generation.index}/ps-world", generation=generation.index)
             self.membership.watch.arm(generation.index, _Interrupter(self, default_transport()))
-            version, rolled_back, lost_clocks, open_workers = self._agree_on_clocks(before, lost)
+            version, rolled_back, lost_clocks, open_workers, caught_up = self._agree_on_clocks(before, lost)
             if len(open_workers) < self.floor and self.below_floor is None:
                 self.below_floor = (f"member {self.member}: generation {generation.index} has {len(open_workers)} "
                                     f"open worker(s) {list(open_workers)}, fewer than the floor of {self.floor} "
                                     f"(min_workers): the job stops at the next version, as a preemption")
         record = PSRecovery(generation.index, generation.members, lost, version if self.is_server else self.step,
                             rolled_back, time.monotonic() - started, why, version=version, caught_at=caught_at,
-                            lost_clocks=lost_clocks, open_workers=open_workers)
+                            lost_clocks=lost_clocks, open_workers=open_workers, caught_up=caught_up)
         self.recoveries.append(record)
         return record
 
@@ -404,20 +407,26 @@ class LivePS:
             f"the live job ends here (this rank at {version}); run it again, or without --fault-tolerance live",
             servers)
 
-    def _agree_on_clocks(self, before, lost: tuple[int, ...]) -> tuple[int, bool, dict, tuple[int, ...]]:
-        """One all-gather: per rank [is server, version, clock, closed, then per member of the previous
-        generation the pushes this server applied from it]; returns V_min, whether this rank stepped back,
-        the lost workers' clocks (the most pushes any server applied from each) and the open workers."""
+    def _agree_on_clocks(self, before, lost: tuple[int, ...]) -> tuple[int, bool, dict, tuple[int, ...], bool]:
+        """One all-gather: per rank [is server, version, clock, closed, collectives finished (while in one;
+        else -1: catch_up.py), then per member of the previous generation the pushes this server applied
+        from it]; returns V_min, whether this rank stepped back, the lost workers' clocks (the most pushes
+        any server applied from each), the open workers and whether this rank runs a finished collective
+        again first."""
         members = len(before.members)
-        row = torch.full((4 + members,), -1, dtype=torch.int64)
+        row = torch.full((5 + members,), -1, dtype=torch.int64)
         if self.is_server:
             server = self.ps._server
             row[:2] = torch.tensor([1, server.version])
             for old_rank, clock in server.clock.items():
-                row[4 + old_rank] = clock
+                row[5 + old_rank] = clock
         else:
             row[:4] = torch.tensor([0, -1, self.step, int(self.closed)])
-        table = all_gather(row).view(-1, 4 + members)
+        if self._outside.inside:
+            row[4] = self._outside.finished
+        table = all_gather(row).view(-1, 5 + members)
+        finished = [int(f) for f in table[:, 4] if f >= 0]
+        caught_up = self._outside.settle(min(finished) if finished else None, in_step=False)
         servers, workers = table[:self.num_servers], table[self.num_servers:]
         low, high = int(servers[:, 1].min()), int(servers[:, 1].max())
         assert high - low <= 1, f"server versions {low}..{high} differ by more than one"
@@ -425,7 +434,7 @@ class LivePS:
         if self.mode == "sync":
             clocks = [low] * len(old_ranks)
         else:   # the most pushes any server applied from the worker, or its own count
-            clocks = [max(int(w[2]), int(servers[:, 4 + r].max())) for w, r in zip(workers, old_ranks)]
+            clocks = [max(int(w[2]), int(servers[:, 5 + r].max())) for w, r in zip(workers, old_ranks)]
         stepped_back = False
         if self.is_server:
             if self.mode == "sync" and self.ps._server.version == high > low:
@@ -439,9 +448,9 @@ class LivePS:
                 self._commit(self._pending_progress)   # a push whose sends failed after a server read it
             assert self.step == mine, f"member {self.member}: clock {self.step}, agreed {mine}"
         self.ps.rejoin(clocks, [bool(w[3]) for w in workers], low)
-        lost_clocks = {m: int(servers[:, 4 + before.rank_of(m)].max()) for m in lost}
+        lost_clocks = {m: int(servers[:, 5 + before.rank_of(m)].max()) for m in lost}
         members = self.membership.current.members[self.num_servers:]
-        return low, stepped_back, lost_clocks, tuple(m for m, w in zip(members, workers) if not w[3])
+        return low, stepped_back, lost_clocks, tuple(m for m, w in zip(members, workers) if not w[3]), caught_up
 
     def stats(self) -> dict:
         return self.ps.stats()
