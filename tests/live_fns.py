@@ -341,26 +341,33 @@ def train_two_collectives_apart(steps: int) -> dict:
     live = LiveDDP(module, optimizer, bucket_cap_mb=1, progress={"epoch": 0, "position": 0})
     cursor = EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0)
     seen: dict[str, list] = {"verdict": [], "statistics": []}
-
-    def summed(name: str, values: list[int]):
-        if name == "verdict" and live.member == 1 and not seen[name]:
-            seen[name].append((live.world.world_size, None))   # it ended here in the old world
-            return None
-        t = torch.tensor(values, dtype=torch.int64)
-        gs.all_reduce(t, op="sum")
-        seen[name].append((live.world.world_size, t.tolist()))
-        return t
-
     train_step = keep_global_step(live, cursor, x, y, {})
     while live.step < steps:
         if live.step == 2 and not live.recoveries:
             if live.member == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-            live.collective(lambda: summed("verdict", [live.member + 1, 10 * (live.member + 1)]))
-            live.collective(lambda: summed("statistics", [100 * (live.member + 1)] * 2))
+            two_collectives(live, seen, ahead=1)
         live.run_step(train_step)
     live.check_replicas()
     live.close()
     return {"member": live.member, "step": live.step, "world_size": live.world.world_size, "seen": seen,
             "recoveries": [r.__dict__ for r in live.recoveries],
             "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def two_collectives(live, seen: dict[str, list], ahead: int) -> None:
+    """Two collectives in a row through live.collective, each a 2-element int64 sum of this member's values
+    (a verdict [m + 1, 10 (m + 1)], then statistics [100 (m + 1)] x 2), each call's (world size, result)
+    appended to seen[name]. On member ``ahead`` the first verdict returns at once: it ended there in the old
+    world, as a ring all-reduce can end on one rank before a peer is lost."""
+    def summed(name: str, values: list[int]):
+        if name == "verdict" and live.member == ahead and not seen[name]:
+            seen[name].append((live.world.world_size, None))
+            return None
+        t = torch.tensor(values, dtype=torch.int64)
+        gs.all_reduce(t, op="sum")
+        seen[name].append((live.world.world_size, t.tolist()))
+        return t
+
+    live.collective(lambda: summed("verdict", [live.member + 1, 10 * (live.member + 1)]))
+    live.collective(lambda: summed("statistics", [100 * (live.member + 1)] * 2))

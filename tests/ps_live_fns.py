@@ -10,7 +10,7 @@ import torch
 from gradsync.data import EpochCursor
 from gradsync.live.ps import LivePS, ServerLostError
 from gradsync.ps import protocol as wire
-from tests.live_fns import GLOBAL_BATCH, LR, MOMENTUM, N_SAMPLES, dataset, model
+from tests.live_fns import GLOBAL_BATCH, LR, MOMENTUM, N_SAMPLES, dataset, model, two_collectives
 
 
 def _die(log_dir: str) -> None:
@@ -146,29 +146,16 @@ def collectives_apart_after_training(steps: int, log_dir: str) -> dict:
     training, member 3 dies and the others stand one collective apart (live_fns.train_two_collectives_apart's
     scene): member 2 has finished the first (here by returning at once) and is in the second, members 0 and 1
     are still in the first; both are 2-element int64 sums. Returns each collective's (world size, result)."""
-    import gradsync as gs
-
     x, y = dataset()
     live = LivePS(model(), _optimizer, num_servers=1, mode="sync")
     seen: dict[str, list] = {"verdict": [], "statistics": []}
-
-    def summed(name: str, values: list[int]):
-        if name == "verdict" and live.member == 2 and not seen[name]:
-            seen[name].append((live.world.world_size, None))   # it ended here in the old world
-            return None
-        t = torch.tensor(values, dtype=torch.int64)
-        gs.all_reduce(t, op="sum")
-        seen[name].append((live.world.world_size, t.tolist()))
-        return t
-
     if live.is_server:
         live.serve()
     else:
         _train(live, x, y, EpochCursor(N_SAMPLES, GLOBAL_BATCH, seed=0), steps, None, -1, "", log_dir)
     if live.member == 3:
         _die(log_dir)
-    live.collective(lambda: summed("verdict", [live.member + 1, 10 * (live.member + 1)]))
-    live.collective(lambda: summed("statistics", [100 * (live.member + 1)] * 2))
+    two_collectives(live, seen, ahead=2)
     live.close()
     return {"member": live.member, "world_size": live.world.world_size, "step": live.step, "seen": seen,
             "recoveries": [r.__dict__ for r in live.recoveries]}
