@@ -334,3 +334,45 @@ def test_pytorchjob_environment_one_process_per_pod(two_hosts):
     assert sorted((r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["sum"]) for r in results) == [
         (0, 2, 0, 1, 3.0), (1, 2, 0, 1, 3.0)]
     assert all(r["hosts"] == [[0], [1]] for r in results)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["returner", "rank 0"])
+def test_a_gone_node_is_checked_in_for_once_whoever_settles_it_first(monkeypatch, first):
+    """torchrun's exit barrier with 4 nodes, nodes 2 and 3 gone from the live job's final world, node 2's
+    worker back after the run's end (left out by a partition that healed late). Node 2 is checked in for
+    exactly once: by its own agent when its worker settled its fate first (claim_own_check_in), by rank 0
+    otherwise, and then the worker is told to exit non-zero. Oracle: torch's own agent check-in
+    (store_util._barrier_nonblocking): the last key is set by the last of the agents that do check in, not
+    before it, so the store's node does not leave early and close the store on the others."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.utils import store as store_util
+
+    from gradsync.group import agent_barrier
+    from gradsync.group.bounded_store import BoundedStore, Contact
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "4")
+    raw = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = BoundedStore(raw, Contact(f"127.0.0.1:{raw.port}", 10.0))
+    prefix = f"job/{agent_barrier.TERMINAL_STATE}"   # the agents' store: the job's, under the run id
+    try:
+        def returner() -> bool:
+            monkeypatch.setenv("GROUP_RANK", "2")
+            return agent_barrier.claim_own_check_in(store)
+
+        if first == "returner":
+            assert returner() and agent_barrier.check_in_for_gone_nodes(store, {"0", "1"}) == 1
+            agents = ["0", "1", "2"]
+        else:
+            assert agent_barrier.check_in_for_gone_nodes(store, {"0", "1"}) == 2 and not returner()
+            agents = ["0", "1"]
+        for i, _node in enumerate(agents):
+            assert not raw.check([prefix + "/last_member"]), f"the barrier was complete before agent {i} checked in"
+            store_util._barrier_nonblocking(raw, 4, prefix)
+        assert raw.check([prefix + "/last_member"]) and raw.add(prefix + "/num_members", 0) == 4
+    finally:
+        store.close()

@@ -46,8 +46,8 @@ def _cluster(hosts: int):
 class Job:
     """One torchrun per host of ``cluster`` training the digits CNN in live mode; logs under ``out``."""
 
-    def __init__(self, cluster, out: Path, flags: list[str]) -> None:
-        self.cluster, self.out = cluster, out
+    def __init__(self, cluster, out: Path, flags: list[str], env: dict[str, str] | None = None) -> None:
+        self.cluster, self.out, self.env = cluster, out, env or {}
         (out / "ids").mkdir(parents=True)
         self.procs = [self._launch(host, flags) for host in range(cluster.hosts)]
         self.ended: dict[int, float] = {}
@@ -55,7 +55,7 @@ class Job:
     def _launch(self, host: int, flags: list[str]) -> subprocess.Popen:
         c = self.cluster
         env = {**os.environ, "GLOO_SOCKET_IFNAME": c.link_if(host), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
-               "GRADSYNC_SAMPLE_LOG": str(self.out / "ids"), "PYTHONPATH": str(ROOT / "src")}
+               "GRADSYNC_SAMPLE_LOG": str(self.out / "ids"), "PYTHONPATH": str(ROOT / "src"), **self.env}
         cmd = [*c.exec_prefix(host), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(c.hosts),
                "--nproc-per-node", "1", "--node-rank", str(host), "--master-addr", str(c.address(0)),
                "--master-port", str(STORE_PORT), "--log-dir", str(self.out / f"logs{host}"), "--redirects", "3",
@@ -193,10 +193,13 @@ def test_a_host_cut_for_good_stops_and_a_host_cut_and_healed_rejoins(tmp_path):
     the end      hosts 0-2 finish (exit 0); their agents leave torchrun's exit barrier at once instead of
                  waiting 300 s for host 3's; every sample of every epoch trained exactly once; and the
                  job planned for the 4 ranks torchrun gave it, not --workers' default of 2: the batch line,
-                 the global batch 4 x 32, the learning rate scaled by sqrt(4), 12 steps an epoch"""
+                 the global batch 4 x 32, the learning rate scaled by sqrt(4), 12 steps an epoch
+    Rank 0 takes 200 ms more a step from step 5 (train/slow_rank.py), so that the run outlasts the heal: at
+    full speed two ranks can end it before host 2 is back."""
     timeout, cut_seconds, epochs = 12, 5.0, 6
     with _cluster(4) as cluster:
-        job = Job(cluster, tmp_path, ["--timeout", str(timeout), "--epochs", str(epochs)])
+        job = Job(cluster, tmp_path, ["--timeout", str(timeout), "--epochs", str(epochs)],
+                  env={"GRADSYNC_SLOW_RANK": "0:5:200"})
         try:
             job.wait_for_steps(5)
             cut = job.port(2, "down")

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -87,8 +88,8 @@ from gradsync.ddp.wrapper import DistributedDataParallel, ReplicaMismatchError
 from gradsync.group.launch import NotNeeded
 from gradsync.live import growth, transfer
 from gradsync.live.catch_up import CatchUp
-from gradsync.live.failures import (BelowFloor, LostContact, StepUndone, caused_by_peer, default_floor,
-                                    first_line_freed)
+from gradsync.live.failures import (EXIT_LOST_CONTACT, BelowFloor, LostContact, StepUndone, caused_by_peer,
+                                    default_floor, first_line_freed)
 from gradsync.live.membership import PREFIX, Evicted, Generation, Membership
 from gradsync.observe import stall
 from gradsync.replicas import first_mismatch
@@ -356,7 +357,8 @@ class LiveDDP:
 
     def _admission(self, store, member: int) -> int:
         """Take tickets until a boundary admits ``member`` (growth.py); the generation it was admitted to.
-        NotNeeded when the run finished first."""
+        NotNeeded when the run finished first; LostContact when, under torchrun, the run's end also
+        counted this member's node out of the agents' exit barrier (group/agent_barrier.py)."""
         while True:
             ticket = growth.announce(store, member)
             admitted = growth.wait_for_admission(store, member, ticket)
@@ -364,6 +366,11 @@ class LiveDDP:
                 self.door.seen = ticket + 1
                 return admitted
             if growth.is_closed(store):
+                if not agent_barrier.claim_own_check_in(store):
+                    raise LostContact(f"member {member}: the run finished while this member was left out, and its "
+                                      f"end counted node {os.environ.get('GROUP_RANK')} out of torchrun's exit "
+                                      f"barrier: exit status {EXIT_LOST_CONTACT}, so that this node's agent does "
+                                      f"not check in a second time")
                 raise NotNeeded(f"member {member}: the run finished before this member could join")
 
     def grow(self, joiner: int) -> Recovery:
