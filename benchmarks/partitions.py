@@ -81,7 +81,8 @@ def trial(scenario: str) -> dict:
     events = [r for r in job.records() if r["event"] == "live"]
     result = {"scenario": scenario, "exit_status": [job.exit_status(h) for h in range(3)],
               "agents_s": [round(ended[h] - cut, 1) for h in range(3)]}
-    waited = [re.search(r"Done waiting for other agents\. Elapsed: ([0-9.]+)", job.agent_log(h)) for h in range(3)]
+    waited = [re.search(r"(?:Done waiting for other agents|Error waiting on exit barrier)\. Elapsed: ([0-9.]+)",
+                         job.agent_log(h)) for h in range(3)]
     result["barrier_s"] = [round(float(w.group(1)), 2) for w in waited if w]
     left = [e for e in events if e["lost"]]
     if scenario in ("cut10", "cut60", "heal") and left:

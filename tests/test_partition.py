@@ -212,8 +212,11 @@ def test_a_host_cut_for_good_stops_and_a_host_cut_and_healed_rejoins(tmp_path):
         assert [job.exit_status(h) for h in range(3)] == [0, 0, 0], job.tails()
         _one_lost_contact_line(job, 3, [0, 1, 2, 3])
         assert ended[3] - cut < timeout + 10, f"host 3 stopped {ended[3] - cut:.1f} s after the cut"
-        for host in range(3):
-            waited = re.search(r"Done waiting for other agents\. Elapsed: ([0-9.]+) seconds", job.agent_log(host))
+        for host in range(3):   # the agent of the store's node leaves as the barrier completes, and may close
+            # the store on another still reading the answer (torchrun's own race, pytorch/pytorch#69520): that one
+            # logs an error and exits 0 at once; what is tested is that none waits for the gone node
+            waited = re.search(r"(?:Done waiting for other agents|Error waiting on exit barrier)\. Elapsed: ([0-9.]+) "
+                               r"seconds", job.agent_log(host))
             assert waited and float(waited.group(1)) < 5.0, f"host {host}'s agent:\n{job.agent_log(host)[-2000:]}"
 
         events = _live_events(job)
