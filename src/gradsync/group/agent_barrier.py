@@ -45,6 +45,13 @@ def _agents_key(name: str) -> str | None:
     return f"{run_id}/{TERMINAL_STATE}/{name}"
 
 
+def _agents(store):
+    """The client underneath ``store`` (a BoundedStore), which reaches the agents' keys without a prefix of
+    gradsync's."""
+    raw = store.store
+    return raw.underlying_store if hasattr(raw, "underlying_store") else raw
+
+
 def gone_nodes(nodes_here: set[str]) -> list[str]:
     """torchrun's nodes (GROUP_RANKs 0 .. GROUP_WORLD_SIZE - 1) with no member in ``nodes_here``; none
     outside torchrun."""
@@ -64,8 +71,7 @@ def check_in_for_gone_nodes(store, nodes_here: set[str]) -> int:
     count_key, last_key = _agents_key("num_members"), _agents_key("last_member")
     if count_key is None:
         return 0
-    raw = store.store
-    agents = raw.underlying_store if hasattr(raw, "underlying_store") else raw
+    agents = _agents(store)
     counted = [node for node in gone_nodes(nodes_here)
                if store.call(f"compare_set {FATE}/{node}", agents.compare_set, f"{FATE}/{node}", "", "counted")
                == b"counted"]
@@ -85,6 +91,5 @@ def claim_own_check_in(store) -> bool:
     node = os.environ.get("GROUP_RANK")
     if node is None or _agents_key("num_members") is None:
         return True
-    raw = store.store
-    agents = raw.underlying_store if hasattr(raw, "underlying_store") else raw
+    agents = _agents(store)
     return store.call(f"compare_set {FATE}/{node}", agents.compare_set, f"{FATE}/{node}", "", "own") == b"own"
