@@ -160,8 +160,6 @@ class Reducer:
 
     def _communicate(self, bucket: Bucket, handoff: Handoff | None = None) -> None:
         start = time.perf_counter()
-        tracer = trace.tracer()
-        t0 = tracer.now_us() if tracer else 0.0
         if isinstance(self.hook_state, ReduceState):
             self.hook_state.divisor = self.divisor
         with handoff.running() if handoff is not None else contextlib.nullcontext():
@@ -172,8 +170,9 @@ class Reducer:
             elif result.data_ptr() != bucket.flat.data_ptr() or result.dtype != bucket.flat.dtype:
                 bucket.flat.copy_(result.reshape(-1)[:bucket.flat.numel()])
         self._comm_spans.append((start, end))
-        if tracer:
-            tracer.add(f"all_reduce bucket {bucket.index}", "comm", t0, tracer.now_us(),
+        tracer = trace.tracer()
+        if tracer:   # the span the overlap share is of: from the hook's call to its Future's completion
+            tracer.add(f"all_reduce bucket {bucket.index}", "comm", tracer.at_us(start), tracer.at_us(end),
                        bucket=bucket.index, bytes=bucket.nbytes, hook=getattr(self.hook, "__qualname__", "hook"))
 
     def _wait_for(self, future, bucket: Bucket) -> tuple[torch.Tensor, float]:
@@ -209,7 +208,9 @@ class Reducer:
 
     def _finalize_backward(self) -> None:
         backward_end = time.perf_counter()
-        trace.instant("backward end", "compute")
+        tracer = trace.tracer()
+        if tracer:
+            tracer.add("backward end", "compute", tracer.at_us(backward_end))
         try:
             unready = [(b, slot) for b in self.buckets for slot, ready in enumerate(b.ready) if not ready]
             if unready and not self.find_unused_parameters:

@@ -34,7 +34,11 @@ class Tracer:
         self._lock = threading.Lock()
 
     def now_us(self) -> float:
-        return (time.perf_counter() - self.origin) * 1e6
+        return self.at_us(time.perf_counter())
+
+    def at_us(self, perf_time: float) -> float:
+        """A ``time.perf_counter()`` reading on this tracer's clock (microseconds since it began)."""
+        return (perf_time - self.origin) * 1e6
 
     def add(self, name: str, track: str, start_us: float, end_us: float | None = None, **args) -> None:
         event = {"name": name, "cat": track, "pid": self.rank, "tid": TRACKS.index(track) if track in TRACKS else 9,
