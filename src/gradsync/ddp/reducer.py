@@ -208,9 +208,7 @@ class Reducer:
 
     def _finalize_backward(self) -> None:
         backward_end = time.perf_counter()
-        tracer = trace.tracer()
-        if tracer:
-            tracer.add("backward end", "compute", tracer.at_us(backward_end))
+        trace.instant("backward end", "compute", at=backward_end)
         try:
             unready = [(b, slot) for b in self.buckets for slot, ready in enumerate(b.ready) if not ready]
             if unready and not self.find_unused_parameters:

@@ -88,10 +88,11 @@ def span(name: str, track: str = "compute", **args):
         active.add(name, track, start, active.now_us(), **args)
 
 
-def instant(name: str, track: str = "compute", **args) -> None:
+def instant(name: str, track: str = "compute", at: float | None = None, **args) -> None:
+    """Record a moment: now, or ``at`` (a ``time.perf_counter()`` reading the caller also uses itself)."""
     active = _TRACER
     if active is not None:
-        active.add(name, track, active.now_us(), None, **args)
+        active.add(name, track, active.now_us() if at is None else active.at_us(at), None, **args)
 
 
 def overlap_share(comm_spans: list[tuple[float, float]], backward_end: float) -> float | None:
